@@ -1,0 +1,302 @@
+"""Compiled-program accounting: collectives, memory and flops of a jitted function.
+
+Everything here reads the compiled (post-SPMD-partitioning) HLO, whose shapes are
+per-device. ``Collective.bytes`` is one device's RESULT size for the instruction
+(tuple results summed; an async ``-start`` op counts only its result part, not the
+operand copy or context scalars). Counts are static: a collective in a loop body
+counts once. Replica groups hold partition ids; partition ``i`` runs on device ``i``
+of the executable's device assignment (``mesh.devices.flat[i]`` for a jit over a
+mesh, checked with a permuted-device mesh). ``axes`` are the mesh axes whose
+coordinate varies within a replica group (union over groups; for a
+collective-permute, over its source/target pairs), in mesh order.
+
+Replica-group formats (all emitted by XLA:CPU in jax 0.10):
+  * ``{{0,2},{1,3}}``; ``{}`` is one group holding every partition;
+  * iota ``[4,2]<=[2,4]T(1,0)``: ``arange(8).reshape(2,4).transpose(1,0).reshape(4,2)``;
+  * ``mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_1'}``: an
+    XLA-internal mesh (own axis names, unrelated to the JAX mesh) whose device array
+    is ``device_ids`` (iota as above; ``arange`` when absent) reshaped to the axis
+    sizes. A group is the devices sharing their coordinates on every axis NOT in
+    braces (members ordered by the braced axes). ``'a':(p)s`` is the sub-axis of
+    size ``s`` below a major part of size ``p`` of axis ``a``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
+         'collective-permute', 'ragged-all-to-all')
+
+_BITS = {'pred': 8, 's2': 2, 'u2': 2, 's4': 4, 'u4': 4, 'f4e2m1fn': 4,
+         's8': 8, 'u8': 8, 'f8e5m2': 8, 'f8e4m3fn': 8, 'f8e4m3': 8, 'f8e4m3fnuz': 8,
+         'f8e5m2fnuz': 8, 'f8e4m3b11fnuz': 8, 'f8e3m4': 8, 'f8e8m0fnu': 8,
+         's16': 16, 'u16': 16, 'f16': 16, 'bf16': 16, 's32': 32, 'u32': 32, 'f32': 32,
+         's64': 64, 'u64': 64, 'f64': 64, 'c64': 64, 'c128': 128, 'token': 0}
+
+_HEAD = re.compile(r'\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*')
+_OPCODE = re.compile(r'\s*([a-z][a-z0-9\-]*)\(')
+_ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([^\]]*)\]')
+_IOTA = re.compile(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
+_MESH = re.compile(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}")
+_COLL_OP = re.compile(r'\s(?:%s)(?:-start)?\(' % '|'.join(KINDS))
+_LISTS = re.compile(r'\{((?:\{[\d,\s]*\},?\s*)*)\}')
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction. ``group_size``: devices per replica group; for a
+    collective-permute, the largest set of devices its pairs connect (ring length)."""
+    kind: str
+    bytes: int
+    group_size: int
+    axes: tuple[str, ...]
+    name: str
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in re.findall(r'\d+', text)]
+
+
+def _parse_shape(s: str, i: int):
+    """Parse an HLO shape at ``s[i:]``; return (bytes or nested list of them, end)."""
+    if s[i] == '(':
+        items, i = [], i + 1
+        while s[i] != ')':
+            item, i = _parse_shape(s, i)
+            items.append(item)
+            while s[i] in ', ':
+                i += 1
+        return items, i + 1
+    m = _ARRAY.match(s, i)
+    if m is None or m.group(1) not in _BITS:
+        raise ValueError(f'cannot parse HLO shape at: {s[i:i + 40]!r}')
+    n = math.prod(int(d.lstrip('<=')) for d in m.group(2).split(',') if d)
+    i, depth = m.end(), 0
+    while i < len(s) and (s[i] == '{' or depth):        # skip the layout, e.g. {1,0:T(8,128)}
+        depth += {'{': 1, '}': -1}.get(s[i], 0)
+        i += 1
+    return -(-_BITS[m.group(1)] * n // 8), i
+
+
+def _total(tree) -> int:
+    return sum(_total(t) for t in tree) if isinstance(tree, list) else tree
+
+
+def _result_bytes(op: str, tree) -> int:
+    """Result bytes; async ``-start`` tuples (other than all-reduce's) also hold operands."""
+    if op.endswith('-start') and isinstance(tree, list) and not op.startswith('all-reduce'):
+        if isinstance(tree[0], list) or not op.startswith('all-gather'):
+            tree = tree[1]                 # ((operands), result, ctx...) | (in, out, u32[], u32[])
+        else:
+            tree = tree[len(tree) // 2:]   # (operands..., results...)
+    return _total(tree)
+
+
+def _iota(reshape, perm, shape) -> np.ndarray:
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    return (ids.transpose(perm) if perm else ids).reshape(shape)
+
+
+def _mesh_groups(m: re.Match) -> np.ndarray:
+    """Expand the ``mesh[...] {axes}`` replica-group form into a [groups, size] array."""
+    axes = re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", m.group(1))
+    names, sizes = [a for a, _ in axes], [int(z) for _, z in axes]
+    ids_text = (m.group(2) or '').strip()
+    iota = re.fullmatch(r'(?:\[[\d,]+\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?', ids_text)
+    if not ids_text:
+        ids = np.arange(math.prod(sizes))
+    elif iota:
+        ids = _iota(_ints(iota.group(1)), _ints(iota.group(2) or ''), -1)
+    else:
+        ids = np.array(_ints(ids_text))
+    refs = [(names.index(a), int(p) if p else 1, int(z) if z else None) for a, p, z in
+            re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", m.group(3))]
+    factors, where = [], {}
+    for d, size in enumerate(sizes):      # split axes holding sub-axes into their factors
+        cuts = sorted({1, size} | {c for r in refs if r[0] == d
+                                   for c in (r[1], r[1] * (r[2] or size))})
+        for lo, hi in list(zip(cuts, cuts[1:])) or [(1, 1)]:    # a size-1 axis: factor 1
+            where[d, lo] = len(factors)
+            factors.append(hi // lo)
+    grouped = [where[d, p] for d, p, _ in refs]
+    rest = [f for f in range(len(factors)) if f not in grouped]
+    group_size = math.prod(factors[f] for f in grouped)
+    return ids.reshape(factors).transpose(rest + grouped).reshape(-1, group_size)
+
+
+def expand_replica_groups(attrs: str, /, *, num_devices: int) -> list[list[int]]:
+    """Replica groups (lists of partition ids) of an instruction's attribute text."""
+    if 'replica_groups=' not in attrs:
+        return [list(range(num_devices))]
+    tail = attrs[attrs.index('replica_groups=') + len('replica_groups='):]
+    if (m := _MESH.match(tail)) is not None:
+        return _mesh_groups(m).tolist()
+    if (m := _IOTA.match(tail)) is not None:
+        shape, reshape, perm = (_ints(g or '') for g in m.groups())
+        return _iota(reshape, perm, shape).tolist()
+    if (m := _LISTS.match(tail)) is not None:
+        groups = [_ints(g) for g in re.findall(r'\{([\d,\s]*)\}', m.group(1))]
+        return groups or [list(range(num_devices))]
+    raise ValueError(f'unknown replica_groups format: {tail[:80]!r}')
+
+
+def _partition_coords(mesh, device_order=None):
+    """[num_partitions, mesh.ndim] mesh coordinates of each partition id (None: unknown)."""
+    if mesh is None:
+        return None
+    where = {d.id: idx for idx, d in np.ndenumerate(mesh.devices)}
+    order = mesh.devices.flat if device_order is None else device_order
+    try:
+        return np.array([where[d.id] for d in order]).reshape(-1, mesh.devices.ndim)
+    except KeyError:                      # the program runs on devices outside this mesh
+        return None
+
+
+def _varying_axes(groups, coords, names) -> tuple[str, ...]:
+    if coords is None or not groups or max(max(g) for g in groups) >= len(coords):
+        return ()
+    varying = np.zeros(len(names), bool)
+    for g in groups:
+        c = coords[list(g)]
+        varying |= (c != c[0]).any(axis=0)
+    return tuple(n for n, v in zip(names, varying) if v)
+
+
+def _ring_size(pairs) -> int:
+    sets: dict[int, set] = {}
+    for s, t in pairs:
+        merged = sets.get(s, {s}) | sets.get(t, {t})
+        sets.update(dict.fromkeys(merged, merged))
+    return max(map(len, sets.values()), default=1)
+
+
+def parse_collectives(hlo_text: str, /, *, mesh=None, device_order=None) -> list[Collective]:
+    """All collectives of compiled HLO text, in program order (``-done`` ops skipped).
+
+    ``mesh`` (a ``jax.sharding.Mesh``) names the axes; ``device_order`` is the
+    executable's device assignment (partition id -> device), ``mesh.devices.flat``
+    when omitted.
+    """
+    m = re.search(r'num_partitions=(\d+)', hlo_text)
+    num_devices = int(m.group(1)) if m else (mesh.size if mesh is not None else 1)
+    coords = _partition_coords(mesh, device_order)
+    names = tuple(mesh.axis_names) if mesh is not None else ()
+    out = []
+    for line in hlo_text.splitlines():
+        if not any(k in line for k in KINDS) or (head := _HEAD.match(line)) is None:
+            continue
+        try:
+            tree, end = _parse_shape(line, head.end())
+        except (ValueError, IndexError):
+            if _COLL_OP.search(line):
+                raise
+            continue                      # not an instruction with a plain shape
+        op = _OPCODE.match(line, end)
+        kind = op.group(1).removesuffix('-start') if op else None
+        if kind not in KINDS or op.group(1).endswith('-done'):
+            continue
+        attrs = line[op.end():]
+        if kind == 'collective-permute':
+            pairs = re.search(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}', attrs)
+            groups = [_ints(p) for p in re.findall(r'\{(\d+,\d+)\}', pairs.group(1))]
+            size = _ring_size(groups)
+        else:
+            groups = expand_replica_groups(attrs, num_devices=num_devices)
+            size = len(groups[0])
+        out.append(Collective(kind, _result_bytes(op.group(1), tree), size,
+                              _varying_axes(groups, coords, names), head.group(1)))
+    return out
+
+
+@dataclass(frozen=True)
+class CollectiveTotals:
+    """Per-kind and per-(kind, axes) ``{'count', 'bytes'}`` sums of a program's collectives."""
+    by_kind: dict
+    by_kind_axes: dict
+    total_bytes: int
+
+    def _sum(self, field, kind, axes):
+        return sum(v[field] for (k, a), v in self.by_kind_axes.items()
+                   if kind in (None, k) and (axes is None or set(a) == set(axes)))
+
+    def bytes(self, kind: str | None = None, *, axes: tuple[str, ...] | None = None) -> int:
+        """Bytes of the collectives of ``kind`` spanning exactly ``axes`` (any order)."""
+        return self._sum('bytes', kind, axes)
+
+    def count(self, kind: str | None = None, *, axes: tuple[str, ...] | None = None) -> int:
+        return self._sum('count', kind, axes)  # instructions, filtered like bytes()
+
+    def to_json(self) -> dict:
+        """JSON-ready dict; per-axes keys read ``"kind@axis1+axis2"`` (``"kind@"``: unknown)."""
+        return {'total_bytes': self.total_bytes, 'by_kind': self.by_kind,
+                'by_kind_axes': {f"{k}@{'+'.join(a)}": v
+                                 for (k, a), v in self.by_kind_axes.items()}}
+
+
+def summarize(collectives: list[Collective]) -> CollectiveTotals:
+    """Sum counts and bytes per kind and per (kind, axes)."""
+    by_kind, by_kind_axes = {}, {}
+    for c in collectives:
+        for table, key in ((by_kind, c.kind), (by_kind_axes, (c.kind, c.axes))):
+            entry = table.setdefault(key, {'count': 0, 'bytes': 0})
+            entry['count'] += 1
+            entry['bytes'] += c.bytes
+    return CollectiveTotals(by_kind, by_kind_axes, sum(c.bytes for c in collectives))
+
+
+@dataclass(frozen=True)
+class CompiledReport:
+    """Collectives, memory_analysis and cost_analysis of one compiled program (per device)."""
+    collectives: CollectiveTotals
+    memory: dict
+    flops: float
+    bytes_accessed: float
+    ops: tuple[Collective, ...] = ()
+
+    def to_json(self) -> dict:
+        return {'collectives': self.collectives.to_json(), 'memory': dict(self.memory),
+                'flops': self.flops, 'bytes_accessed': self.bytes_accessed}
+
+
+_MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
+                  'generated_code_size_in_bytes', 'alias_size_in_bytes', 'peak_memory_in_bytes')
+
+
+def analyze_compiled(compiled, /, *, mesh=None) -> CompiledReport:
+    """Report on ``jax.jit(f).lower(...).compile()``.
+
+    Without ``mesh``, the mesh of the program's first NamedSharding is used. The
+    partition -> device order comes from the program's shardings when they have one.
+    """
+    leaves = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    order = next((tuple(s._device_assignment) for s in leaves
+                  if getattr(s, '_device_assignment', None)), None)
+    if mesh is None:
+        mesh = next((s.mesh for s in leaves if isinstance(s, jax.sharding.NamedSharding)), None)
+    if mesh is not None and (not hasattr(mesh, 'devices') or not mesh.axis_names):
+        mesh = None                       # an AbstractMesh or empty mesh names no devices
+    ops = parse_collectives(compiled.as_text(), mesh=mesh, device_order=order)
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:                     # noqa: BLE001 - some backends have none
+        stats = None
+    memory = {f: int(getattr(stats, f)) for f in _MEMORY_FIELDS
+              if getattr(stats, f, None) is not None}
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost   # older jax: [dict]
+    return CompiledReport(summarize(ops), memory, float(cost.get('flops', 0.0)),
+                          float(cost.get('bytes accessed', 0.0)), tuple(ops))
+
+
+def analyze(fn, /, *args, mesh=None, **kwargs) -> CompiledReport:
+    """Lower ``fn`` (jitted, or wrapped in ``jax.jit`` here) with ``args``, compile, analyze.
+
+    ``args`` may be arrays or ``jax.ShapeDtypeStruct`` with ``sharding=``.
+    """
+    lower = getattr(fn, 'lower', None) or jax.jit(fn).lower
+    return analyze_compiled(lower(*args, **kwargs).compile(), mesh=mesh)

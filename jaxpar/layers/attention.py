@@ -1,0 +1,72 @@
+"""Causal self-attention with GQA/MQA, optional QKV bias (Qwen2), QK-norm (Qwen3), sliding window (Mistral).
+
+Legend: B batch, T positions, D width, N query heads, K key/value heads (N % K == 0), H head_dim.
+Weights: q [D, N, H], k and v [D, K, H], o [N, H, D]. K/V heads are never repeated in memory:
+``jax.nn.dot_product_attention`` groups the N query heads over the K key/value heads itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.layers.common import param, zeros
+from jaxpar.layers.norms import RMSNorm
+from jaxpar.layers.rope import RopeScaling, apply_rope, rope_frequencies
+from jaxpar.rules import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norm_eps: float = 1e-5
+    sliding_window: int | None = None     # a token sees itself and the (window - 1) tokens before it
+    implementation: str | None = None     # jax.nn.dot_product_attention: None (auto), 'xla', 'cudnn'
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: AttentionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg, self.dtype = cfg, dtype
+        self.q = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), dtype=param_dtype)
+        self.k = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype=param_dtype)
+        self.v = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype=param_dtype)
+        self.o = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), dtype=param_dtype)
+        if cfg.qkv_bias:
+            self.q_bias = zeros((n, h), ("heads", "head_dim"), dtype=param_dtype)
+            self.k_bias = zeros((k, h), ("kv_heads", "head_dim"), dtype=param_dtype)
+            self.v_bias = zeros((k, h), ("kv_heads", "head_dim"), dtype=param_dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, eps=cfg.norm_eps, name="head_dim", param_dtype=param_dtype)
+            self.k_norm = RMSNorm(h, eps=cfg.norm_eps, name="head_dim", param_dtype=param_dtype)
+        self.inv_freq = rope_frequencies(h, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+
+    def _project(self, x, name: str, heads_axis: str):
+        w = getattr(self, name)[...].astype(self.dtype)
+        y = jnp.einsum("btd,dnh->btnh", x, w)
+        if self.cfg.qkv_bias:
+            y = y + getattr(self, f"{name}_bias")[...].astype(self.dtype)
+        if self.cfg.qk_norm and name != "v":
+            y = getattr(self, f"{name}_norm")(y)
+        return constrain(y, ("batch", "inner_length", heads_axis, None))
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = constrain(x, ("batch", "inner_length", "act_embed"))                    # x: [B, T, D]
+        q = apply_rope(self._project(x, "q", "act_heads"), positions, self.inv_freq)      # [B, T, N, H]
+        k = apply_rope(self._project(x, "k", "act_kv_heads"), positions, self.inv_freq)   # [B, T, K, H]
+        v = self._project(x, "v", "act_kv_heads")                                         # [B, T, K, H]
+        window = None if self.cfg.sliding_window is None else (self.cfg.sliding_window - 1, 0)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
+                                           implementation=self.cfg.implementation)
+        out = constrain(out, ("batch", "inner_length", "act_heads", None))          # [B, T, N, H]
+        y = jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(self.dtype))
+        return constrain(y, ("batch", "length", "act_embed"))

@@ -1,0 +1,50 @@
+"""Where a model, a batch shape and a mesh preset meet: checked once, before anything compiles."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from jax.sharding import NamedSharding
+
+from jaxpar.mesh import build_mesh
+from jaxpar.rules import Dim, LayoutError, Rules, check_layout, trace_layout, use_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh and the rules checked against one model and batch shape."""
+    mesh: jax.sharding.Mesh
+    rules: Rules
+
+    def sharding(self, names) -> NamedSharding:
+        return NamedSharding(self.mesh, self.rules.spec(names))
+
+    def activate(self):
+        """Context manager: mesh + rules current (for init, tracing and ``constrain``)."""
+        return use_layout(self.mesh, self.rules)
+
+    def activate_trace(self):
+        """The same inside a jitted function, where ``jax.set_mesh`` is not allowed."""
+        return trace_layout(self.mesh, self.rules)
+
+    @property
+    def batch_divisor(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.rules["batch"])
+
+
+def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> Layout:
+    """Build the mesh of ``preset`` (a ``jaxpar.meshes.MeshPreset``) and check the model against it.
+
+    Raises ``LayoutError``/``MeshError`` naming the field, the mesh axis and the numbers.
+    """
+    mesh = build_mesh(preset.mesh, devices=devices)
+    shape = dict(mesh.shape)
+    used = {a for _, axes in preset.rules.table for a in axes}
+    idle = [f"{a}={n}" for a, n in shape.items() if n > 1 and a not in used]
+    if idle:
+        raise LayoutError(f"mesh {preset.mesh}: axis {', '.join(idle)} is used by no rule of preset "
+                          f"{preset.rules.name!r}; every device on it would repeat the same work")
+    dims = dict(model_cfg.logical_dims())
+    dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
+    return Layout(mesh, check_layout(dims, preset.rules, shape))

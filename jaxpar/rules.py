@@ -1,0 +1,158 @@
+"""Logical axis names, rule tables, and the check where a model meets a mesh.
+
+Models name every dimension of every parameter and activation with a *logical* axis. A rule table maps
+each logical name onto zero or more *mesh* axes. Parameters and activations have separate names, so FSDP
+can shard weights over ``fsdp`` on ``embed`` while activations are sharded over ``fsdp`` on ``batch``.
+
+Parameter names:
+    vocab      rows of the embedding table / columns of the LM head
+    embed      model width D on the weight side
+    heads      query heads N              kv_heads   key/value heads K (GQA/MQA: K < N)
+    head_dim   per-head width H           mlp        feed-forward width F
+    layers     the stacked-layer axis L   norm       scale vectors of norms over D
+Activation names:
+    batch        sequences B
+    length       positions T of the residual stream *between* blocks (Megatron sequence parallelism
+                 shards it over ``tensor`` there)
+    inner_length positions T *inside* attention and MLP blocks
+    act_embed    D of activations         act_heads / act_kv_heads   N / K of activations
+    act_mlp      F of activations         act_vocab  V of logits
+``None`` in a names tuple means "never sharded".
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Iterable, Mapping, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
+ACTIVATION_AXES = ("batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads",
+                   "act_mlp", "act_vocab")
+LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
+
+
+class LayoutError(ValueError):
+    """A model, batch and mesh that do not fit together. The message names field, axis and numbers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A complete table: every logical axis maps to a tuple of mesh axes (empty = replicated)."""
+
+    name: str
+    table: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @classmethod
+    def from_mapping(cls, name: str, mapping: Mapping[str, str | Sequence[str] | None]) -> "Rules":
+        missing = [a for a in LOGICAL_AXES if a not in mapping]
+        unknown = [a for a in mapping if a not in LOGICAL_AXES]
+        if missing or unknown:
+            raise LayoutError(f"rules {name!r}: every logical axis needs exactly one rule; "
+                              f"missing {missing}, unknown {unknown}")
+        norm = {k: (() if v is None else (v,) if isinstance(v, str) else tuple(v)) for k, v in mapping.items()}
+        return cls(name, tuple((a, norm[a]) for a in LOGICAL_AXES))
+
+    def __getitem__(self, logical: str) -> tuple[str, ...]:
+        for name, axes in self.table:
+            if name == logical:
+                return axes
+        raise LayoutError(f"rules {self.name!r}: unknown logical axis {logical!r}; known: {LOGICAL_AXES}")
+
+    def replace(self, **changes: str | Sequence[str] | None) -> "Rules":
+        mapping = dict(self.table)
+        mapping.update(changes)
+        return Rules.from_mapping(self.name, mapping)
+
+    def spec(self, names: Iterable[str | None]) -> PartitionSpec:
+        """Logical names of one array's dimensions -> PartitionSpec."""
+        parts, used = [], set()
+        for logical in names:
+            axes = () if logical is None else self[logical]
+            clash = used.intersection(axes)
+            if clash:
+                raise LayoutError(f"rules {self.name!r}: mesh axis {sorted(clash)} used twice in {tuple(names)}")
+            used.update(axes)
+            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*parts)
+
+    def as_flax(self) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+        """The form ``nnx.logical_axis_rules`` takes."""
+        return tuple((a, None if not m else m[0] if len(m) == 1 else m) for a, m in self.table)
+
+
+# ---------------------------------------------------------------------------------------- context
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    mesh: jax.sharding.Mesh
+    rules: Rules
+
+
+_CURRENT: contextvars.ContextVar[_Layout | None] = contextvars.ContextVar("jaxpar_layout", default=None)
+
+
+@contextlib.contextmanager
+def trace_layout(mesh: jax.sharding.Mesh, rules: Rules):
+    """Rules current for ``constrain`` and Flax metadata; usable inside a jitted function."""
+    from flax import nnx
+
+    token = _CURRENT.set(_Layout(mesh, rules))
+    try:
+        with nnx.logical_axis_rules(rules.as_flax()):
+            yield
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def use_layout(mesh: jax.sharding.Mesh, rules: Rules):
+    """``trace_layout`` plus ``jax.set_mesh``: for sharded init and eager code (not inside jit)."""
+    with jax.set_mesh(mesh), trace_layout(mesh, rules):
+        yield
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's layout by logical names; a no-op outside ``use_layout``."""
+    layout = _CURRENT.get()
+    if layout is None:
+        return x
+    if len(names) != x.ndim:
+        raise LayoutError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, layout.rules.spec(names)))
+
+
+# ------------------------------------------------------------------------------------------ check
+@dataclasses.dataclass(frozen=True)
+class Dim:
+    """One sized dimension that logical axes govern: its size and the config field it comes from."""
+    size: int
+    field: str
+
+
+def check_layout(dims: Mapping[str, Dim], rules: Rules, mesh_shape: Mapping[str, int]) -> Rules:
+    """Check every dimension a rule shards divides its mesh axes; return the rules to use.
+
+    Key/value heads fewer than the tensor size (and dividing it) are replicated over ``tensor``, the
+    Megatron answer for GQA/MQA: the returned rules map ``kv_heads``/``act_kv_heads`` to nothing.
+    Anything else that does not divide raises ``LayoutError`` naming field, axis and numbers.
+    """
+    kv = dims.get("kv_heads")
+    kv_axes = rules["kv_heads"]
+    kv_ways = math.prod(mesh_shape[a] for a in kv_axes)
+    if kv is not None and kv.size % kv_ways and kv_ways % kv.size == 0:
+        rules = rules.replace(kv_heads=None, act_kv_heads=None)
+    for logical, dim in dims.items():
+        axes = rules[logical]
+        ways = math.prod(mesh_shape[a] for a in axes)
+        if dim.size % ways:
+            detail = "×".join(f"{a}={mesh_shape[a]}" for a in axes)
+            hint = ""
+            if logical in ("kv_heads", "act_kv_heads"):
+                hint = f"; kv heads are replicated only when they divide the tensor size {ways}"
+            raise LayoutError(f"{dim.field}={dim.size} (logical axis {logical!r}) is not divisible by mesh "
+                              f"axes {detail} = {ways} under rules {rules.name!r}{hint}")
+    return rules

@@ -1,0 +1,65 @@
+"""The model zoo: families and their published presets.
+
+Shapes follow the published configs. ``PUBLISHED_PARAMS`` holds the parameter counts the model cards and
+checkpoints state; ``tests/test_presets.py`` checks ours against them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from flax import nnx
+
+from jaxpar.layers.rope import RopeScaling
+from jaxpar.models.dense import DenseConfig, DenseLM, Remat
+from jaxpar.rules import LayoutError
+
+_LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
+
+def _llama3(d, layers, heads, mlp):
+    return DenseConfig(vocab_size=128_256, embed_dim=d, num_layers=layers, num_heads=heads, num_kv_heads=8,
+                       head_dim=128, mlp_dim=mlp, rope_theta=500_000.0, rope_scaling=_LLAMA31, norm_eps=1e-5)
+
+
+PRESETS: dict[str, DenseConfig] = {
+    # Tests: every dimension divides 8 except kv_heads (2: replicated over tensor=8, sharded over 2).
+    "tiny": DenseConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
+                        mlp_dim=128, rope_theta=10_000.0),
+    # ~100M for benchmarks.
+    "llama-100m": DenseConfig(vocab_size=32_000, embed_dim=768, num_layers=8, num_heads=8, num_kv_heads=4,
+                              head_dim=96, mlp_dim=2048, rope_theta=10_000.0),
+    "llama3-8b": _llama3(4096, 32, 32, 14_336),                     # Llama 3.1 8B
+    "llama3-70b": _llama3(8192, 80, 64, 28_672),                    # Llama 3.1 70B
+    "llama3-405b": _llama3(16_384, 126, 128, 53_248),               # Llama 3.1 405B
+    "mistral-7b": DenseConfig(vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                              head_dim=128, mlp_dim=14_336, rope_theta=10_000.0, sliding_window=4096),   # v0.1
+    "qwen2-7b": DenseConfig(vocab_size=152_064, embed_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                            head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True),
+    "qwen3-8b": DenseConfig(vocab_size=151_936, embed_dim=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                            head_dim=128, mlp_dim=12_288, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True),
+}
+
+# Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
+PUBLISHED_PARAMS = {
+    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
+    "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
+}
+
+
+def get_model_preset(name: str, /, **overrides) -> DenseConfig:
+    """A preset by name, with dataclass field overrides (e.g. ``dtype='bfloat16'``)."""
+    try:
+        cfg = PRESETS[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise LayoutError(f"--model: unknown model preset {name!r}{hint}; presets are {', '.join(PRESETS)}") from None
+    return dataclasses.replace(cfg, **overrides)
+
+
+def build_model(cfg: DenseConfig, /, *, rngs: nnx.Rngs) -> DenseLM:
+    return DenseLM(cfg, rngs=rngs)
+
+
+__all__ = ["DenseConfig", "DenseLM", "Remat", "PRESETS", "PUBLISHED_PARAMS", "get_model_preset", "build_model"]

@@ -1,0 +1,147 @@
+"""Dense decoder-only transformer: Llama 3/3.1, Mistral, Qwen2, Qwen3 in one family.
+
+Legend: B batch, T positions, D embed_dim, N num_heads, K num_kv_heads, H head_dim, F mlp_dim,
+V vocab (padded), L num_layers.
+
+    ids [B, T] -> Embed -> L × Block -> RMSNorm -> LM head (or tied embedding) -> logits [B, T, V] (float32)
+    Block: x + Attention(RMSNorm(x)); x + SwiGLU(RMSNorm(x))
+
+The L blocks are created once with ``nnx.vmap`` (every parameter gains a leading ``layers`` axis) and run
+with ``nnx.scan``, so compile time does not grow with depth; ``remat`` picks what the backward pass keeps.
+Only logical axis names appear here; the mesh presets decide what they mean.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScaling, SwiGLU
+from jaxpar.layers.common import param
+from jaxpar.rules import Dim, constrain
+
+
+class Remat(str, enum.Enum):
+    """What a scanned block keeps for the backward pass."""
+    NONE = "none"            # keep every intermediate
+    FULL = "full"            # keep only the block input; recompute the rest
+    DOTS = "dots"            # keep matmul outputs without batch dims (weights-side products)
+    ATTN = "attn"            # keep q/k/v and the attention output (named checkpoints)
+
+    def policy(self):
+        cp = jax.checkpoint_policies
+        return {Remat.FULL: cp.nothing_saveable, Remat.DOTS: cp.dots_with_no_batch_dims_saveable,
+                Remat.ATTN: cp.save_only_these_names("attn_out"), Remat.NONE: None}[self]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    tie_embeddings: bool = False
+    dtype: str = "float32"           # compute dtype
+    param_dtype: str = "float32"     # storage dtype of parameters (and so of optimizer state)
+    remat: Remat = Remat.FULL
+    vocab_multiple: int = 128        # the embedding is padded to a multiple of this (shardable vocab)
+    attention_impl: str | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        object.__setattr__(self, "remat", Remat(self.remat))
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig(self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim,
+                               rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, qkv_bias=self.qkv_bias,
+                               qk_norm=self.qk_norm, norm_eps=self.norm_eps, sliding_window=self.sliding_window,
+                               implementation=self.attention_impl)
+
+    def logical_dims(self) -> dict[str, Dim]:
+        """Sizes of the dimensions each logical axis governs, for the layout check."""
+        d = dict(vocab=Dim(self.padded_vocab, "model.vocab_size (padded)"), embed=Dim(self.embed_dim, "model.embed_dim"),
+                 heads=Dim(self.num_heads, "model.num_heads"), kv_heads=Dim(self.num_kv_heads, "model.num_kv_heads"),
+                 head_dim=Dim(self.head_dim, "model.head_dim"), mlp=Dim(self.mlp_dim, "model.mlp_dim"),
+                 layers=Dim(self.num_layers, "model.num_layers"), norm=Dim(self.embed_dim, "model.embed_dim"))
+        acts = dict(act_embed="embed", act_heads="heads", act_kv_heads="kv_heads", act_mlp="mlp", act_vocab="vocab")
+        return d | {a: d[p] for a, p in acts.items()}
+
+    def num_params(self, *, padded: bool = False) -> int:
+        """Exact parameter count (unpadded vocab by default, as published)."""
+        v, d, f, h = (self.padded_vocab if padded else self.vocab_size), self.embed_dim, self.mlp_dim, self.head_dim
+        n, k = self.num_heads, self.num_kv_heads
+        attn = d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
+        block = attn + 3 * d * f + 2 * d
+        return self.num_layers * block + v * d * (1 if self.tie_embeddings else 2) + d
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: DenseConfig, *, rngs: nnx.Rngs):
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.attn = Attention(cfg.attention(), rngs=rngs, **kw)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        from jax.ad_checkpoint import checkpoint_name
+        x = x + checkpoint_name(self.attn(self.attn_norm(x), positions), "attn_out")
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "length", "act_embed"))
+
+
+class DenseLM(nnx.Module):
+    def __init__(self, cfg: DenseConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg.padded_vocab, cfg.embed_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"), dtype=cfg.param_dtype)
+
+    def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """ids [B, T] int32 -> logits [B, T, V_padded] float32 (padding columns at -inf-like values)."""
+        cfg = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        x = self.embed(ids)                                                          # [B, T, D]
+
+        def body(x, block, positions):
+            return block(x, positions)
+
+        if cfg.remat != Remat.NONE:
+            body = nnx.remat(body, policy=cfg.remat.policy(), prevent_cse=False)
+        x = nnx.scan(body, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)(x, self.blocks, positions)
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(cfg.dtype))
+        logits = constrain(logits.astype(jnp.float32), ("batch", "inner_length", "act_vocab"))
+        if cfg.padded_vocab != cfg.vocab_size:
+            logits = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits, -1e9)
+        return logits
+

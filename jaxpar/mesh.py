@@ -83,7 +83,7 @@ class MeshConfig:
                 raise MeshError(f"mesh spec {spec!r}: item {item!r} is not of the form axis=size")
             if name not in AXES:
                 raise MeshError(f"mesh spec {spec!r}: unknown mesh axis {name!r}; "
-                                f"axes are {', '.join(AXES)}{_suggest(name, AXES)}")
+                                f"axes are {', '.join(AXES)}{suggest(name, AXES)}")
             try:
                 target[name] = int(value)
             except ValueError:
@@ -124,10 +124,12 @@ class MeshConfig:
         return {a: getattr(self, a) * dcn[a] for a in AXES}
 
 
-def _suggest(word: str, choices) -> str:
+def suggest(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case-insensitive), or ``''``."""
     import difflib
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
 
 
 def build_mesh(config: MeshConfig | str, /, *, devices=None):

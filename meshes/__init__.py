@@ -15,9 +15,8 @@ filled from the device count, so each preset works on any device count its fixed
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
-from jaxpar.mesh import MeshConfig
+from jaxpar.mesh import MeshConfig, suggest
 from jaxpar.rules import LayoutError, Rules
 
 
@@ -57,9 +56,7 @@ def get_mesh_preset(name: str, /) -> MeshPreset:
     try:
         return PRESETS[name]
     except KeyError:
-        close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise LayoutError(f"--mesh: unknown mesh preset {name!r}{hint}; presets are {', '.join(PRESETS)}, "
+        raise LayoutError(f"--mesh: unknown mesh preset {name!r}{suggest(name, PRESETS)}; presets are {', '.join(PRESETS)}, "
                           "or give axis sizes like 'data=2,fsdp=-1,tensor=2'") from None
 
 

@@ -6,12 +6,12 @@ checkpoints state; ``tests/test_presets.py`` checks ours against them.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
 from flax import nnx
 
 from jaxpar.layers.rope import RopeScaling
 from jaxpar.models.dense import DenseConfig, DenseLM, Remat
+from jaxpar.mesh import suggest
 from jaxpar.rules import LayoutError
 
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
@@ -52,9 +52,7 @@ def get_model_preset(name: str, /, **overrides) -> DenseConfig:
     try:
         cfg = PRESETS[name]
     except KeyError:
-        close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise LayoutError(f"--model: unknown model preset {name!r}{hint}; presets are {', '.join(PRESETS)}") from None
+        raise LayoutError(f"--model: unknown model preset {name!r}{suggest(name, PRESETS)}; presets are {', '.join(PRESETS)}") from None
     return dataclasses.replace(cfg, **overrides)
 
 

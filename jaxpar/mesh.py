@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import numpy as np
 
@@ -170,8 +169,8 @@ def simulate_cpu_devices(n: int, /) -> None:
 
     if n < 1:
         raise MeshError(f"--cpu-devices={n}: must be a positive integer")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
+        jax.config.update("jax_platforms", "cpu")     # the simulated devices, even where a GPU is present
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         have = jax.device_count()

@@ -1,0 +1,6 @@
+"""``python -m jaxpar`` runs the ``jaxpar`` command."""
+import sys
+
+from jaxpar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""The ``jaxpar`` command: one subcommand per module.
+
+    jaxpar shardings --model llama3-70b --mesh fsdp_tp --devices 64
+
+A subcommand is a module listed in ``COMMANDS`` that defines
+
+    HELP: str                                   one line for ``jaxpar --help``
+    add_arguments(parser) -> None               its options
+    run(args) -> int                            the exit status
+
+Adding ``train``, ``plan`` or ``convert`` is one line here plus that module. Modules are imported to
+build the parser, so they must not touch a jax backend at import time (``--devices`` simulates CPU
+devices, which only works before the first JAX operation); import flax and the zoo inside ``run``.
+
+Errors the user can fix (``LayoutError``, ``MeshError``: unknown preset, indivisible sizes) print
+``jaxpar: error: <message>`` to stderr and exit with status 2, like argparse's own usage errors.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+COMMANDS: dict[str, str] = {
+    "shardings": "jaxpar.shardings",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxpar", description="A JAX model zoo for parallelism.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jaxpar`` console script and ``python -m jaxpar``; returns the exit status."""
+    from jaxpar.mesh import MeshError
+    from jaxpar.rules import LayoutError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except (LayoutError, MeshError) as err:
+        print(f"jaxpar: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:                      # output piped into `head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.analysis import (
-    Collective, analyze, analyze_compiled, expand_replica_groups, parse_collectives, summarize)
+    Collective, Multiplicity, analyze, analyze_compiled, computation_multiplicity,
+    expand_replica_groups, parse_collectives, summarize)
 
 AXES = ('data', 'fsdp', 'tensor')
 
@@ -147,9 +148,110 @@ def test_summarize_and_filters():
     assert t.by_kind_axes[('all-reduce', ('data',))] == {'count': 2, 'bytes': 9}
     assert t.bytes() == 113 and t.bytes('all-reduce') == 13 and t.bytes(axes=('data',)) == 109
     assert t.bytes('all-reduce', axes=('tensor', 'data')) == 4 and t.count('all-reduce') == 3
-    assert t.bytes('all-to-all') == 0
+    assert t.bytes('all-to-all') == 0 and t.trip_counts_known
     js = json.loads(json.dumps(t.to_json()))
     assert js['by_kind_axes']['all-reduce@data+tensor'] == {'count': 1, 'bytes': 4}
+
+
+def test_summarize_multiplies_by_executions():
+    ops = [Collective('all-reduce', 8, 2, ('data',), 'a', executions=3),
+           Collective('all-gather', 100, 2, ('data',), 'b', executions=1, trip_count_known=False)]
+    assert (ops[0].total_bytes, ops[0].sent_bytes, ops[1].sent_bytes) == (24, 8.0, 50.0)
+    t = summarize(ops)
+    assert t.by_kind['all-reduce'] == {'count': 3, 'bytes': 24} and t.total_bytes == 124
+    assert not t.trip_counts_known and summarize(ops[:1]).trip_counts_known
+
+
+# Nested loops, an unknown trip count, fusion/call/async/conditional callees: literal HLO
+# in the printer's format (headers `%name (...) -> ... {`, `ENTRY`, while backend_config).
+LOOP_HLO = """HloModule m, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%inner_body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %v = f32[16]{0} get-tuple-element(%p), index=1
+  %ar_inner = f32[16]{0} all-reduce(%v), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[16]{0}) tuple(%i, %ar_inner)
+}
+
+%inner_cond (p: (s32[], f32[16])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%fused (p: f32[16]) -> f32[32] {
+  %ag_fused = f32[32]{0} all-gather(%p), channel_id=2, replica_groups={{0,2}}, dimensions={0}
+}
+
+%sub (p: f32[16]) -> f32[16] {
+  %ar_sub = f32[16]{0} all-reduce(%p), channel_id=3, replica_groups={{0,4}}, to_apply=%add
+}
+
+%outer_body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %w = (s32[], f32[16]{0}) while(%t0), condition=%inner_cond, body=%inner_body, backend_config={"known_induction_variable":{"tuple_index":"0"},"known_trip_count":{"n":"4"}}
+  %ag = f32[32]{0} all-gather(%v), channel_id=4, replica_groups={{0,2}}, dimensions={0}
+  %f = f32[32]{0} fusion(%v), kind=kLoop, calls=%fused
+  %c = f32[16]{0} call(%v), to_apply=%sub
+  ROOT %t = (s32[], f32[16]{0}) tuple(%i, %v)
+}
+
+%outer_cond (p: (s32[], f32[16])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%dyn_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar_dyn = f32[8]{0} all-reduce(%v), channel_id=5, replica_groups={{0,1}}, to_apply=%add
+  %w2 = (s32[], f32[16]{0}) while(%t0), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"4"}}
+}
+
+%wrapped (p: f32[16]) -> f32[16] {
+  ROOT %ar_async = f32[16]{0} all-reduce(%p), channel_id=6, replica_groups={{0,1}}, to_apply=%add
+}
+
+%branch_a (p: f32[16]) -> f32[16] {
+  ROOT %cp = f32[16]{0} collective-permute(%p), channel_id=7, source_target_pairs={{0,1},{1,0}}
+}
+
+%branch_b (p: f32[16]) -> f32[16] {
+  ROOT %n = f32[16]{0} negate(%p)
+}
+
+ENTRY %main (a: f32[16]) -> f32[16] {
+  %outer = (s32[], f32[16]{0}) while(%t1), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}
+  %dyn = (s32[], f32[8]{0}) while(%t2), condition=%outer_cond, body=%dyn_body
+  %c2 = f32[16]{0} call(%a), to_apply=%sub
+  %as = ((f32[16]{0}), f32[16]{0}, s32[]) async-start(%a), calls=%wrapped
+  %ad = f32[16]{0} async-done(%as), calls=%wrapped
+  %cond = f32[16]{0} conditional(%pr, %a, %a), true_computation=%branch_a, false_computation=%branch_b
+  ROOT %ar_top = f32[16]{0} all-reduce(%a), channel_id=8, replica_groups={{0,1}}, to_apply=%add
+}
+"""
+
+
+def test_loop_multiplicity_literal_hlo(mesh):
+    runs = computation_multiplicity(LOOP_HLO)
+    assert runs['main'] == Multiplicity(1) and runs['outer_body'] == Multiplicity(3)
+    assert runs['outer_cond'] == Multiplicity(3 + 1 + 1, known=False)   # 3+1 from %outer, 1 from %dyn
+    assert runs['inner_body'] == Multiplicity(3 * 4 + 4, known=False)   # via %outer and via %dyn
+    assert runs['sub'] == Multiplicity(3 + 1)                            # called from two places
+    got = {c.name: (c.executions, c.trip_count_known) for c in parse_collectives(LOOP_HLO, mesh=mesh)}
+    assert got == {'ar_inner': (16, False), 'ag_fused': (3, True), 'ar_sub': (4, True),
+                   'ag': (3, True), 'ar_dyn': (1, False), 'ar_async': (1, True), 'cp': (1, True),
+                   'ar_top': (1, True)}
+    t = summarize(parse_collectives(LOOP_HLO, mesh=mesh))
+    assert t.by_kind['all-gather'] == {'count': 6, 'bytes': 6 * 128}
+    assert t.bytes('all-reduce', axes=('data',)) == 4 * 64 and not t.trip_counts_known
+    # Without headers the text is one computation that runs once.
+    assert [c.executions for c in parse_collectives(line('replica_groups={}'))] == [1]
+
+
+def test_long_tuple_index_comments():
+    tup = '(f32[2]{0}, f32[], f32[], f32[], f32[], /*index=5*/f32[4,4]{1,0}, f32[])'
+    c = one(line('replica_groups={{0,1}}', shape=tup))
+    assert c.bytes == 8 + 4 * 4 + 64 + 4 and c.shapes == ((2,), (), (), (), (), (4, 4), ())
 
 
 # ----------------------------------------------------------------- real compiled programs
@@ -247,6 +349,44 @@ def test_shard_map_psum_scatter(mesh, axes):
     if 'reduce-scatter' in t.by_kind:
         assert t.by_kind['reduce-scatter'] == {'count': 1, 'bytes': 16 * 4 // n}
     assert 16 * 4 // n <= t.total_bytes <= 16 * 4
+
+
+def test_scan_psum_counts_per_iteration(mesh):
+    """A psum inside lax.scan stays in an HLO while body; nested scans multiply."""
+    def nested(a):
+        inner = lambda c, _: (jax.lax.psum(c, 'tensor') * 0.5 + c, None)  # noqa: E731
+        outer = lambda c, _: (jax.lax.scan(inner, jax.lax.psum(c, 'fsdp') + c, None, length=4)[0],
+                              None)  # noqa: E731
+        return jax.lax.scan(outer, a, None, length=3)[0]
+    r = analyze(smap(mesh, nested), sds(mesh, (128,), AXES), mesh=mesh)
+    got = sorted((c.axes, c.bytes, c.executions, c.trip_count_known) for c in r.ops)
+    assert got == [(('fsdp',), 64, 3, True), (('tensor',), 64, 12, True)]
+    assert r.collectives.by_kind['all-reduce'] == {'count': 15, 'bytes': 15 * 64}
+    assert r.collectives.bytes(axes=('tensor',)) == 12 * 64
+
+
+def test_while_loop_unknown_trip_count(mesh):
+    body = lambda c: jax.lax.psum(c, 'data') + 1.0  # noqa: E731
+    f = jax.jit(jax.shard_map(lambda a: jax.lax.while_loop(lambda c: c.sum() < 100.0, body, a),
+                              mesh=mesh, in_specs=P(AXES), out_specs=P(AXES), check_vma=False))
+    r = analyze(f, sds(mesh, (128,), AXES), mesh=mesh)
+    (c,) = r.ops
+    assert (c.axes, c.executions, c.trip_count_known) == (('data',), 1, False)
+    assert not r.collectives.trip_counts_known
+
+
+def test_scan_sharded_matmul_collectives_in_loop(mesh):
+    """Stacked weights sharded on their contracting dim: each layer's partial sums are
+    reduced inside the loop, once per layer."""
+    layers = 6
+    f = jax.jit(lambda x, ws: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].sum())
+    r = analyze(f, sds(mesh, (64, 256), 'data', None), sds(mesh, (layers, 256, 256), None, 'fsdp'),
+                mesh=mesh)
+    in_loop = [c for c in r.ops if c.executions == layers]
+    assert in_loop and all(c.trip_count_known and 'fsdp' in c.axes for c in in_loop)
+    # per layer the [64/2, 256] activation partial sum (or its pieces) is reduced over fsdp
+    ar = [c for c in in_loop if c.kind in ('all-reduce', 'reduce-scatter')]
+    assert sum(c.total_bytes for c in ar) >= layers * 32 * 256 * 4 // 2
 
 
 @pytest.mark.parametrize('src,dst,fmt,axes,nbytes', [

@@ -1,4 +1,4 @@
-"""Compiled-program accounting: collectives (bytes, mesh axes), memory and flops."""
+"""Compiled-program accounting: collectives (bytes, mesh axes, executions per step), memory, flops."""
 from jaxpar.analysis.hlo import (
     KINDS,
     Collective,
@@ -10,8 +10,10 @@ from jaxpar.analysis.hlo import (
     parse_collectives,
     summarize,
 )
+from jaxpar.analysis.loops import Multiplicity, computation_multiplicity
 
 __all__ = [
-    'KINDS', 'Collective', 'CollectiveTotals', 'CompiledReport', 'analyze', 'analyze_compiled',
-    'expand_replica_groups', 'parse_collectives', 'summarize',
+    'KINDS', 'Collective', 'CollectiveTotals', 'CompiledReport', 'Multiplicity', 'analyze',
+    'analyze_compiled', 'computation_multiplicity', 'expand_replica_groups', 'parse_collectives',
+    'summarize',
 ]

@@ -1,12 +1,18 @@
 """Compiled-program accounting: collectives, memory and flops of a jitted function.
 
 Everything here reads the compiled (post-SPMD-partitioning) HLO, whose shapes are
-per-device. ``Collective.bytes`` is one device's RESULT size for the instruction
-(tuple results summed; an async ``-start`` op counts only its result part, not the
-operand copy or context scalars). Counts are static: a collective in a loop body
-counts once. Replica groups hold partition ids; partition ``i`` runs on device ``i``
-of the executable's device assignment (``mesh.devices.flat[i]`` for a jit over a
-mesh, checked with a permuted-device mesh). ``axes`` are the mesh axes whose
+per-device. ``Collective.bytes`` is one device's RESULT size for ONE execution of the
+instruction (tuple results summed; an async ``-start`` op counts only its result part,
+not the operand copy or context scalars). ``Collective.executions`` is how many times
+the instruction runs per program call: the product of the trip counts of the while
+loops around it (``jaxpar.analysis.loops``; a layer stack under ``nnx.scan`` is one
+while loop). A loop whose trip count XLA does not print counts 1 and sets
+``trip_count_known=False``. ``summarize`` totals are per program call: count =
+executions, bytes = bytes x executions.
+
+Replica groups hold partition ids; partition ``i`` runs on device ``i`` of the
+executable's device assignment (``mesh.devices.flat[i]`` for a jit over a mesh,
+checked with a permuted-device mesh). ``axes`` are the mesh axes whose
 coordinate varies within a replica group (union over groups; for a
 collective-permute, over its source/target pairs), in mesh order.
 
@@ -29,6 +35,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxpar.analysis.loops import computation_multiplicity, iter_computation_lines
+
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
          'collective-permute', 'ragged-all-to-all')
 
@@ -49,52 +57,80 @@ _LISTS = re.compile(r'\{((?:\{[\d,\s]*\},?\s*)*)\}')
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective instruction. ``group_size``: devices per replica group; for a
-    collective-permute, the largest set of devices its pairs connect (ring length)."""
+    """One collective instruction. ``bytes``: result bytes of one execution (one device);
+    ``executions``: times it runs per program call (loop trip counts multiplied);
+    ``trip_count_known``: False when an enclosing loop's trip count is unknown (then
+    counted as 1). ``group_size``: devices per replica group; for a collective-permute,
+    the largest set of devices its pairs connect (ring length). ``shapes``: the result
+    arrays' dimensions."""
     kind: str
     bytes: int
     group_size: int
     axes: tuple[str, ...]
     name: str
+    executions: int = 1
+    trip_count_known: bool = True
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        """Result bytes per program call: ``bytes * executions``."""
+        return self.bytes * self.executions
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends per execution with ring algorithms (n = group_size,
+        R = result bytes): all-reduce 2(n-1)/n R; all-gather and all-to-all (n-1)/n R;
+        reduce-scatter (n-1) R (its result is 1/n of the input); collective-permute R."""
+        n = self.group_size
+        factor = {'all-reduce': 2 * (n - 1) / n, 'reduce-scatter': n - 1,
+                  'collective-permute': 1}.get(self.kind, (n - 1) / n)
+        return factor * self.bytes
 
 
 def _ints(text: str) -> list[int]:
     return [int(t) for t in re.findall(r'\d+', text)]
 
 
+def _skip(s: str, i: int) -> int:
+    """Index of the next character after separators and ``/*...*/`` comments."""
+    while s[i] in ', ' or s.startswith('/*', i):
+        i = s.index('*/', i) + 2 if s[i] == '/' else i + 1
+    return i
+
+
 def _parse_shape(s: str, i: int):
-    """Parse an HLO shape at ``s[i:]``; return (bytes or nested list of them, end)."""
-    if s[i] == '(':
-        items, i = [], i + 1
+    """Parse an HLO shape at ``s[i:]``; return ((bytes, dims) or nested lists of them, end)."""
+    if s[i] == '(':                     # a tuple; long ones carry /*index=5*/ comments
+        items, i = [], _skip(s, i + 1)
         while s[i] != ')':
             item, i = _parse_shape(s, i)
             items.append(item)
-            while s[i] in ', ':
-                i += 1
+            i = _skip(s, i)
         return items, i + 1
     m = _ARRAY.match(s, i)
     if m is None or m.group(1) not in _BITS:
         raise ValueError(f'cannot parse HLO shape at: {s[i:i + 40]!r}')
-    n = math.prod(int(d.lstrip('<=')) for d in m.group(2).split(',') if d)
+    dims = tuple(int(d.lstrip('<=')) for d in m.group(2).split(',') if d)
     i, depth = m.end(), 0
     while i < len(s) and (s[i] == '{' or depth):        # skip the layout, e.g. {1,0:T(8,128)}
         depth += {'{': 1, '}': -1}.get(s[i], 0)
         i += 1
-    return -(-_BITS[m.group(1)] * n // 8), i
+    return (-(-_BITS[m.group(1)] * math.prod(dims) // 8), dims), i
 
 
-def _total(tree) -> int:
-    return sum(_total(t) for t in tree) if isinstance(tree, list) else tree
+def _leaves(tree) -> list[tuple[int, tuple[int, ...]]]:
+    return [x for t in tree for x in _leaves(t)] if isinstance(tree, list) else [tree]
 
 
-def _result_bytes(op: str, tree) -> int:
+def _result(op: str, tree) -> list[tuple[int, tuple[int, ...]]]:
     """Result bytes; async ``-start`` tuples (other than all-reduce's) also hold operands."""
     if op.endswith('-start') and isinstance(tree, list) and not op.startswith('all-reduce'):
         if isinstance(tree[0], list) or not op.startswith('all-gather'):
             tree = tree[1]                 # ((operands), result, ctx...) | (in, out, u32[], u32[])
         else:
             tree = tree[len(tree) // 2:]   # (operands..., results...)
-    return _total(tree)
+    return _leaves(tree)
 
 
 def _iota(reshape, perm, shape) -> np.ndarray:
@@ -176,7 +212,8 @@ def _ring_size(pairs) -> int:
 
 
 def parse_collectives(hlo_text: str, /, *, mesh=None, device_order=None) -> list[Collective]:
-    """All collectives of compiled HLO text, in program order (``-done`` ops skipped).
+    """All collectives of compiled HLO text, in text order (``-done`` ops skipped), each
+    with its executions per program call (see ``jaxpar.analysis.loops``).
 
     ``mesh`` (a ``jax.sharding.Mesh``) names the axes; ``device_order`` is the
     executable's device assignment (partition id -> device), ``mesh.devices.flat``
@@ -186,8 +223,9 @@ def parse_collectives(hlo_text: str, /, *, mesh=None, device_order=None) -> list
     num_devices = int(m.group(1)) if m else (mesh.size if mesh is not None else 1)
     coords = _partition_coords(mesh, device_order)
     names = tuple(mesh.axis_names) if mesh is not None else ()
+    runs = computation_multiplicity(hlo_text)
     out = []
-    for line in hlo_text.splitlines():
+    for comp, line in iter_computation_lines(hlo_text):
         if not any(k in line for k in KINDS) or (head := _HEAD.match(line)) is None:
             continue
         try:
@@ -208,17 +246,23 @@ def parse_collectives(hlo_text: str, /, *, mesh=None, device_order=None) -> list
         else:
             groups = expand_replica_groups(attrs, num_devices=num_devices)
             size = len(groups[0])
-        out.append(Collective(kind, _result_bytes(op.group(1), tree), size,
-                              _varying_axes(groups, coords, names), head.group(1)))
+        result, run = _result(op.group(1), tree), runs.get(comp, runs[None])
+        out.append(Collective(kind, sum(b for b, _ in result), size,
+                              _varying_axes(groups, coords, names), head.group(1),
+                              run.executions, run.known, tuple(d for _, d in result)))
     return out
 
 
 @dataclass(frozen=True)
 class CollectiveTotals:
-    """Per-kind and per-(kind, axes) ``{'count', 'bytes'}`` sums of a program's collectives."""
+    """Per-kind and per-(kind, axes) ``{'count', 'bytes'}`` sums of a program's collectives,
+    per program call: ``count`` sums executions, ``bytes`` sums ``bytes * executions``.
+    ``trip_counts_known``: False when some collective sits in a loop of unknown trip count
+    (then counted once per enclosing execution, an underestimate)."""
     by_kind: dict
     by_kind_axes: dict
     total_bytes: int
+    trip_counts_known: bool = True
 
     def _sum(self, field, kind, axes):
         return sum(v[field] for (k, a), v in self.by_kind_axes.items()
@@ -229,24 +273,26 @@ class CollectiveTotals:
         return self._sum('bytes', kind, axes)
 
     def count(self, kind: str | None = None, *, axes: tuple[str, ...] | None = None) -> int:
-        return self._sum('count', kind, axes)  # instructions, filtered like bytes()
+        return self._sum('count', kind, axes)  # executions, filtered like bytes()
 
     def to_json(self) -> dict:
         """JSON-ready dict; per-axes keys read ``"kind@axis1+axis2"`` (``"kind@"``: unknown)."""
-        return {'total_bytes': self.total_bytes, 'by_kind': self.by_kind,
+        return {'total_bytes': self.total_bytes, 'trip_counts_known': self.trip_counts_known,
+                'by_kind': self.by_kind,
                 'by_kind_axes': {f"{k}@{'+'.join(a)}": v
                                  for (k, a), v in self.by_kind_axes.items()}}
 
 
 def summarize(collectives: list[Collective]) -> CollectiveTotals:
-    """Sum counts and bytes per kind and per (kind, axes)."""
+    """Sum executions and bytes x executions per kind and per (kind, axes)."""
     by_kind, by_kind_axes = {}, {}
     for c in collectives:
         for table, key in ((by_kind, c.kind), (by_kind_axes, (c.kind, c.axes))):
             entry = table.setdefault(key, {'count': 0, 'bytes': 0})
-            entry['count'] += 1
-            entry['bytes'] += c.bytes
-    return CollectiveTotals(by_kind, by_kind_axes, sum(c.bytes for c in collectives))
+            entry['count'] += c.executions
+            entry['bytes'] += c.total_bytes
+    return CollectiveTotals(by_kind, by_kind_axes, sum(c.total_bytes for c in collectives),
+                            all(c.trip_count_known for c in collectives))
 
 
 @dataclass(frozen=True)

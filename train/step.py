@@ -40,10 +40,12 @@ def next_token_loss(model: nnx.Module, batch: Batch) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def init_train_state(make_model: Callable[[nnx.Rngs], nnx.Module],
-                     make_tx: Callable[[nnx.Module], optax.GradientTransformation],
-                     layout: Layout, /, *, seed: int = 0) -> TrainState:
-    """Create model and optimizer state born sharded on ``layout``.
+def init_program(make_model: Callable[[nnx.Rngs], nnx.Module],
+                 make_tx: Callable[[nnx.Module], optax.GradientTransformation],
+                 layout: Layout, /, *, seed: int = 0):
+    """``(graphdef, shardings, create)``: ``create()`` is jitted with ``out_shardings`` from the
+    parameters' logical names, so XLA computes each shard on its own device (partitionable RNG) and no
+    device ever holds the whole model. Nothing is allocated until ``create()`` is called.
 
     ``make_tx(model)`` builds the optimizer (it may read parameter metadata, e.g. for a decay mask).
     """
@@ -54,8 +56,16 @@ def init_train_state(make_model: Callable[[nnx.Rngs], nnx.Module],
     with layout.activate():
         graphdef, abstract = nnx.split(nnx.eval_shape(create))
         shardings = nnx.get_named_sharding(abstract, layout.mesh)
-        state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
-    return TrainState(graphdef, state, shardings)
+    return graphdef, shardings, jax.jit(lambda: nnx.state(create()), out_shardings=shardings)
+
+
+def init_train_state(make_model: Callable[[nnx.Rngs], nnx.Module],
+                     make_tx: Callable[[nnx.Module], optax.GradientTransformation],
+                     layout: Layout, /, *, seed: int = 0) -> TrainState:
+    """Model and optimizer state, born sharded on ``layout`` (see ``init_program``)."""
+    graphdef, shardings, create = init_program(make_model, make_tx, layout, seed=seed)
+    with layout.activate():
+        return TrainState(graphdef, create(), shardings)
 
 
 def batch_sharding(layout: Layout):

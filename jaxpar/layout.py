@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 from jax.sharding import NamedSharding
@@ -27,10 +26,6 @@ class Layout:
     def activate_trace(self):
         """The same inside a jitted function, where ``jax.set_mesh`` is not allowed."""
         return trace_layout(self.mesh, self.rules)
-
-    @property
-    def batch_divisor(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in self.rules["batch"])
 
 
 def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> Layout:

@@ -18,6 +18,7 @@ import enum
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScaling, SwiGLU
 from jaxpar.layers.common import param
@@ -101,7 +102,6 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        from jax.ad_checkpoint import checkpoint_name
         x = x + checkpoint_name(self.attn(self.attn_norm(x), positions), "attn_out")
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "act_embed"))

@@ -20,9 +20,9 @@ P = CFG.num_params(padded=True)
 def _memory(preset):
     layout = make_layout(CFG, get_mesh_preset(preset), batch=8, seq=64)
     make_tx = functools.partial(make_optimizer, OptimizerConfig())
-    _, _, create = init_program(lambda rngs: build_model(CFG, rngs=rngs), make_tx, layout)
+    program = init_program(lambda rngs: build_model(CFG, rngs=rngs), make_tx, layout)
     with layout.activate():
-        return create.lower().compile().memory_analysis()
+        return program.create.lower().compile().memory_analysis()
 
 
 @pytest.mark.parametrize("preset, ways", [("fsdp", 8), ("3d", 4)])

@@ -40,10 +40,18 @@ def next_token_loss(model: nnx.Module, batch: Batch) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
+@dataclasses.dataclass(frozen=True)
+class InitProgram:
+    """The sharded initialisation, not yet run: ``create()`` returns the state arrays."""
+    graphdef: Any
+    shardings: Any
+    create: Callable[[], Any]
+
+
 def init_program(make_model: Callable[[nnx.Rngs], nnx.Module],
                  make_tx: Callable[[nnx.Module], optax.GradientTransformation],
-                 layout: Layout, /, *, seed: int = 0):
-    """``(graphdef, shardings, create)``: ``create()`` is jitted with ``out_shardings`` from the
+                 layout: Layout, /, *, seed: int = 0) -> InitProgram:
+    """``InitProgram``: ``create()`` is jitted with ``out_shardings`` from the
     parameters' logical names, so XLA computes each shard on its own device (partitionable RNG) and no
     device ever holds the whole model. Nothing is allocated until ``create()`` is called.
 
@@ -56,16 +64,16 @@ def init_program(make_model: Callable[[nnx.Rngs], nnx.Module],
     with layout.activate():
         graphdef, abstract = nnx.split(nnx.eval_shape(create))
         shardings = nnx.get_named_sharding(abstract, layout.mesh)
-    return graphdef, shardings, jax.jit(lambda: nnx.state(create()), out_shardings=shardings)
+    return InitProgram(graphdef, shardings, jax.jit(lambda: nnx.state(create()), out_shardings=shardings))
 
 
 def init_train_state(make_model: Callable[[nnx.Rngs], nnx.Module],
                      make_tx: Callable[[nnx.Module], optax.GradientTransformation],
                      layout: Layout, /, *, seed: int = 0) -> TrainState:
     """Model and optimizer state, born sharded on ``layout`` (see ``init_program``)."""
-    graphdef, shardings, create = init_program(make_model, make_tx, layout, seed=seed)
+    program = init_program(make_model, make_tx, layout, seed=seed)
     with layout.activate():
-        return TrainState(graphdef, create(), shardings)
+        return TrainState(program.graphdef, program.create(), program.shardings)
 
 
 def batch_sharding(layout: Layout):

@@ -317,13 +317,14 @@ def analyze_compiled(compiled, /, *, mesh=None) -> CompiledReport:
     """Report on ``jax.jit(f).lower(...).compile()``.
 
     Without ``mesh``, the mesh of the program's first NamedSharding is used. The
-    partition -> device order comes from the program's shardings when they have one.
+    partition -> device order is that mesh's device order.
     """
     leaves = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
-    order = next((tuple(s._device_assignment) for s in leaves
-                  if getattr(s, '_device_assignment', None)), None)
-    if mesh is None:
-        mesh = next((s.mesh for s in leaves if isinstance(s, jax.sharding.NamedSharding)), None)
+    program_mesh = next((s.mesh for s in leaves if isinstance(s, jax.sharding.NamedSharding)
+                         and hasattr(s.mesh, 'devices') and s.mesh.axis_names), None)
+    # a program partitioned over a mesh runs partition i on mesh.devices.flat[i]
+    order = None if program_mesh is None else tuple(program_mesh.devices.flat)
+    mesh = program_mesh if mesh is None else mesh
     if mesh is not None and (not hasattr(mesh, 'devices') or not mesh.axis_names):
         mesh = None                       # an AbstractMesh or empty mesh names no devices
     ops = parse_collectives(compiled.as_text(), mesh=mesh, device_order=order)

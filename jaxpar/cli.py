@@ -24,6 +24,8 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "shardings": "jaxpar.shardings",
+    "train": "jaxpar.train.command",
+    "prepare": "jaxpar.prepare",
 }
 
 
@@ -40,13 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script and ``python -m jaxpar``; returns the exit status."""
+    from jaxpar.data import DataError
     from jaxpar.mesh import MeshError
     from jaxpar.rules import LayoutError
 
     args = build_parser().parse_args(argv)
     try:
         return args._run(args)
-    except (LayoutError, MeshError) as err:
+    except (LayoutError, MeshError, DataError) as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:                      # output piped into `head`: stop quietly

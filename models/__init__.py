@@ -19,13 +19,14 @@ _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, or
 
 def _llama3(d, layers, heads, mlp):
     return DenseConfig(vocab_size=128_256, embed_dim=d, num_layers=layers, num_heads=heads, num_kv_heads=8,
-                       head_dim=128, mlp_dim=mlp, rope_theta=500_000.0, rope_scaling=_LLAMA31, norm_eps=1e-5)
+                       head_dim=128, mlp_dim=mlp, rope_theta=500_000.0, rope_scaling=_LLAMA31, norm_eps=1e-5,
+                       max_seq_len=131_072)
 
 
 PRESETS: dict[str, DenseConfig] = {
     # Tests: every dimension divides 8 except kv_heads (2: replicated over tensor=8, sharded over 2).
     "tiny": DenseConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
-                        mlp_dim=128, rope_theta=10_000.0),
+                        mlp_dim=128, rope_theta=10_000.0, max_seq_len=1024),
     # ~100M for benchmarks.
     "llama-100m": DenseConfig(vocab_size=32_000, embed_dim=768, num_layers=8, num_heads=8, num_kv_heads=4,
                               head_dim=96, mlp_dim=2048, rope_theta=10_000.0),
@@ -33,11 +34,14 @@ PRESETS: dict[str, DenseConfig] = {
     "llama3-70b": _llama3(8192, 80, 64, 28_672),                    # Llama 3.1 70B
     "llama3-405b": _llama3(16_384, 126, 128, 53_248),               # Llama 3.1 405B
     "mistral-7b": DenseConfig(vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                              head_dim=128, mlp_dim=14_336, rope_theta=10_000.0, sliding_window=4096),   # v0.1
+                              head_dim=128, mlp_dim=14_336, rope_theta=10_000.0, sliding_window=4096,
+                              max_seq_len=32_768),   # v0.1
     "qwen2-7b": DenseConfig(vocab_size=152_064, embed_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-                            head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True),
+                            head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True,
+                            max_seq_len=131_072),
     "qwen3-8b": DenseConfig(vocab_size=151_936, embed_dim=4096, num_layers=36, num_heads=32, num_kv_heads=8,
-                            head_dim=128, mlp_dim=12_288, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True),
+                            head_dim=128, mlp_dim=12_288, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
+                            max_seq_len=40_960),
 }
 
 # Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).

@@ -59,6 +59,7 @@ class DenseConfig:
     remat: Remat = Remat.FULL
     vocab_multiple: int = 128        # the embedding is padded to a multiple of this (shardable vocab)
     attention_impl: str | None = None
+    max_seq_len: int = 2048          # longest sequence the model is meant for (HF max_position_embeddings)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -83,6 +84,14 @@ class DenseConfig:
                  layers=Dim(self.num_layers, "model.num_layers"), norm=Dim(self.embed_dim, "model.embed_dim"))
         acts = dict(act_embed="embed", act_heads="heads", act_kv_heads="kv_heads", act_mlp="mlp", act_vocab="vocab")
         return d | {a: d[p] for a, p in acts.items()}
+
+    def flops_per_token(self, seq: int) -> float:
+        """Model FLOPs of one training token (forward + backward = 3 × forward, no remat recompute):
+        6 per weight of every matmul (the LM head is one, the embedding lookup is not) plus causal
+        attention, whose score and value products cost 12·L·N·H·T per token and half of that is masked."""
+        d, h, n, k = self.embed_dim, self.head_dim, self.num_heads, self.num_kv_heads
+        matmul = self.num_layers * (d * h * (2 * n + 2 * k) + 3 * d * self.mlp_dim) + self.padded_vocab * d
+        return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * self.head_dim * seq
 
     def num_params(self, *, padded: bool = False) -> int:
         """Exact parameter count (unpadded vocab by default, as published)."""

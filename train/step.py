@@ -7,6 +7,7 @@ directly in its shards by ``jit(out_shardings=...)`` (never whole on one device)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -15,6 +16,7 @@ import optax
 from flax import nnx
 
 from jaxpar.layout import Layout
+from jaxpar.rules import constrain
 
 Batch = dict[str, jax.Array]          # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
 
@@ -22,8 +24,9 @@ Batch = dict[str, jax.Array]          # {'inputs': int32 [B, T], 'targets': int3
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepMetrics:
-    loss: jax.Array
-    grad_norm: jax.Array
+    loss: jax.Array          # mean next-token cross-entropy (float32), without the z-loss term
+    grad_norm: jax.Array     # global norm of the gradient of the whole objective, before clipping
+    z_loss: jax.Array        # the z-loss term that was added to the objective (0 when off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +37,23 @@ class TrainState:
     shardings: Any
 
 
-def next_token_loss(model: nnx.Module, batch: Batch) -> jax.Array:
-    """Mean cross-entropy in float32 of ``model(inputs)`` against ``targets``."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LossParts:
+    cross_entropy: jax.Array
+    z_loss: jax.Array
+
+
+def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
+    """Objective = mean float32 cross-entropy of ``model(inputs)`` against ``targets`` plus
+    ``z_loss · mean(log Z²)`` (PaLM's z-loss: keeps the softmax normaliser near 1, so logits don't drift
+    in low precision). Returns ``(objective, LossParts)``."""
     logits = model(batch["inputs"]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    ce = jnp.mean(log_z - target_logit)
+    z = z_loss * jnp.mean(jnp.square(log_z)) if z_loss else jnp.zeros((), jnp.float32)
+    return ce + z, LossParts(ce, z)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,20 +96,69 @@ def batch_sharding(layout: Layout):
     return {k: layout.sharding(("batch", "length")) for k in ("inputs", "targets")}
 
 
-def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss):
-    """``step(state, batch) -> (state, StepMetrics)``, jitted with explicit shardings, state donated."""
+def _split_microbatches(batch: Batch, k: int) -> Batch:
+    """[B, T] -> [k, B/k, T], microbatch i = rows i, i+k, i+2k, ... so each one is spread over every
+    device that holds a share of the batch (a contiguous split would put microbatch 0 on the first few)."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def _accumulated_grads(model, batch: Batch, loss_fn, microbatches: int):
+    """Mean loss parts and mean gradient over ``microbatches`` equal slices of ``batch``, scanned so
+    only one microbatch's activations are alive at a time. Gradients accumulate in float32."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_of(params, micro):
+        return loss_fn(nnx.merge(graphdef, params, rest), micro)
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    if microbatches == 1:
+        (_, parts), grads = grad_fn(params, batch)
+        return parts, grads
+
+    def body(acc, micro):
+        micro = {k: constrain(v, ("batch", "length")) for k, v in micro.items()}
+        (_, parts), grads = grad_fn(params, micro)
+        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (grads, parts)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), (params, LossParts(0.0, 0.0)))
+    (grads, parts), _ = jax.lax.scan(body, zeros, _split_microbatches(batch, microbatches))
+    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
+    return jax.tree.map(lambda x: x / microbatches, parts), grads
+
+
+def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, microbatches: int = 1,
+                    z_loss: float = 0.0):
+    """``step(state, batch) -> (state, StepMetrics)``, jitted with explicit shardings, state donated.
+
+    ``microbatches=k`` accumulates the gradient over k slices of the batch before one optimizer update:
+    the same update as the whole batch at once (up to float rounding), with 1/k of the activations.
+    """
     graphdef = ts.graphdef
+    objective = functools.partial(loss_fn, z_loss=z_loss)
 
     def step(state, batch):
         with layout.activate_trace():
             model, opt = nnx.merge(graphdef, state)
-            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+            parts, grads = _accumulated_grads(model, batch, objective, microbatches)
             opt.update(model, grads)
-            return nnx.state((model, opt)), StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads))
+            metrics = StepMetrics(loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss)
+            return nnx.state((model, opt)), metrics
 
     replicated = layout.sharding(())
     return jax.jit(step, in_shardings=(ts.shardings, batch_sharding(layout)),
-                   out_shardings=(ts.shardings, StepMetrics(replicated, replicated)), donate_argnums=0)
+                   out_shardings=(ts.shardings, StepMetrics(replicated, replicated, replicated)), donate_argnums=0)
+
+
+def make_eval_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss):
+    """``evaluate(state, batch) -> cross-entropy`` (float32 scalar); the state is not donated."""
+    graphdef = ts.graphdef
+
+    def evaluate(state, batch):
+        with layout.activate_trace():
+            model, _ = nnx.merge(graphdef, state)
+            return loss_fn(model, batch)[1].cross_entropy
+
+    return jax.jit(evaluate, in_shardings=(ts.shardings, batch_sharding(layout)), out_shardings=layout.sharding(()))
 
 
 def make_grad_fn(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss):
@@ -103,6 +168,7 @@ def make_grad_fn(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss):
     def grads(state, batch):
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
-            return nnx.value_and_grad(loss_fn)(model, batch)
+            parts, g = _accumulated_grads(model, batch, loss_fn, 1)
+            return parts.cross_entropy, g
 
     return jax.jit(grads, in_shardings=(ts.shardings, batch_sharding(layout)))

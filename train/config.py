@@ -1,0 +1,215 @@
+"""The training run's configuration: frozen, nested dataclasses, every field settable by a dotted path.
+
+    TrainConfig
+      model        DenseConfig     (from --model PRESET, then --set model.embed_dim=128 ...)
+      optimizer    OptimizerConfig (--set optimizer.learning_rate=1e-3 ...)
+      data         DataConfig      (--set data.source=files --set data.path=tokens.bin ...)
+      checkpoint   CheckpointConfig
+      log          LogConfig
+      mesh, steps, batch, seq, seed, microbatches, z_loss
+
+``apply_overrides(cfg, ["optimizer.learning_rate=1e-3"])`` parses each value by the field's annotated
+type (int, float, str, bool, enums, ``X | None`` where ``none`` means None) and refuses unknown paths
+with the closest known one. ``to_dict``/``from_dict`` round-trip through JSON (``DIR/config.json``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from typing import Any
+
+from jaxpar.data import DataConfig
+from jaxpar.models import DenseConfig, get_model_preset
+from jaxpar.rules import LayoutError
+from jaxpar.train.optim import OptimizerConfig
+
+
+class ConfigError(LayoutError):
+    """A configuration value the user can fix; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100                 # save every K steps (and always at the last step)
+    keep: int = 3                    # keep the newest N checkpoints
+    async_save: bool = True          # write in the background while training continues
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    eval_every: int = 50             # eval loss on held-out data every K steps (and at the end); 0 = never
+    eval_batches: int = 4            # batches per eval (the same ones every time)
+    tensorboard: bool = True         # event files in DIR/tensorboard
+    progress: bool = True            # tqdm progress bar on stderr
+    profile_steps: str = ""          # "a:b": jax.profiler trace of steps a..b into DIR/profile
+    compile_cache: str = ""          # persistent XLA compilation cache directory (opt-in)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: DenseConfig
+    model_preset: str = "tiny"
+    mesh: str = "3d"                 # a mesh preset or an axis spec like data=2,fsdp=-1
+    steps: int = 300
+    batch: int = 16                  # global batch (sequences per optimizer step)
+    seq: int = 128
+    seed: int = 0                    # parameter init and data order
+    microbatches: int = 1            # gradient accumulation: batch is split into this many microbatches
+    z_loss: float = 0.0              # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, schedule="cosine", warmup_steps=30)
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+    def validate(self) -> TrainConfig:
+        """Checks that need no devices; raises ``ConfigError`` naming the field."""
+        for name in ("steps", "batch", "seq", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be ≥ 1")
+        if self.batch % self.microbatches:
+            raise ConfigError(f"batch={self.batch} is not divisible by microbatches={self.microbatches}")
+        if self.seq > self.model.max_seq_len:
+            raise ConfigError(f"seq={self.seq} is longer than model.max_seq_len={self.model.max_seq_len} "
+                              f"of model {self.model_preset!r}")
+        if self.z_loss < 0:
+            raise ConfigError(f"z_loss={self.z_loss} must be ≥ 0")
+        for section in ("checkpoint.every", "checkpoint.keep", "log.eval_batches"):
+            outer, inner = section.split(".")
+            if getattr(getattr(self, outer), inner) < 1:
+                raise ConfigError(f"{section} must be ≥ 1")
+        self.optimizer.validate()
+        return self
+
+
+def default_config(model_preset: str = "tiny", /, **fields) -> TrainConfig:
+    return TrainConfig(model=get_model_preset(model_preset), model_preset=model_preset, **fields)
+
+
+# ---------------------------------------------------------------------------------- dotted paths
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def field_paths(cls=TrainConfig, prefix: str = "") -> dict[str, Any]:
+    """Every settable leaf path → its annotated type (nested dataclasses are walked)."""
+    out = {}
+    for name, tp in _hints(cls).items():
+        inner = _dataclass_in(tp)
+        if inner is not None:
+            out.update(field_paths(inner, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = tp
+    return out
+
+
+def _dataclass_in(tp):
+    args = typing.get_args(tp) if _is_union(tp) else (tp,)
+    return next((a for a in args if dataclasses.is_dataclass(a)), None)
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def parse_value(path: str, tp, text: str):
+    """``text`` as a value of type ``tp``; ``ConfigError`` naming ``path`` if it is not one."""
+    if _is_union(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if type(None) in typing.get_args(tp) and text.lower() in ("none", "null"):
+            return None
+        errors = []
+        for a in args:
+            try:
+                return parse_value(path, a, text)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if tp is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--set {path}={text}: expected true or false")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(text)
+        except ValueError:
+            raise ConfigError(f"--set {path}={text}: expected one of {', '.join(e.value for e in tp)}") from None
+    if tp in (int, float, str):
+        try:
+            return tp(text)
+        except ValueError:
+            raise ConfigError(f"--set {path}={text}: expected {tp.__name__}") from None
+    raise ConfigError(f"--set {path}: fields of type {tp} cannot be set from the command line")
+
+
+def _replace_path(obj, parts: list[str], value):
+    head, rest = parts[0], parts[1:]
+    if not rest:
+        return dataclasses.replace(obj, **{head: value})
+    child = getattr(obj, head)
+    if child is None:
+        raise ConfigError(f"--set {'.'.join(parts)}: {head} is None here; it has no fields to set")
+    return dataclasses.replace(obj, **{head: _replace_path(child, rest, value)})
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
+    """``cfg`` with each ``path=value`` applied in order."""
+    paths = field_paths()
+    for item in overrides:
+        path, sep, text = item.partition("=")
+        path = path.strip()
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. optimizer.learning_rate=1e-3")
+        if path not in paths:
+            raise ConfigError(f"--set {path}: unknown field{_closest(path, paths)}; `jaxpar train --help` lists them")
+        try:
+            cfg = _replace_path(cfg, path.split("."), parse_value(path, paths[path], text.strip()))
+        except (ValueError, TypeError) as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"--set {path}={text}: {err}") from None
+    return cfg
+
+
+def _closest(path: str, paths) -> str:
+    leaves = {p.rsplit(".", 1)[-1]: p for p in paths}
+    match = (difflib.get_close_matches(path, list(paths), n=1, cutoff=0.6)
+             or [leaves[m] for m in difflib.get_close_matches(path.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)])
+    return f"; did you mean {match[0]}?" if match else ""
+
+
+# ---------------------------------------------------------------------------------- JSON
+def to_dict(obj) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(x) for x in obj]
+    return obj
+
+
+def from_dict(cls, data: dict):
+    """Inverse of ``to_dict`` for our dataclasses (unknown keys are refused by the constructor)."""
+    hints, kwargs = _hints(cls), {}
+    for key, value in data.items():
+        inner = _dataclass_in(hints.get(key, object))
+        kwargs[key] = from_dict(inner, value) if inner is not None and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def describe_fields() -> str:
+    """The ``--set`` fields with their defaults, for ``--help``."""
+    defaults = to_dict(default_config())
+    lines = []
+    for path in field_paths():
+        value = defaults
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        lines.append(f"  {path} = {value!r}")
+    return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""The training run: check everything, then init or resume, step, evaluate, log and checkpoint.
+
+    train(cfg, out_dir) -> RunResult
+
+Order of work, so that bad input costs nothing and loses nothing:
+  1. checks that need no writes: config, mesh and layout (divisibility), data files (ids < vocab),
+     and the run directory (a checkpoint or config.json of an incompatible run is refused)
+  2. only then: write DIR/config.json, init (or restore + reshard) the state, compile, train
+
+Step numbering: checkpoint ``s`` holds the state after ``s`` optimizer updates and the data position of
+batch ``s + 1``; a run that finds one resumes at step ``s + 1`` and, with the same config, produces the
+same losses bit for bit as a run that was never interrupted.
+
+Metrics are read one step late: step ``s + 1`` is dispatched before step ``s``'s loss is fetched, so the
+host never idles the devices to log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxpar.checkpoint import Checkpointer, SavedRun, abstract_like, check_compatible, latest
+from jaxpar.data import make_loader, to_global
+from jaxpar.layout import Layout, make_layout
+from jaxpar.meshes import resolve_mesh_arg
+from jaxpar.models import build_model
+from jaxpar.train.config import ConfigError, TrainConfig, to_dict
+from jaxpar.train.metrics import MetricsLog, throughput
+from jaxpar.train.optim import make_optimizer, make_schedule
+from jaxpar.train.step import TrainState, batch_sharding, init_program, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    out_dir: Path
+    start_step: int                  # the step the run began after (0, or the checkpoint it resumed)
+    last_step: int
+    losses: dict[int, float]         # step -> training cross-entropy
+    eval_losses: dict[int, float]
+    entropy_rate: float | None       # of the synthetic source, when that is the data
+
+
+def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
+    """The checked layout of ``cfg`` (mesh, rules, divisibility of the batch and of every dimension)."""
+    preset = resolve_mesh_arg(cfg.mesh)
+    layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices)
+    micro = cfg.batch // cfg.microbatches
+    sharded = math.prod(layout.mesh.shape[a] for a in layout.rules["batch"])
+    if micro % sharded:
+        raise ConfigError(f"batch={cfg.batch} / microbatches={cfg.microbatches} = {micro} rows per microbatch "
+                          f"is not divisible by the {sharded} devices the batch is split over "
+                          f"({' × '.join(f'{a}={layout.mesh.shape[a]}' for a in layout.rules['batch'])})")
+    return layout
+
+
+def _check_out_dir(out: Path, config: dict) -> SavedRun | None:
+    """The checkpoint to resume from (None for a fresh run); refuses an incompatible run directory."""
+    saved = latest(out / "checkpoints")
+    if saved is not None:
+        check_compatible(saved, config, out)
+    elif (out / "config.json").is_file():
+        previous = json.loads((out / "config.json").read_text())
+        check_compatible(SavedRun(0, previous), config, out / "config.json")
+    return saved
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _profile_window(spec: str) -> tuple[int, int] | None:
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"--profile-steps {spec!r}: expected FIRST:LAST, e.g. 10:12") from None
+    if not 1 <= a <= b:
+        raise ConfigError(f"--profile-steps {spec!r}: need 1 ≤ FIRST ≤ LAST")
+    return a, b
+
+
+def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, devices=None) -> RunResult:
+    """Runs (or resumes) ``cfg`` in ``out_dir``. ``stop_after`` ends the run after that step without a
+    final checkpoint, as an interruption would (for tests and experiments)."""
+    cfg.validate()
+    out = Path(out_dir).resolve()          # orbax wants absolute paths
+    profile = _profile_window(cfg.log.profile_steps)
+    layout = plan_layout(cfg, devices=devices)
+    loader = make_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq=cfg.seq, global_batch=cfg.batch,
+                         seed=cfg.seed, split="train")
+    config = to_dict(cfg)
+    saved = _check_out_dir(out, config)
+    # ---- nothing was written before this line
+    if cfg.log.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", cfg.log.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    primary = jax.process_index() == 0
+    if primary:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "config.json", config)
+    run = _Run(cfg, layout, out, config, loader, saved)
+    try:
+        return run.loop(stop_after=stop_after, profile=profile)
+    finally:
+        run.close()
+
+
+class _Run:
+    """The state of one training run between ``train``'s checks and its end."""
+
+    def __init__(self, cfg: TrainConfig, layout: Layout, out: Path, config: dict, loader, saved: SavedRun | None):
+        self.cfg, self.layout, self.out, self.config, self.loader = cfg, layout, out, config, loader
+        model_cfg, opt_cfg = cfg.model, cfg.optimizer
+        program = init_program(lambda rngs: build_model(model_cfg, rngs=rngs),
+                               lambda model: make_optimizer(opt_cfg, model, total_steps=cfg.steps),
+                               layout, seed=cfg.seed)
+        self.checkpoints = Checkpointer(out / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                                        async_save=cfg.checkpoint.async_save)
+        with layout.activate():
+            if saved is None:
+                state, self.start = program.create(), 0
+            else:
+                abstract = abstract_like(jax.eval_shape(program.create), program.shardings)
+                state, position = self.checkpoints.restore(saved.step, abstract)
+                loader.set_state(position)
+                self.start = saved.step
+        self.ts = TrainState(program.graphdef, state, program.shardings)
+        self.metrics = MetricsLog(out, enabled=jax.process_index() == 0, total_steps=cfg.steps,
+                                  start_step=self.start, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
+        if saved is not None:
+            self.metrics.message(f"resumed from {out / 'checkpoints'} at step {saved.step}")
+        self.metrics.message(f"{cfg.model_preset}: {cfg.model.num_params():,} params | mesh {dict(layout.mesh.shape)} "
+                             f"rules {layout.rules.name!r} | data: {loader.describe()}")
+        self.schedule = make_schedule(opt_cfg, cfg.steps)
+        self.shardings = batch_sharding(layout)
+
+    def _batch(self, loader=None):
+        return to_global(next(loader or self.loader), self.shardings)
+
+    def _compile(self, batch):
+        """Ahead-of-time compile of the train and eval steps (timed and reported separately)."""
+        t0 = time.perf_counter()
+        step = make_train_step(self.ts, self.layout, microbatches=self.cfg.microbatches, z_loss=self.cfg.z_loss)
+        step = step.lower(self.ts.state, batch).compile()
+        evaluate = (make_eval_step(self.ts, self.layout).lower(self.ts.state, batch).compile()
+                    if self.cfg.log.eval_every else None)
+        self.metrics.message(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+        return step, evaluate
+
+    def _eval_batches(self):
+        if not self.cfg.log.eval_every:
+            return []
+        loader = make_loader(self.cfg.data, vocab_size=self.cfg.model.vocab_size, seq=self.cfg.seq,
+                             global_batch=self.cfg.batch, seed=self.cfg.seed, split="eval")
+        try:
+            return [self._batch(loader) for _ in range(self.cfg.log.eval_batches)]
+        finally:
+            loader.close()
+
+    def loop(self, *, stop_after: int | None, profile: tuple[int, int] | None) -> RunResult:
+        cfg, last = self.cfg, min(self.cfg.steps, stop_after or self.cfg.steps)
+        losses, evals = {}, {}
+        if self.start >= last:
+            return RunResult(self.out, self.start, self.start, losses, evals, self.loader.entropy_rate)
+        batch = self._batch()
+        step_fn, eval_fn = self._compile(batch)
+        eval_batches = self._eval_batches()
+        state, pending, clock = self.ts.state, None, time.perf_counter()
+        for s in range(self.start + 1, last + 1):
+            if profile and s == profile[0]:
+                jax.profiler.start_trace(str(self.out / "profile"))
+            state, metrics = step_fn(state, batch)
+            if pending is not None:
+                clock = self._report(pending, clock, losses)
+            pending = [s, metrics, None]
+            if profile and s == profile[1]:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+            final = s == cfg.steps
+            save = s % cfg.checkpoint.every == 0 or final
+            position = self.loader.get_state() if save else None      # before the next batch is read
+            if s < last:
+                batch = self._batch()
+            do_eval = bool(eval_batches) and (s % cfg.log.eval_every == 0 or final)
+            if do_eval or save:
+                jax.block_until_ready(state)      # the step's own time ends here; eval and save are apart
+            paused = time.perf_counter()
+            if do_eval:
+                evals[s] = pending[2] = float(np.mean([float(eval_fn(state, b)) for b in eval_batches]))
+            if save:
+                self.checkpoints.save(s, state=state, data=position, config=self.config, force=final)
+            clock += time.perf_counter() - paused
+        self._report(pending, clock, losses)
+        return RunResult(self.out, self.start, last, losses, evals, self.loader.entropy_rate)
+
+    def _report(self, pending: list, since: float, losses: dict) -> float:
+        """Fetches the metrics of step ``pending = [step, metrics, eval loss or None]`` (waiting for
+        them), logs them, returns the time they arrived."""
+        step, metrics, eval_loss = pending
+        loss = float(metrics.loss)
+        now = time.perf_counter()
+        losses[step] = loss
+        cfg = self.cfg
+        record = {"step": step, "loss": loss, "grad_norm": float(metrics.grad_norm),
+                  "lr": float(self.schedule(step - 1)), "step_time_s": now - since}
+        record.update(throughput(tokens=cfg.batch * cfg.seq, seconds=now - since,
+                                 flops_per_token=cfg.model.flops_per_token(cfg.seq),
+                                 num_devices=self.layout.mesh.size, device_kind=jax.devices()[0].device_kind))
+        if cfg.z_loss:
+            record["z_loss"] = float(metrics.z_loss)
+        if eval_loss is not None:
+            record["eval_loss"] = eval_loss
+        self.metrics.write(record)
+        return now
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.metrics.close()
+        self.loader.close()

@@ -71,3 +71,20 @@ def test_schedules():
     np.testing.assert_allclose(wsd, [0, .5, 1, 1, 1, 1, .5, 0.05, 0], atol=1e-6)
     with pytest.raises(ValueError, match="needs the run's total steps"):
         make_schedule(OptimizerConfig(schedule="cosine"), None)
+
+
+def test_peak_flops_and_throughput():
+    from jaxpar.train.metrics import peak_flops, throughput
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA B200") == 2250e12 and peak_flops("TPU v5 lite") == 197e12
+    assert peak_flops("TPU v5p") == 459e12 and peak_flops("TPU v6 lite") == 918e12
+    assert peak_flops("cpu") is None and peak_flops("NVIDIA A100-SXM4-80GB") is None
+    t = throughput(tokens=1000, seconds=2.0, flops_per_token=4e12, num_devices=2, device_kind="NVIDIA H200")
+    assert t["tokens_per_s"] == 500 and t["tflops_per_device"] == 1000 and t["mfu"] == pytest.approx(1000e12 / 989e12)
+    assert "mfu" not in throughput(tokens=1, seconds=1, flops_per_token=1, num_devices=1, device_kind="cpu")
+
+
+def test_flops_per_token_by_hand():
+    cfg = default_config("tiny").model     # D64 L2 N8 K2 H8 F128, V256
+    matmul = 2 * (64 * 8 * (2 * 8 + 2 * 2) + 3 * 64 * 128) + 256 * 64
+    assert cfg.flops_per_token(128) == 6 * matmul + 6 * 2 * 8 * 8 * 128

@@ -146,3 +146,20 @@ def test_z_loss_is_the_mean_squared_log_partition():
     np.testing.assert_allclose([float(parts.cross_entropy), float(parts.z_loss), float(total)],
                                [ce, 1e-2 * np.mean(log_z ** 2), ce + 1e-2 * np.mean(log_z ** 2)], rtol=1e-5)
     assert float(next_token_loss(model, batch)[1].z_loss) == 0.0
+
+
+def test_bf16_compute_keeps_float32_params_optimizer_state_and_loss():
+    cfg = get_model_preset("tiny", dtype="bfloat16")
+    layout = make_layout(cfg, get_mesh_preset("3d"), batch=8, seq=16)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (8, 17), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    losses = {}
+    for name, model_cfg in (("bf16", cfg), ("fp32", get_model_preset("tiny"))):
+        ts = init_train_state(lambda r: build_model(model_cfg, rngs=r),
+                              functools.partial(make_optimizer, OptimizerConfig()), layout)
+        state, metrics = make_train_step(ts, layout)(ts.state, batch)
+        floats = [x for x in jax.tree.leaves(state) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+        assert {str(x.dtype) for x in floats} == {"float32"}
+        assert metrics.loss.dtype == np.float32
+        losses[name] = float(metrics.loss)
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)

@@ -86,3 +86,26 @@ def test_help_lists_the_fields_and_module_entry_point_works():
                             check=True)
     for field in ("optimizer.learning_rate", "data.path", "checkpoint.every", "model.embed_dim", "z_loss"):
         assert field in result.stdout
+
+
+def test_prepare_then_train_on_token_files(tmp_path, capsys):
+    """Text -> ``jaxpar prepare --bytes`` -> ``jaxpar train`` on the token file, with held-out documents."""
+    docs = []
+    for i in range(6):
+        doc = tmp_path / f"doc{i}.txt"
+        doc.write_text("".join(f"line {j} of document {i}: the quick brown fox.\n" for j in range(60)))
+        docs.append(str(doc))
+    tokens = tmp_path / "tokens.bin"
+    assert main(["prepare", *docs, "--out", str(tokens), "--bytes", "--eval-fraction", "0.34"]) == 0
+    eval_tokens = tmp_path / "tokens.eval.bin"
+    assert tokens.is_file() and eval_tokens.is_file()
+    out = tmp_path / "run"
+    argv = ["train", "--mesh", "dp", "--steps", "20", "--batch", "8", "--seq", "32", "--out", str(out),
+            "--set", "data.source=files", "--set", f"data.path={tokens}", "--set", f"data.eval_path={eval_tokens}",
+            "--set", "model.vocab_size=257", "--set", "optimizer.learning_rate=1e-2", "--set", "log.eval_every=10",
+            "--set", "log.progress=false", "--set", "log.tensorboard=false"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0 and "eval_loss" in records[-1]
+    assert "files: 1 file(s)" in capsys.readouterr().out

@@ -59,7 +59,7 @@ class TrainConfig:
     seed: int = 0                    # parameter init and data order
     microbatches: int = 1            # gradient accumulation: batch is split into this many microbatches
     z_loss: float = 0.0              # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
-    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, schedule="cosine", warmup_steps=30)
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=30)
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()

@@ -105,3 +105,12 @@ def test_padded_vocab_columns_never_win():
     cfg = get_model_preset("tiny", vocab_size=250)
     logits = build_model(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 4), jnp.int32))
     assert logits.shape[-1] == 256 and float(jnp.max(logits[..., 250:])) < -1e8
+
+
+def test_model_state_holds_only_parameters():
+    """Constants (RoPE frequencies) stay out of the state: in it they would be a runtime input of the
+    layer scan and block constant folding, and would be checkpointed for nothing."""
+    from jaxpar.models import build_model, get_model_preset
+    model = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))
+    others = nnx.state(model, nnx.Not(nnx.Param))
+    assert not jax.tree.leaves(others), jax.tree_util.tree_structure(others)

@@ -218,6 +218,36 @@ def flatten_us(args, repeat: int = 2000) -> float:
     return (time.perf_counter() - t0) / repeat * 1e6
 
 
+def time_interleaved(fns: dict, states: dict, data, *, steps: int, rounds: int):
+    """Per-step seconds of each program over ``rounds`` timed blocks of ``steps`` steps.
+
+    The reference runs twice per round from two copies of its state ("ref" and "ref_again", the same
+    executable): their ratio is the A/A noise floor of this machine. The order inside a round rotates
+    and reverses from round to round, so no program always runs first."""
+    import jax
+
+    fns = {**fns, "ref_again": fns["ref"]}
+    states = {**states, "ref_again": copy_tree(states["ref"])}
+    times = {k: [] for k in fns}
+
+    def block(name):
+        st, t0 = states[name], time.perf_counter()
+        for _ in range(steps):
+            st, metrics = fns[name](st, data)
+        jax.block_until_ready((st, metrics))
+        states[name] = st
+        return (time.perf_counter() - t0) / steps
+
+    for name in fns:                                   # warm-up (ours and ref already ran twice before)
+        block(name)
+    names = list(fns)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in (order[::-1] if r % 2 else order):
+            times[name].append(block(name))
+    return times, states
+
+
 def bench_mesh(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, rounds: int,
                ref_constraints: str) -> dict:
     import jax
@@ -239,28 +269,8 @@ def bench_mesh(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, rounds:
     same_hlo = _hlo_body(ours) == _hlo_body(ref)
     rep_ours, rep_ref = compiled_report(ours, layout.mesh), compiled_report(ref, layout.mesh)
 
-    # Timed blocks. The reference runs twice per round from two copies of its state ("ref" and
-    # "ref_again", the same executable): their ratio is the A/A noise floor of this machine. The order
-    # inside a round rotates and reverses from round to round, so no program always runs first.
-    fns = {"ours": ours, "ref": ref, "ref_again": ref}
-    states = {"ours": state, "ref": ref_state, "ref_again": copy_tree(ref_state)}
-    times = {k: [] for k in fns}
-
-    def block(name):
-        st, t0 = states[name], time.perf_counter()
-        for _ in range(steps):
-            st, metrics = fns[name](st, data)
-        jax.block_until_ready((st, metrics))
-        states[name] = st
-        return (time.perf_counter() - t0) / steps
-
-    for name in fns:                                   # warm-up (ours and ref already ran twice above)
-        block(name)
-    names = list(fns)
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in (order[::-1] if r % 2 else order):
-            times[name].append(block(name))
+    times, states = time_interleaved({"ours": ours, "ref": ref}, {"ours": state, "ref": ref_state}, data,
+                                     steps=steps, rounds=rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     paired = statistics.median(a / b for a, b in zip(times["ours"], times["ref"])) - 1
     null = statistics.median(a / b for a, b in zip(times["ref_again"], times["ref"])) - 1

@@ -7,6 +7,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxpar.mesh import build_mesh
+from jaxpar.parallel.attention import check_context_parallel
 from jaxpar.rules import Dim, LayoutError, Rules, check_layout, trace_layout, use_layout
 
 
@@ -42,4 +43,8 @@ def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> 
                           f"{preset.rules.name!r}; every device on it would repeat the same work")
     dims = dict(model_cfg.logical_dims())
     dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
-    return Layout(mesh, check_layout(dims, preset.rules, shape))
+    rules = check_layout(dims, preset.rules, shape)
+    if hasattr(model_cfg, "context_parallel"):
+        check_context_parallel(model_cfg.context_parallel, model_cfg.cp_order, seq=seq, num_heads=model_cfg.num_heads,
+                               num_kv_heads=model_cfg.num_kv_heads, rules=rules, mesh_shape=shape)
+    return Layout(mesh, rules)

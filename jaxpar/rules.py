@@ -115,6 +115,12 @@ def use_layout(mesh: jax.sharding.Mesh, rules: Rules):
         yield
 
 
+def current_layout() -> tuple[jax.sharding.Mesh, Rules] | None:
+    """``(mesh, rules)`` of the innermost ``trace_layout``/``use_layout``, or None outside one."""
+    layout = _CURRENT.get()
+    return None if layout is None else (layout.mesh, layout.rules)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's layout by logical names; a no-op outside ``use_layout``."""
     layout = _CURRENT.get()

@@ -11,6 +11,10 @@ filled from the device count, so each preset works on any device count its fixed
     fsdp_tp FSDP across nodes, TP within one (tensor=2)
     hsdp    hybrid sharded data parallel: replicas (data=2) of FSDP groups (fsdp=-1)
     3d      data=2 × fsdp=2 × tensor=-1
+    cp      context parallelism: sequence=-1; activations split along positions, attention by the
+            model's kernel (``model.context_parallel``: ring or ulysses; GSPMD gathers K/V with none)
+    fsdp_cp fsdp=2 × sequence=-1
+    tp_cp   sequence=-1 × tensor=2; between blocks positions are split over sequence × tensor
 """
 from __future__ import annotations
 
@@ -37,18 +41,45 @@ _TENSOR = dict(vocab="tensor", heads="tensor", kv_heads="tensor", mlp="tensor", 
                act_heads="tensor", act_kv_heads="tensor", act_mlp="tensor", act_vocab="tensor")
 
 
-def _preset(name: str, mesh: str, doc: str, **rules) -> MeshPreset:
-    return MeshPreset(name, MeshConfig.parse(mesh), Rules.from_mapping(name, {**_REPLICATED, **rules}), doc)
+def compose_rules(name: str, axes, /) -> Rules:
+    """The one rules table for a mesh that shards over ``axes`` (a set of mesh axis names):
+    ``data``/``fsdp`` split the batch, ``fsdp`` also the weights' ``embed``; ``tensor`` is Megatron TP
+    with sequence-parallel activations between blocks; ``sequence`` is context parallelism: every
+    activation split along its positions (inside attention by the model's kernel: ring or Ulysses)."""
+    rules = dict(_REPLICATED)
+    batch = tuple(a for a in ("data", "fsdp") if a in axes)
+    if batch:
+        rules["batch"] = batch
+    if "fsdp" in axes:
+        rules["embed"] = "fsdp"
+    if "tensor" in axes:
+        rules.update(_TENSOR)
+    if "sequence" in axes:
+        rules["inner_length"] = "sequence"
+        rules["length"] = ("sequence", "tensor") if "tensor" in axes else "sequence"
+    return Rules.from_mapping(name, rules)
+
+
+def _preset(name: str, mesh: str, doc: str) -> MeshPreset:
+    config = MeshConfig.parse(mesh)
+    return MeshPreset(name, config, compose_rules(name, _sharded_axes(config)), doc)
+
+
+def _sharded_axes(config: MeshConfig) -> set[str]:
+    """Axes with a size other than 1 (-1 counts: it will be filled from the device count)."""
+    return {a for a in ("data", "fsdp", "sequence", "tensor") if getattr(config, a) * config.dcn_sizes()[a] != 1}
 
 
 PRESETS: dict[str, MeshPreset] = {p.name: p for p in (
-    _preset("dp", "data=-1", "data parallel", batch="data"),
-    _preset("fsdp", "fsdp=-1", "fully sharded data parallel (ZeRO-3)", batch="fsdp", embed="fsdp"),
-    _preset("tp", "tensor=-1", "Megatron tensor parallel with sequence-parallel activations", **_TENSOR),
-    _preset("fsdp_tp", "fsdp=-1,tensor=2", "FSDP × tensor parallel", batch="fsdp", embed="fsdp", **_TENSOR),
-    _preset("hsdp", "data=2,fsdp=-1", "replicated FSDP groups", batch=("data", "fsdp"), embed="fsdp"),
-    _preset("3d", "data=2,fsdp=2,tensor=-1", "data × FSDP × tensor", batch=("data", "fsdp"), embed="fsdp",
-            **_TENSOR),
+    _preset("dp", "data=-1", "data parallel"),
+    _preset("fsdp", "fsdp=-1", "fully sharded data parallel (ZeRO-3)"),
+    _preset("tp", "tensor=-1", "Megatron tensor parallel with sequence-parallel activations"),
+    _preset("fsdp_tp", "fsdp=-1,tensor=2", "FSDP × tensor parallel"),
+    _preset("hsdp", "data=2,fsdp=-1", "replicated FSDP groups"),
+    _preset("3d", "data=2,fsdp=2,tensor=-1", "data × FSDP × tensor"),
+    _preset("cp", "sequence=-1", "context parallel: the sequence split over every device"),
+    _preset("fsdp_cp", "fsdp=2,sequence=-1", "FSDP × context parallel"),
+    _preset("tp_cp", "sequence=-1,tensor=2", "context parallel × tensor parallel"),
 )}
 
 
@@ -61,14 +92,9 @@ def get_mesh_preset(name: str, /) -> MeshPreset:
 
 
 def resolve_mesh_arg(value: str, /) -> MeshPreset:
-    """A preset name, or an axis spec; a spec gets the rules of the preset sharding the same axes."""
+    """A preset name, or an axis spec (``data=2,sequence=2,tensor=2``) with the rules composed for the
+    axes it shards."""
     if "=" not in value:
         return get_mesh_preset(value)
     config = MeshConfig.parse(value)
-    shape = {a: getattr(config, a) * config.dcn_sizes()[a] for a in ("data", "fsdp", "tensor")}
-    sharded = tuple(a for a in ("data", "fsdp", "tensor") if shape[a] != 1)
-    by_axes = {("data",): "dp", ("fsdp",): "fsdp", ("tensor",): "tp", ("fsdp", "tensor"): "fsdp_tp",
-               ("data", "fsdp"): "hsdp", ("data", "fsdp", "tensor"): "3d", (): "dp",
-               ("data", "tensor"): "3d"}
-    base = PRESETS[by_axes[sharded]]
-    return MeshPreset(f"{base.name}[{value}]", config, base.rules, base.doc)
+    return MeshPreset(value, config, compose_rules(value, _sharded_axes(config)), "axis spec")

@@ -17,11 +17,14 @@ import enum
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScaling, SwiGLU
 from jaxpar.layers.common import param
+from jaxpar.parallel.attention import storage_order
+from jaxpar.parallel.common import inverse_order
 from jaxpar.rules import Dim, constrain
 
 
@@ -60,6 +63,8 @@ class DenseConfig:
     vocab_multiple: int = 128        # the embedding is padded to a multiple of this (shardable vocab)
     attention_impl: str | None = None
     max_seq_len: int = 2048          # longest sequence the model is meant for (HF max_position_embeddings)
+    context_parallel: str = "none"   # attention when positions are split over `sequence`: none | ring | ulysses
+    cp_order: str = "zigzag"         # ring: how tokens are stored over the devices: zigzag | contiguous
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -74,7 +79,7 @@ class DenseConfig:
         return AttentionConfig(self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim,
                                rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, qkv_bias=self.qkv_bias,
                                qk_norm=self.qk_norm, norm_eps=self.norm_eps, sliding_window=self.sliding_window,
-                               implementation=self.attention_impl)
+                               implementation=self.attention_impl, context_parallel=self.context_parallel)
 
     def logical_dims(self) -> dict[str, Dim]:
         """Sizes of the dimensions each logical axis governs, for the layout check."""
@@ -110,8 +115,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + checkpoint_name(self.attn(self.attn_norm(x), positions), "attn_out")
+    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array) -> jax.Array:
+        x = x + checkpoint_name(self.attn(self.attn_norm(x), positions, index), "attn_out")
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "act_embed"))
 
@@ -133,17 +138,27 @@ class DenseLM(nnx.Module):
 
     def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """ids [B, T] int32 -> logits [B, T, V_padded] float32 (padding columns at -inf-like values)."""
+        logits, order = self.forward(ids, positions)
+        return logits if order is None else logits[:, inverse_order(order)]
+
+    def forward(self, ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, np.ndarray | None]:
+        """``(logits, order)``: logits in the order the layout stores tokens in, where position p holds
+        token ``order[p]`` (``order`` None: the natural order). A loss can permute its targets by
+        ``order`` instead of paying to put the logits back (zig-zag context parallelism)."""
         cfg = self.cfg
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        index = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        positions = index if positions is None else positions
+        order = storage_order(ids.shape[1], cfg.context_parallel, cfg.cp_order)
+        if order is not None:                                    # zig-zag: RoPE positions follow the tokens
+            ids, positions, index = ids[:, order], positions[:, order], index[:, order]
         x = self.embed(ids)                                                          # [B, T, D]
 
-        def body(x, block, positions):
-            return block(x, positions)
+        def body(x, block, positions, index):
+            return block(x, positions, index)
 
         if cfg.remat != Remat.NONE:
             body = nnx.remat(body, policy=cfg.remat.policy(), prevent_cse=False)
-        x = nnx.scan(body, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)(x, self.blocks, positions)
+        x = nnx.scan(body, in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry)(x, self.blocks, positions, index)
         x = self.final_norm(x)
         if cfg.tie_embeddings:
             logits = self.embed.attend(x)
@@ -152,5 +167,4 @@ class DenseLM(nnx.Module):
         logits = constrain(logits.astype(jnp.float32), ("batch", "inner_length", "act_vocab"))
         if cfg.padded_vocab != cfg.vocab_size:
             logits = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits, -1e9)
-        return logits
-
+        return logits, order

@@ -48,9 +48,10 @@ def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) 
     """Objective = mean float32 cross-entropy of ``model(inputs)`` against ``targets`` plus
     ``z_loss · mean(log Z²)`` (PaLM's z-loss: keeps the softmax normaliser near 1, so logits don't drift
     in low precision). Returns ``(objective, LossParts)``."""
-    logits = model(batch["inputs"]).astype(jnp.float32)
+    logits, order = model.forward(batch["inputs"])        # in the layout's storage order (see DenseLM)
+    targets = batch["targets"] if order is None else batch["targets"][:, order]
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     ce = jnp.mean(log_z - target_logit)
     z = z_loss * jnp.mean(jnp.square(log_z)) if z_loss else jnp.zeros((), jnp.float32)
     return ce + z, LossParts(ce, z)

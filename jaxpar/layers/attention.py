@@ -16,6 +16,7 @@ from flax import nnx
 from jaxpar.layers.common import param, zeros
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.layers.rope import RopeScaling, apply_rope, rope_frequencies
+from jaxpar.parallel.attention import context_attention
 from jaxpar.rules import constrain
 
 
@@ -32,6 +33,7 @@ class AttentionConfig:
     norm_eps: float = 1e-5
     sliding_window: int | None = None     # a token sees itself and the (window - 1) tokens before it
     implementation: str | None = None     # jax.nn.dot_product_attention: None (auto), 'xla', 'cudnn'
+    context_parallel: str = "none"        # attention over a split sequence: none | ring | ulysses
 
 
 class Attention(nnx.Module):
@@ -67,14 +69,16 @@ class Attention(nnx.Module):
             y = getattr(self, f"{name}_norm")(y)
         return constrain(y, ("batch", "inner_length", heads_axis, None))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array | None = None) -> jax.Array:
+        """x [B, T, D]; positions [B, T] for RoPE; index [B, T]: each stored token's place in the
+        original sequence (differs from the storage order under zig-zag context parallelism)."""
         x = constrain(x, ("batch", "inner_length", "act_embed"))                    # x: [B, T, D]
         q = apply_rope(self._project(x, "q", "act_heads"), positions, self.inv_freq)      # [B, T, N, H]
         k = apply_rope(self._project(x, "k", "act_kv_heads"), positions, self.inv_freq)   # [B, T, K, H]
         v = self._project(x, "v", "act_kv_heads")                                         # [B, T, K, H]
-        window = None if self.cfg.sliding_window is None else (self.cfg.sliding_window - 1, 0)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
-                                           implementation=self.cfg.implementation)
+        index = positions if index is None else index
+        out = context_attention(q, k, v, index, strategy=self.cfg.context_parallel, window=self.cfg.sliding_window,
+                                implementation=self.cfg.implementation)
         out = constrain(out, ("batch", "inner_length", "act_heads", None))          # [B, T, N, H]
         y = jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(self.dtype))
         return constrain(y, ("batch", "length", "act_embed"))

@@ -1,0 +1,115 @@
+"""The attention core under context parallelism: where a model's attention meets the ``sequence`` axis.
+
+Models call ``context_attention`` with logical intent only (a strategy name); this module reads the
+current layout (``jaxpar.rules.current_layout``) to find which mesh axis the positions inside attention
+(``inner_length``) are split over, and runs the matching kernel under ``jax.shard_map``:
+
+    none      ``jax.nn.dot_product_attention`` on whatever GSPMD gives it (with a split sequence, XLA
+              gathers the full K/V on every device: simple, O(L) memory)
+    ring      ``jaxpar.parallel.ring``: K/V blocks travel the ring, O(L/n) memory, zig-zag balanced
+    ulysses   ``jaxpar.parallel.ulysses``: all-to-all from sequence-split to head-split and back
+
+Token order: with a ring under the zig-zag order the model stores the sequence so that the contiguous
+split over n devices gives device i the chunks i and 2n−1−i (``storage_order``). The model permutes
+ids and positions once on entry and undoes it on the logits; masks inside the kernels use each token's
+original index, so every strategy computes exactly plain causal attention.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxpar.parallel.common import zigzag_order
+from jaxpar.rules import LayoutError, Rules, current_layout
+
+STRATEGIES = ("none", "ring", "ulysses")
+ORDERS = ("zigzag", "contiguous")
+
+
+def sequence_axis(rules: Rules, mesh_shape, /) -> str | None:
+    """The mesh axis that splits positions inside attention, or None when they are not split."""
+    axes = [a for a in rules["inner_length"] if mesh_shape[a] > 1]
+    if len(axes) > 1:
+        raise LayoutError(f"rules {rules.name!r}: inner_length is split over {axes}; context parallel "
+                          "attention supports one mesh axis")
+    return axes[0] if axes else None
+
+
+def check_context_parallel(strategy: str, order: str, /, *, seq: int, num_heads: int, num_kv_heads: int,
+                           rules: Rules, mesh_shape) -> None:
+    """Refuses, before anything compiles, a strategy the layout cannot run; names field and axis."""
+    if strategy not in STRATEGIES:
+        raise LayoutError(f"model.context_parallel={strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if order not in ORDERS:
+        raise LayoutError(f"model.cp_order={order!r} is not one of {', '.join(ORDERS)}")
+    axis = sequence_axis(rules, mesh_shape)
+    if axis is None or strategy == "none":
+        return
+    n = mesh_shape[axis]
+    if strategy == "ring" and order == "zigzag" and seq % (2 * n):
+        raise LayoutError(f"seq={seq} is not divisible by 2 × {axis}={n} = {2 * n}: the zig-zag order gives "
+                          f"each device two chunks of seq / {2 * n} (or set model.cp_order=contiguous)")
+    if strategy == "ulysses":
+        from jaxpar.parallel.ulysses import ulysses_check
+        heads_ways = math.prod(mesh_shape[a] for a in rules["act_heads"])
+        kv_ways = math.prod(mesh_shape[a] for a in rules["act_kv_heads"])
+        ulysses_check(num_heads // heads_ways, num_kv_heads // kv_ways, n, replicate_kv=False)
+
+
+def storage_order(length: int, strategy: str, order: str, /) -> np.ndarray | None:
+    """How the model stores a sequence of ``length`` tokens under the current layout: position p holds
+    token ``order[p]``; None means the natural order."""
+    layout = current_layout()
+    if layout is None or strategy != "ring" or order != "zigzag":
+        return None
+    mesh, rules = layout
+    axis = sequence_axis(rules, mesh.shape)
+    return None if axis is None else zigzag_order(length, mesh.shape[axis])
+
+
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array, /, *, strategy: str,
+                      window: int | None = None, implementation: str | None = None) -> jax.Array:
+    """Causal attention: q [B, T, N, H], k/v [B, T, K, H], index int [B, T] (each stored token's place
+    in the original sequence). Returns [B, T, N, H]."""
+    layout = current_layout()
+    axis = None if layout is None or strategy == "none" else sequence_axis(layout[1], layout[0].shape)
+    if axis is None:
+        local = None if window is None else (window - 1, 0)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                            implementation=implementation)
+    mesh, rules = layout
+    batch, heads, kv_heads = rules["batch"] or None, rules["act_heads"] or None, rules["act_kv_heads"] or None
+    q_spec = PartitionSpec(batch, axis, heads, None)
+    kv_spec = PartitionSpec(batch, axis, kv_heads, None)
+    index_spec = PartitionSpec(batch, axis)
+    kernel = _kernel(strategy)
+
+    def body(q, k, v, index):            # q: [B/b, T/n, N/h, H]; k, v: [B/b, T/n, K/h or K, H]
+        if heads and not kv_heads:       # kv heads replicated over the head axes: keep this group's one
+            k, v = (_own_kv_head(x, heads, mesh.shape, q.shape[2]) for x in (k, v))
+        return kernel(q, k, v, index, index, axis_name=axis, causal=True, window=window)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, index_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v, index)
+
+
+def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.Array:
+    """The kv head that this device's query heads share, when K is replicated over the head axes
+    (fewer kv heads than head shards): device r holds query heads r·N/t.. and so kv head r·(N/t) // G."""
+    ways = math.prod(mesh_shape[a] for a in head_axes)
+    group = local_heads * ways // x.shape[2]                 # query heads per kv head (G)
+    r = jax.lax.axis_index(head_axes)
+    return jax.lax.dynamic_slice_in_dim(x, r * local_heads // group, 1, axis=2)
+
+
+def _kernel(strategy: str):
+    if strategy == "ring":
+        from jaxpar.parallel.ring import ring_attention
+        return ring_attention
+    if strategy == "ulysses":
+        from jaxpar.parallel.ulysses import ulysses_attention
+        return ulysses_attention
+    raise LayoutError(f"model.context_parallel={strategy!r} is not one of {', '.join(STRATEGIES)}")

@@ -10,6 +10,7 @@ Parameter names:
     heads      query heads N              kv_heads   key/value heads K (GQA/MQA: K < N)
     head_dim   per-head width H           mlp        feed-forward width F
     layers     the stacked-layer axis L   norm       scale vectors of norms over D
+    experts    the expert axis E of MoE expert weights
 Activation names:
     batch        sequences B
     length       positions T of the residual stream *between* blocks (Megatron sequence parallelism
@@ -17,6 +18,7 @@ Activation names:
     inner_length positions T *inside* attention and MLP blocks
     act_embed    D of activations         act_heads / act_kv_heads   N / K of activations
     act_mlp      F of activations         act_vocab  V of logits
+    act_experts  E of MoE dispatch buffers [E, C, D] (tokens gathered per expert)
 ``None`` in a names tuple means "never sharded".
 """
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import Iterable, Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts")
 ACTIVATION_AXES = ("batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads",
-                   "act_mlp", "act_vocab")
+                   "act_mlp", "act_vocab", "act_experts")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
 

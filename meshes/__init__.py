@@ -33,8 +33,9 @@ class MeshPreset:
 
 
 _REPLICATED = dict.fromkeys(
-    ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm",
-     "batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab"))
+    ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts",
+     "batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
+     "act_experts"))
 
 # Tensor parallelism: heads/mlp/vocab split; the residual stream split along length between blocks.
 _TENSOR = dict(vocab="tensor", heads="tensor", kv_heads="tensor", mlp="tensor", length="tensor",
@@ -45,13 +46,17 @@ def compose_rules(name: str, axes, /) -> Rules:
     """The one rules table for a mesh that shards over ``axes`` (a set of mesh axis names):
     ``data``/``fsdp`` split the batch, ``fsdp`` also the weights' ``embed``; ``tensor`` is Megatron TP
     with sequence-parallel activations between blocks; ``sequence`` is context parallelism: every
-    activation split along its positions (inside attention by the model's kernel: ring or Ulysses)."""
+    activation split along its positions (inside attention by the model's kernel: ring or Ulysses);
+    ``expert`` holds whole experts (expert parallelism) and, outside MoE layers, splits the batch like
+    a data axis (so its devices never repeat work)."""
     rules = dict(_REPLICATED)
-    batch = tuple(a for a in ("data", "fsdp") if a in axes)
+    batch = tuple(a for a in ("data", "fsdp", "expert") if a in axes)
     if batch:
         rules["batch"] = batch
     if "fsdp" in axes:
         rules["embed"] = "fsdp"
+    if "expert" in axes:
+        rules["experts"] = rules["act_experts"] = "expert"
     if "tensor" in axes:
         rules.update(_TENSOR)
     if "sequence" in axes:
@@ -67,7 +72,8 @@ def _preset(name: str, mesh: str, doc: str) -> MeshPreset:
 
 def _sharded_axes(config: MeshConfig) -> set[str]:
     """Axes with a size other than 1 (-1 counts: it will be filled from the device count)."""
-    return {a for a in ("data", "fsdp", "sequence", "tensor") if getattr(config, a) * config.dcn_sizes()[a] != 1}
+    return {a for a in ("data", "fsdp", "expert", "sequence", "tensor")
+            if getattr(config, a) * config.dcn_sizes()[a] != 1}
 
 
 PRESETS: dict[str, MeshPreset] = {p.name: p for p in (

@@ -53,8 +53,13 @@ def test_vocab_is_padded_to_a_shardable_multiple():
 
 
 def test_idle_mesh_axis_is_refused():
-    msg = _fails(TINY, "data=4,expert=2")
-    assert "expert=2" in msg and "no rule" in msg, msg
+    """A preset's rules on a mesh with an axis they never use (here: dp's rules with tensor=2)."""
+    import dataclasses
+    from jaxpar.mesh import MeshConfig
+    preset = dataclasses.replace(get_mesh_preset("dp"), mesh=MeshConfig.parse("data=4,tensor=2"))
+    with pytest.raises(LayoutError) as err:
+        make_layout(TINY, preset, batch=8, seq=16)
+    assert "tensor=2" in str(err.value) and "no rule" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("name, closest", [("fsdp-tp", "fsdp_tp"), ("hsd", "hsdp"), ("3D", "3d")])

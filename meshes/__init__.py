@@ -50,7 +50,7 @@ def compose_rules(name: str, axes, /) -> Rules:
     ``expert`` holds whole experts (expert parallelism) and, outside MoE layers, splits the batch like
     a data axis (so its devices never repeat work)."""
     rules = dict(_REPLICATED)
-    batch = tuple(a for a in ("data", "fsdp", "expert") if a in axes)
+    batch = tuple(a for a in ("expert", "data", "fsdp") if a in axes)     # expert-major: see parallel/moe.py
     if batch:
         rules["batch"] = batch
     if "fsdp" in axes:

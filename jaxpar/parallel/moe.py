@@ -1,0 +1,78 @@
+"""Expert parallelism: the experts' MLP over capacity-padded buffers, with tokens exchanged by all-to-all.
+
+The MoE layer gathers each group's tokens (a group is one sequence of the batch) into a buffer
+``[B, E, C, D]``: for every expert e, the C tokens of the group routed to it (capacity-padded, so the
+shape is static and the buffer works on every backend, CPU included). Outside this function the batch
+is split over the mesh axes of ``batch`` (expert among them); inside, expert e's weights live on one
+slice of the ``expert`` axis. So the buffer crosses the axis twice:
+
+    dispatch  all_to_all: [B/ep, E, C, D] -> [B, E/ep, C, D]     (split experts, gather groups)
+    experts   SwiGLU of each local expert on its ep·C tokens per group
+    combine   all_to_all: [B, E/ep, C, D] -> [B/ep, E, C, D]     (the inverse)
+
+Each all-to-all sends (ep−1)/ep of the local buffer, T·k·cf·D·b per device (T local tokens, k choices,
+cf capacity factor, b bytes); with the two of the backward pass, 4·(ep−1)/ep·T·k·cf·D·b per MoE layer
+per step. ``shard_map`` is manual over ``expert`` only: ``fsdp``/``tensor`` sharding *within* an expert's
+weights stays automatic (GSPMD gathers or splits them as for a dense MLP).
+
+Legend: B groups (sequences), E experts, C capacity per expert per group, D width, F expert MLP width.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxpar.rules import LayoutError, current_layout
+
+
+def expert_mlp(buf: jax.Array, gate_up: jax.Array, down: jax.Array, /) -> jax.Array:
+    """SwiGLU of every expert on its tokens: buf [B, E, C, D], gate_up [E, D, 2, F], down [E, F, D]."""
+    h = jnp.einsum("becd,edkf->beckf", buf, gate_up.astype(buf.dtype))
+    return jnp.einsum("becf,efd->becd", jax.nn.silu(h[..., 0, :]) * h[..., 1, :], down.astype(buf.dtype))
+
+
+def expert_axis(rules, mesh_shape, /) -> str | None:
+    """The mesh axis that splits the experts, or None when they are not split."""
+    axes = [a for a in rules["act_experts"] if mesh_shape[a] > 1]
+    if len(axes) > 1:
+        raise LayoutError(f"rules {rules.name!r}: act_experts is split over {axes}; expert parallelism "
+                          "supports one mesh axis")
+    return axes[0] if axes else None
+
+
+def experts_apply(buf: jax.Array, gate_up: jax.Array, down: jax.Array, /) -> jax.Array:
+    """``expert_mlp`` under the current layout: plain when the experts are not split, else with the
+    dispatch and combine all-to-alls over the expert axis (see the module docstring)."""
+    layout = current_layout()
+    axis = None if layout is None else expert_axis(layout[1], layout[0].shape)
+    if axis is None:
+        return expert_mlp(buf, gate_up, down)
+    mesh = layout[0]
+    ep = mesh.shape[axis]
+    if buf.shape[1] % ep:
+        raise LayoutError(f"expert parallelism over {axis}={ep} needs the experts ({buf.shape[1]}) "
+                          f"divisible by {ep}")
+
+    def body(buf, gate_up, down):            # buf [B/g, E, C, D] (g: batch shards); gate_up [E/ep, D, 2, F]
+        local = jax.lax.all_to_all(buf, axis, split_axis=1, concat_axis=0, tiled=True)  # [B·ep/g, E/ep, C, D]
+        out = expert_mlp(local, gate_up, down)
+        return jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True)   # [B/g, E, C, D]
+
+    # Manual over every axis that splits the groups (else the all-to-all's concatenation over a dim
+    # that is still automatically split makes GSPMD gather it first); the weights are split over the
+    # expert axis only, so their fsdp shards are gathered on entry (FSDP) and tensor stays automatic.
+    batch = tuple(layout[1]["batch"])
+    if axis not in batch:
+        raise LayoutError(f"rules {layout[1].name!r}: the expert axis {axis!r} must also split the batch")
+    groups = PartitionSpec(batch)
+    return jax.shard_map(body, mesh=mesh, in_specs=(groups, PartitionSpec(axis), PartitionSpec(axis)),
+                         out_specs=groups, axis_names=frozenset(batch), check_vma=False)(buf, gate_up, down)
+
+
+def a2a_bytes_formula(*, tokens_per_device: int, top_k: int, capacity_factor: float, embed_dim: int,
+                      ep: int, bytes_per_element: int, backward: bool = True) -> float:
+    """Bytes one device sends in the MoE all-to-alls of one layer: 2 forward (+2 backward) of
+    (ep−1)/ep · T·k·cf·D·b."""
+    one = (ep - 1) / ep * tokens_per_device * top_k * capacity_factor * embed_dim * bytes_per_element
+    return (4 if backward else 2) * one

@@ -2,8 +2,9 @@
 from jaxpar.layers.attention import Attention, AttentionConfig
 from jaxpar.layers.embed import Embed
 from jaxpar.layers.mlp import SwiGLU
+from jaxpar.layers.moe import MoE, MoEConfig, MoEStats, updated_bias
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.layers.rope import RopeScaling, apply_rope, rope_frequencies
 
-__all__ = ["Attention", "AttentionConfig", "Embed", "SwiGLU", "RMSNorm", "RopeScaling", "apply_rope",
-           "rope_frequencies"]
+__all__ = ["Attention", "AttentionConfig", "Embed", "MoE", "MoEConfig", "MoEStats", "SwiGLU", "RMSNorm",
+           "RopeScaling", "apply_rope", "rope_frequencies", "updated_bias"]

@@ -11,6 +11,7 @@ Parameter names:
     head_dim   per-head width H           mlp        feed-forward width F
     layers     the stacked-layer axis L   norm       scale vectors of norms over D
     experts    the expert axis E of MoE expert weights
+    q_lora / kv_lora   the low-rank latent widths of Multi-head Latent Attention (DeepSeek)
 Activation names:
     batch        sequences B
     length       positions T of the residual stream *between* blocks (Megatron sequence parallelism
@@ -32,7 +33,8 @@ from typing import Iterable, Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts",
+              "q_lora", "kv_lora")
 ACTIVATION_AXES = ("batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads",
                    "act_mlp", "act_vocab", "act_experts")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES

@@ -33,7 +33,7 @@ class MeshPreset:
 
 
 _REPLICATED = dict.fromkeys(
-    ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts",
+    ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts", "q_lora", "kv_lora",
      "batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
      "act_experts"))
 

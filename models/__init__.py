@@ -10,7 +10,9 @@ import dataclasses
 from flax import nnx
 
 from jaxpar.layers.rope import RopeScaling
+from jaxpar.layers.moe import MoEConfig
 from jaxpar.models.dense import DenseConfig, DenseLM, Remat
+from jaxpar.models.moe import MoELM, MoEModelConfig
 from jaxpar.mesh import suggest
 from jaxpar.rules import LayoutError
 
@@ -44,10 +46,40 @@ PRESETS: dict[str, DenseConfig] = {
                             max_seq_len=40_960),
 }
 
+
+def _moe(vocab, d, layers, heads, kv, mlp_dense, moe, **kw):
+    return MoEModelConfig(vocab_size=vocab, embed_dim=d, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                          head_dim=128, mlp_dim=mlp_dense, moe=moe, **kw)
+
+
+PRESETS.update({
+    # Tests: 4 experts, top-2 (Mixtral-like); and 8 experts in 4 groups with a shared expert, sigmoid
+    # group-limited routing and a first dense layer (DeepSeek-like, with GQA attention).
+    "tiny-moe": MoEModelConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
+                               head_dim=8, mlp_dim=128, max_seq_len=1024,
+                               moe=MoEConfig(num_experts=4, top_k=2, mlp_dim=64, capacity_factor=2.0)),
+    "tiny-deepseek": MoEModelConfig(vocab_size=256, embed_dim=64, num_layers=3, num_heads=8, num_kv_heads=2,
+                                    head_dim=8, mlp_dim=128, max_seq_len=1024, first_dense_layers=1,
+                                    moe=MoEConfig(num_experts=8, top_k=2, mlp_dim=32, router="sigmoid",
+                                                  num_groups=4, topk_groups=2, routed_scale=2.5,
+                                                  num_shared_experts=1, shared_mlp_dim=32,
+                                                  bias_update_rate=1e-3, capacity_factor=2.0)),
+    "mixtral-8x7b": _moe(32_000, 4096, 32, 32, 8, 14_336, MoEConfig(num_experts=8, top_k=2, mlp_dim=14_336),
+                         rope_theta=1_000_000.0, max_seq_len=32_768),
+    "mixtral-8x22b": _moe(32_768, 6144, 56, 48, 8, 16_384, MoEConfig(num_experts=8, top_k=2, mlp_dim=16_384),
+                          rope_theta=1_000_000.0, max_seq_len=65_536),
+    "qwen3-30b-a3b": _moe(151_936, 2048, 48, 32, 4, 6144, MoEConfig(num_experts=128, top_k=8, mlp_dim=768),
+                          rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=40_960),
+    "qwen3-235b-a22b": _moe(151_936, 4096, 94, 64, 4, 12_288, MoEConfig(num_experts=128, top_k=8, mlp_dim=1536),
+                            rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=40_960),
+})
+
 # Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
 PUBLISHED_PARAMS = {
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
     "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
+    "mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296,
+    "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,
 }
 
 
@@ -61,7 +93,7 @@ def get_model_preset(name: str, /, **overrides) -> DenseConfig:
 
 
 def build_model(cfg: DenseConfig, /, *, rngs: nnx.Rngs) -> DenseLM:
-    return DenseLM(cfg, rngs=rngs)
+    return MoELM(cfg, rngs=rngs) if isinstance(cfg, MoEModelConfig) else DenseLM(cfg, rngs=rngs)
 
 
-__all__ = ["DenseConfig", "DenseLM", "Remat", "PRESETS", "PUBLISHED_PARAMS", "get_model_preset", "build_model"]
+__all__ = ["DenseConfig", "DenseLM", "MoEConfig", "MoELM", "MoEModelConfig", "Remat", "PRESETS", "PUBLISHED_PARAMS", "get_model_preset", "build_model"]

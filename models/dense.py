@@ -121,44 +121,73 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "length", "act_embed"))
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+    """What ``forward`` returns (inside a traced function): logits in the layout's storage order,
+    that order (position p holds token ``order[p]``; None = natural), the weighted auxiliary losses
+    the objective adds (MoE balancing and router z-loss; 0 for dense models), and MoE statistics
+    stacked over the MoE layers (None for dense models)."""
+    logits: jax.Array
+    order: np.ndarray | None
+    aux_loss: jax.Array
+    moe: object = None
+
+
+def stacked(n: int, make, rngs: nnx.Rngs):
+    """``n`` blocks made by ``make(rngs)``, created once with ``nnx.vmap``: every parameter gains a
+    leading ``layers`` axis, and ``nnx.scan`` runs them."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs):
+        return make(rngs)
+
+    return make_blocks(rngs)
+
+
+def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs: bool = False):
+    """Runs stacked ``blocks`` over x. A block returns x, or with ``per_layer_outputs`` (x, outputs),
+    and the outputs come back stacked over the layers."""
+    def body(x, block, positions, index):
+        return block(x, positions, index)
+
+    if remat != Remat.NONE:
+        body = nnx.remat(body, policy=remat.policy(), prevent_cse=False)
+    out_axes = (nnx.Carry, 0) if per_layer_outputs else nnx.Carry
+    return nnx.scan(body, in_axes=(nnx.Carry, 0, None, None), out_axes=out_axes)(x, blocks, positions, index)
+
+
 class DenseLM(nnx.Module):
     def __init__(self, cfg: DenseConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        self._init_io(cfg, rngs)
+        self.blocks = stacked(cfg.num_layers, lambda r: Block(cfg, rngs=r), rngs)
+
+    def _init_io(self, cfg, rngs: nnx.Rngs) -> None:
+        """Embedding, final norm and LM head: the parts every family shares."""
         self.embed = Embed(cfg.padded_vocab, cfg.embed_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(cfg, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"), dtype=cfg.param_dtype)
 
+    def _blocks(self, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
+        """The layer stack: (x, weighted auxiliary loss, statistics)."""
+        return scan_blocks(self.blocks, x, positions, index, self.cfg.remat), jnp.zeros((), jnp.float32), None
+
     def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """ids [B, T] int32 -> logits [B, T, V_padded] float32 (padding columns at -inf-like values)."""
-        logits, order = self.forward(ids, positions)
-        return logits if order is None else logits[:, inverse_order(order)]
+        out = self.forward(ids, positions)
+        return out.logits if out.order is None else out.logits[:, inverse_order(out.order)]
 
-    def forward(self, ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, np.ndarray | None]:
-        """``(logits, order)``: logits in the order the layout stores tokens in, where position p holds
-        token ``order[p]`` (``order`` None: the natural order). A loss can permute its targets by
-        ``order`` instead of paying to put the logits back (zig-zag context parallelism)."""
+    def forward(self, ids: jax.Array, positions: jax.Array | None = None) -> ForwardOutput:
+        """Logits in the order the layout stores tokens in (see ``ForwardOutput``): a loss can permute
+        its targets by ``order`` instead of paying to put the logits back (zig-zag context parallelism)."""
         cfg = self.cfg
         index = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
         positions = index if positions is None else positions
         order = storage_order(ids.shape[1], cfg.context_parallel, cfg.cp_order)
         if order is not None:                                    # zig-zag: RoPE positions follow the tokens
             ids, positions, index = ids[:, order], positions[:, order], index[:, order]
-        x = self.embed(ids)                                                          # [B, T, D]
-
-        def body(x, block, positions, index):
-            return block(x, positions, index)
-
-        if cfg.remat != Remat.NONE:
-            body = nnx.remat(body, policy=cfg.remat.policy(), prevent_cse=False)
-        x = nnx.scan(body, in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry)(x, self.blocks, positions, index)
+        x, aux_loss, stats = self._blocks(self.embed(ids), positions, index)        # x: [B, T, D]
         x = self.final_norm(x)
         if cfg.tie_embeddings:
             logits = self.embed.attend(x)
@@ -167,4 +196,4 @@ class DenseLM(nnx.Module):
         logits = constrain(logits.astype(jnp.float32), ("batch", "inner_length", "act_vocab"))
         if cfg.padded_vocab != cfg.vocab_size:
             logits = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits, -1e9)
-        return logits, order
+        return ForwardOutput(logits, order, aux_loss, stats)

@@ -65,7 +65,7 @@ def test_logits_come_back_in_natural_order():
     with layout.activate():
         model = build_model(cfg, rngs=nnx.Rngs(0))
         got = np.asarray(nnx.jit(lambda m, x: m(x))(model, ids))
-        _, order = model.forward(ids)
+        order = model.forward(ids).order
     assert order is not None and not np.array_equal(order, np.arange(T))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -81,7 +81,7 @@ def test_ring_moves_exactly_the_kv_blocks():
     with layout.activate():
         model = build_model(cfg, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
-        forward = jax.jit(lambda s, x: nnx.merge(graphdef, s).forward(x)[0])
+        forward = jax.jit(lambda s, x: nnx.merge(graphdef, s).forward(x).logits)
         ids = jax.ShapeDtypeStruct((B, seq), np.int32, sharding=layout.sharding(("batch", "length")))
         report = analyze_compiled(forward.lower(state, ids).compile(), mesh=layout.mesh)
     kv = (n - 1) / n * 2 * B * seq * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers

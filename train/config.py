@@ -93,13 +93,17 @@ def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def field_paths(cls=TrainConfig, prefix: str = "") -> dict[str, Any]:
-    """Every settable leaf path → its annotated type (nested dataclasses are walked)."""
+def field_paths(obj=TrainConfig, prefix: str = "") -> dict[str, Any]:
+    """Every settable leaf path → its annotated type. ``obj`` is a config or a config class; nested
+    dataclasses are walked, by their actual class when ``obj`` is an instance (so an MoE model's
+    ``model.moe.top_k`` is settable while a dense model has no ``model.moe``)."""
     out = {}
+    cls = obj if isinstance(obj, type) else type(obj)
     for name, tp in _hints(cls).items():
-        inner = _dataclass_in(tp)
+        value = None if isinstance(obj, type) else getattr(obj, name)
+        inner = type(value) if dataclasses.is_dataclass(value) else _dataclass_in(tp)
         if inner is not None:
-            out.update(field_paths(inner, f"{prefix}{name}."))
+            out.update(field_paths(value if dataclasses.is_dataclass(value) else inner, f"{prefix}{name}."))
         else:
             out[prefix + name] = tp
     return out
@@ -159,7 +163,7 @@ def _replace_path(obj, parts: list[str], value):
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
     """``cfg`` with each ``path=value`` applied in order."""
-    paths = field_paths()
+    paths = field_paths(cfg)
     for item in overrides:
         path, sep, text = item.partition("=")
         path = path.strip()
@@ -205,9 +209,10 @@ def from_dict(cls, data: dict):
 
 def describe_fields() -> str:
     """The ``--set`` fields with their defaults, for ``--help``."""
-    defaults = to_dict(default_config())
+    cfg = default_config()
+    defaults = to_dict(cfg)
     lines = []
-    for path in field_paths():
+    for path in field_paths(cfg):
         value = defaults
         for part in path.split("."):
             value = value.get(part) if isinstance(value, dict) else None

@@ -71,6 +71,16 @@ def _check_out_dir(out: Path, config: dict) -> SavedRun | None:
     return saved
 
 
+def moe_record(stats, /, *, microbatches: int) -> dict:
+    """What the logs show of MoE layers (stats stacked [L, ...], averaged over microbatches): the
+    weighted balancing and router z-losses, the share of assignments capacity dropped (mean over layers;
+    overflow is silent otherwise) and each expert's assignments per step, summed over layers."""
+    load = np.asarray(stats.expert_load, np.float64).reshape(-1, np.shape(stats.expert_load)[-1])
+    return {"moe_aux_loss": float(np.sum(stats.aux_loss)), "router_z_loss": float(np.sum(stats.router_z_loss)),
+            "dropped_fraction": float(np.mean(stats.dropped_fraction)),
+            "expert_tokens": [round(x) for x in load.sum(0) * microbatches]}
+
+
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -218,6 +228,8 @@ class _Run:
                                  num_devices=self.layout.mesh.size, device_kind=jax.devices()[0].device_kind))
         if cfg.z_loss:
             record["z_loss"] = float(metrics.z_loss)
+        if metrics.moe is not None:
+            record.update(moe_record(metrics.moe, microbatches=cfg.microbatches))
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         self.metrics.write(record)

@@ -27,6 +27,7 @@ class StepMetrics:
     loss: jax.Array          # mean next-token cross-entropy (float32), without the z-loss term
     grad_norm: jax.Array     # global norm of the gradient of the whole objective, before clipping
     z_loss: jax.Array        # the z-loss term that was added to the objective (0 when off)
+    moe: Any = None          # MoE models: jaxpar.layers.MoEStats stacked over the MoE layers [L, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,19 +43,21 @@ class TrainState:
 class LossParts:
     cross_entropy: jax.Array
     z_loss: jax.Array
+    moe: Any = None          # MoE statistics of the forward pass (None for dense models)
 
 
 def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
-    """Objective = mean float32 cross-entropy of ``model(inputs)`` against ``targets`` plus
+    """Objective = mean float32 cross-entropy of the model's logits against ``targets`` plus
     ``z_loss · mean(log Z²)`` (PaLM's z-loss: keeps the softmax normaliser near 1, so logits don't drift
-    in low precision). Returns ``(objective, LossParts)``."""
-    logits, order = model.forward(batch["inputs"])        # in the layout's storage order (see DenseLM)
-    targets = batch["targets"] if order is None else batch["targets"][:, order]
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    in low precision) plus the model's own weighted auxiliary losses (MoE balancing and router z-loss).
+    Returns ``(objective, LossParts)``."""
+    out = model.forward(batch["inputs"])                  # logits in the layout's storage order
+    targets = batch["targets"] if out.order is None else batch["targets"][:, out.order]
+    log_z = jax.nn.logsumexp(out.logits, axis=-1)
+    target_logit = jnp.take_along_axis(out.logits, targets[..., None], axis=-1)[..., 0]
     ce = jnp.mean(log_z - target_logit)
     z = z_loss * jnp.mean(jnp.square(log_z)) if z_loss else jnp.zeros((), jnp.float32)
-    return ce + z, LossParts(ce, z)
+    return ce + z + out.aux_loss, LossParts(ce, z, out.moe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,23 +109,26 @@ def _split_microbatches(batch: Batch, k: int) -> Batch:
 def _accumulated_grads(model, batch: Batch, loss_fn, microbatches: int):
     """Mean loss parts and mean gradient over ``microbatches`` equal slices of ``batch``, scanned so
     only one microbatch's activations are alive at a time. Gradients accumulate in float32."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss_of(params, micro):
-        return loss_fn(nnx.merge(graphdef, params, rest), micro)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)     # rest: non-trained state (router bias)
+    rest, rest_def = jax.tree.flatten(rest)     # plain arrays: the Variables are rebuilt inside the
+                                                # differentiated function, at its trace level
+    def loss_of(params, rest, micro):
+        return loss_fn(nnx.merge(graphdef, params, jax.tree.unflatten(rest_def, rest)), micro)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     if microbatches == 1:
-        (_, parts), grads = grad_fn(params, batch)
+        (_, parts), grads = grad_fn(params, rest, batch)
         return parts, grads
 
     def body(acc, micro):
         micro = {k: constrain(v, ("batch", "length")) for k, v in micro.items()}
-        (_, parts), grads = grad_fn(params, micro)
+        (_, parts), grads = grad_fn(params, rest, micro)
         return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (grads, parts)), None
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), (params, LossParts(0.0, 0.0)))
-    (grads, parts), _ = jax.lax.scan(body, zeros, _split_microbatches(batch, microbatches))
+    micro = _split_microbatches(batch, microbatches)
+    (_, parts_shape), grads_shape = jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (grads_shape, parts_shape))
+    (grads, parts), _ = jax.lax.scan(body, zeros, micro)
     grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
     return jax.tree.map(lambda x: x / microbatches, parts), grads
 
@@ -142,12 +148,14 @@ def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_los
             model, opt = nnx.merge(graphdef, state)
             parts, grads = _accumulated_grads(model, batch, objective, microbatches)
             opt.update(model, grads)
-            metrics = StepMetrics(loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss)
+            if parts.moe is not None:                 # DeepSeek's auxiliary-loss-free balancing (off at rate 0)
+                model.update_router_bias(parts.moe.expert_load)
+            metrics = StepMetrics(loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss,
+                                  moe=parts.moe)
             return nnx.state((model, opt)), metrics
 
-    replicated = layout.sharding(())
     return jax.jit(step, in_shardings=(ts.shardings, batch_sharding(layout)),
-                   out_shardings=(ts.shardings, StepMetrics(replicated, replicated, replicated)), donate_argnums=0)
+                   out_shardings=(ts.shardings, layout.sharding(())), donate_argnums=0)
 
 
 def make_eval_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss):

@@ -1,0 +1,110 @@
+"""Mixture-of-Experts decoder: Mixtral, Qwen3-MoE (and, with Multi-head Latent Attention, DeepSeek-V3).
+
+Legend: B batch, T positions, D embed_dim, E experts, k experts per token, L layers (the first
+``first_dense_layers`` with a dense SwiGLU, the rest with an MoE), V vocab (padded).
+
+    ids [B, T] -> Embed -> dense blocks -> MoE blocks -> RMSNorm -> LM head -> logits [B, T, V] (float32)
+    MoE block: x + Attention(RMSNorm(x)); x + MoE(RMSNorm(x))
+
+Everything the dense family has (GQA, QK-norm, RoPE scaling, remat, context parallelism, the zig-zag
+order) carries over: ``MoEConfig`` extends ``DenseConfig`` and ``MoELM`` reuses ``DenseLM``'s embedding,
+head and forward pass; only the layer stack differs. Each MoE layer reports ``MoEStats``; the model sums
+their weighted losses into the objective and hands the statistics (stacked [L, ...]) to the train step,
+which logs them and, when ``moe.bias_update_rate`` > 0, nudges the routers' selection bias.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.layers import Attention, MoE, MoEConfig, RMSNorm, updated_bias
+from jaxpar.models.dense import Block, DenseConfig, DenseLM, scan_blocks, stacked
+from jaxpar.rules import Dim, LayoutError, constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEModelConfig(DenseConfig):
+    moe: MoEConfig | None = None         # the MoE layers' router, experts and capacity
+    first_dense_layers: int = 0          # DeepSeek: the first layers keep a dense SwiGLU of width mlp_dim
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.moe is None:
+            raise LayoutError("model.moe: an MoE model needs its MoEConfig")
+        if not 0 <= self.first_dense_layers < self.num_layers:
+            raise LayoutError(f"model.first_dense_layers={self.first_dense_layers} must be in [0, "
+                              f"model.num_layers={self.num_layers})")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_dense_layers
+
+    def logical_dims(self) -> dict[str, Dim]:
+        experts = Dim(self.moe.num_experts, "model.moe.num_experts")
+        dims = super().logical_dims() | dict(experts=experts, act_experts=experts)
+        widths = {"model.moe.mlp_dim": self.moe.mlp_dim}        # `mlp` names every MLP width here:
+        if self.first_dense_layers:                              # each must divide its mesh axes, which
+            widths["model.mlp_dim"] = self.mlp_dim               # their gcd does exactly when all do
+        if self.moe.num_shared_experts:
+            widths["model.moe.shared experts' width"] = self.moe.num_shared_experts * self.moe.shared_mlp_dim
+        mlp = Dim(math.gcd(*widths.values()), " / ".join(widths) + (" (gcd)" if len(widths) > 1 else ""))
+        return dims | dict(mlp=mlp, act_mlp=mlp)
+
+    def num_params(self, *, padded: bool = False) -> int:
+        """Exact parameter count: the dense count with each MoE layer's SwiGLU replaced by its router,
+        experts and shared experts."""
+        d, m = self.embed_dim, self.moe
+        moe_mlp = d * m.num_experts + m.num_experts * 3 * d * m.mlp_dim + 3 * d * m.num_shared_experts * m.shared_mlp_dim
+        return super().num_params(padded=padded) + self.num_moe_layers * (moe_mlp - 3 * d * self.mlp_dim)
+
+    def flops_per_token(self, seq: int) -> float:
+        """Model FLOPs per training token with the *active* experts: k routed plus the shared ones."""
+        d, m = self.embed_dim, self.moe
+        routed = (m.top_k + m.num_shared_experts * m.shared_mlp_dim / m.mlp_dim) * 3 * d * m.mlp_dim
+        dense_mlp = 3 * d * self.mlp_dim
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        moe = routed + d * m.num_experts                                      # experts + router
+        matmul = self.num_layers * attn + self.first_dense_layers * dense_mlp + self.num_moe_layers * moe
+        matmul += self.padded_vocab * d
+        return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * self.head_dim * seq
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, cfg: MoEModelConfig, *, rngs: nnx.Rngs):
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.attn = Attention(cfg.attention(), rngs=rngs, **kw)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.moe = MoE(cfg.embed_dim, cfg.moe, rngs=rngs, **kw)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array):
+        x = x + checkpoint_name(self.attn(self.attn_norm(x), positions, index), "attn_out")
+        y, stats = self.moe(self.mlp_norm(x))
+        return constrain(x + y, ("batch", "length", "act_embed")), stats
+
+
+class MoELM(DenseLM):
+    def __init__(self, cfg: MoEModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self._init_io(cfg, rngs)
+        if cfg.first_dense_layers:
+            self.dense_blocks = stacked(cfg.first_dense_layers, lambda r: Block(cfg, rngs=r), rngs)
+        self.moe_blocks = stacked(cfg.num_moe_layers, lambda r: MoEBlock(cfg, rngs=r), rngs)
+
+    def _blocks(self, x, positions, index):
+        if self.cfg.first_dense_layers:
+            x = scan_blocks(self.dense_blocks, x, positions, index, self.cfg.remat)
+        x, stats = scan_blocks(self.moe_blocks, x, positions, index, self.cfg.remat, per_layer_outputs=True)
+        return x, jnp.sum(stats.aux_loss) + jnp.sum(stats.router_z_loss), stats
+
+    def update_router_bias(self, expert_load: jax.Array) -> None:
+        """DeepSeek's auxiliary-loss-free balancing for every MoE layer ([L, E] loads); no-op at rate 0."""
+        rate = self.cfg.moe.bias_update_rate
+        if rate:
+            bias = self.moe_blocks.moe.router_bias
+            bias[...] = updated_bias(bias[...], jax.lax.stop_gradient(expert_load), rate)

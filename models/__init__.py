@@ -10,6 +10,7 @@ import dataclasses
 from flax import nnx
 
 from jaxpar.layers.rope import RopeScaling
+from jaxpar.layers.mla import MLAConfig, YarnScaling
 from jaxpar.layers.moe import MoEConfig
 from jaxpar.models.dense import DenseConfig, DenseLM, Remat
 from jaxpar.models.moe import MoELM, MoEModelConfig
@@ -58,12 +59,14 @@ PRESETS.update({
     "tiny-moe": MoEModelConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
                                head_dim=8, mlp_dim=128, max_seq_len=1024,
                                moe=MoEConfig(num_experts=4, top_k=2, mlp_dim=64, capacity_factor=2.0)),
-    "tiny-deepseek": MoEModelConfig(vocab_size=256, embed_dim=64, num_layers=3, num_heads=8, num_kv_heads=2,
+    "tiny-deepseek": MoEModelConfig(vocab_size=256, embed_dim=64, num_layers=3, num_heads=8, num_kv_heads=8,
                                     head_dim=8, mlp_dim=128, max_seq_len=1024, first_dense_layers=1,
                                     moe=MoEConfig(num_experts=8, top_k=2, mlp_dim=32, router="sigmoid",
                                                   num_groups=4, topk_groups=2, routed_scale=2.5,
                                                   num_shared_experts=1, shared_mlp_dim=32,
-                                                  bias_update_rate=1e-3, capacity_factor=2.0)),
+                                                  bias_update_rate=1e-3, capacity_factor=2.0),
+                                    mla=MLAConfig(embed_dim=64, num_heads=8, q_lora_rank=32, kv_lora_rank=16,
+                                                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
     "mixtral-8x7b": _moe(32_000, 4096, 32, 32, 8, 14_336, MoEConfig(num_experts=8, top_k=2, mlp_dim=14_336),
                          rope_theta=1_000_000.0, max_seq_len=32_768),
     "mixtral-8x22b": _moe(32_768, 6144, 56, 48, 8, 16_384, MoEConfig(num_experts=8, top_k=2, mlp_dim=16_384),
@@ -72,6 +75,15 @@ PRESETS.update({
                           rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=40_960),
     "qwen3-235b-a22b": _moe(151_936, 4096, 94, 64, 4, 12_288, MoEConfig(num_experts=128, top_k=8, mlp_dim=1536),
                             rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=40_960),
+    # DeepSeek-V3 (671B): MLA, 3 dense layers, 256 routed experts (top 8 in the best 4 of 8 groups,
+    # sigmoid scores, routed scale 2.5) plus one shared expert; without the multi-token-prediction module.
+    "deepseek-v3": MoEModelConfig(
+        vocab_size=129_280, embed_dim=7168, num_layers=61, num_heads=128, num_kv_heads=128, head_dim=128,
+        mlp_dim=18_432, first_dense_layers=3, norm_eps=1e-6, max_seq_len=163_840,
+        moe=MoEConfig(num_experts=256, top_k=8, mlp_dim=2048, router="sigmoid", num_groups=8, topk_groups=4,
+                      routed_scale=2.5, num_shared_experts=1, shared_mlp_dim=2048, bias_update_rate=1e-3),
+        mla=MLAConfig(embed_dim=7168, num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, rope_scaling=YarnScaling())),
 })
 
 # Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
@@ -80,6 +92,9 @@ PUBLISHED_PARAMS = {
     "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
     "mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296,
     "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,
+    # DeepSeek-V3's safetensors (main model, no MTP) hold 671,026,419,200 values; 14,848 of them are the
+    # routers' selection biases, which we keep as non-trained state, not parameters.
+    "deepseek-v3": 671_026_419_200,
 }
 
 

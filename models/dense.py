@@ -81,6 +81,10 @@ class DenseConfig:
                                qk_norm=self.qk_norm, norm_eps=self.norm_eps, sliding_window=self.sliding_window,
                                implementation=self.attention_impl, context_parallel=self.context_parallel)
 
+    def attention_module(self, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Module:
+        """The attention layer of a block (families with another attention override this)."""
+        return Attention(self.attention(), rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
     def logical_dims(self) -> dict[str, Dim]:
         """Sizes of the dimensions each logical axis governs, for the layout check."""
         d = dict(vocab=Dim(self.padded_vocab, "model.vocab_size (padded)"), embed=Dim(self.embed_dim, "model.embed_dim"),
@@ -111,7 +115,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: DenseConfig, *, rngs: nnx.Rngs):
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
-        self.attn = Attention(cfg.attention(), rngs=rngs, **kw)
+        self.attn = cfg.attention_module(rngs=rngs, **kw)
         self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
 

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.layers import Attention, MoE, MoEConfig, RMSNorm, updated_bias
+from jaxpar.layers import MoE, MoEConfig, RMSNorm, updated_bias
+from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
 from jaxpar.models.dense import Block, DenseConfig, DenseLM, scan_blocks, stacked
 from jaxpar.rules import Dim, LayoutError, constrain
 
@@ -31,6 +32,7 @@ from jaxpar.rules import Dim, LayoutError, constrain
 class MoEModelConfig(DenseConfig):
     moe: MoEConfig | None = None         # the MoE layers' router, experts and capacity
     first_dense_layers: int = 0          # DeepSeek: the first layers keep a dense SwiGLU of width mlp_dim
+    mla: MLAConfig | None = None         # DeepSeek: Multi-head Latent Attention instead of GQA
 
     def __post_init__(self):
         super().__post_init__()
@@ -40,6 +42,17 @@ class MoEModelConfig(DenseConfig):
             raise LayoutError(f"model.first_dense_layers={self.first_dense_layers} must be in [0, "
                               f"model.num_layers={self.num_layers})")
 
+    def attention_module(self, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Module:
+        if self.mla is None:
+            return super().attention_module(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        mla = dataclasses.replace(self.mla, context_parallel=self.context_parallel, implementation=self.attention_impl)
+        return MLA(mla, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    def _attention_params(self) -> int:
+        """Parameters of one layer's attention as the dense count has them (GQA)."""
+        d, h, n, k = self.embed_dim, self.head_dim, self.num_heads, self.num_kv_heads
+        return d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
+
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.first_dense_layers
@@ -47,6 +60,10 @@ class MoEModelConfig(DenseConfig):
     def logical_dims(self) -> dict[str, Dim]:
         experts = Dim(self.moe.num_experts, "model.moe.num_experts")
         dims = super().logical_dims() | dict(experts=experts, act_experts=experts)
+        if self.mla is not None:
+            if self.mla.q_lora_rank:
+                dims["q_lora"] = Dim(self.mla.q_lora_rank, "model.mla.q_lora_rank")
+            dims["kv_lora"] = Dim(self.mla.kv_lora_rank, "model.mla.kv_lora_rank")
         widths = {"model.moe.mlp_dim": self.moe.mlp_dim}        # `mlp` names every MLP width here:
         if self.first_dense_layers:                              # each must divide its mesh axes, which
             widths["model.mlp_dim"] = self.mlp_dim               # their gcd does exactly when all do
@@ -60,7 +77,10 @@ class MoEModelConfig(DenseConfig):
         experts and shared experts."""
         d, m = self.embed_dim, self.moe
         moe_mlp = d * m.num_experts + m.num_experts * 3 * d * m.mlp_dim + 3 * d * m.num_shared_experts * m.shared_mlp_dim
-        return super().num_params(padded=padded) + self.num_moe_layers * (moe_mlp - 3 * d * self.mlp_dim)
+        total = super().num_params(padded=padded) + self.num_moe_layers * (moe_mlp - 3 * d * self.mlp_dim)
+        if self.mla is not None:
+            total += self.num_layers * (mla_param_count(self.mla) - self._attention_params())
+        return total
 
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs per training token with the *active* experts: k routed plus the shared ones."""
@@ -68,17 +88,22 @@ class MoEModelConfig(DenseConfig):
         routed = (m.top_k + m.num_shared_experts * m.shared_mlp_dim / m.mlp_dim) * 3 * d * m.mlp_dim
         dense_mlp = 3 * d * self.mlp_dim
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        score_width = self.head_dim                              # per head: (q·k width + v width) / 2
+        if self.mla is not None:
+            la = self.mla
+            attn = mla_param_count(la) - (la.q_lora_rank or 0) - la.kv_lora_rank      # matmul weights only
+            score_width = (la.qk_nope_head_dim + la.qk_rope_head_dim + la.v_head_dim) / 2
         moe = routed + d * m.num_experts                                      # experts + router
         matmul = self.num_layers * attn + self.first_dense_layers * dense_mlp + self.num_moe_layers * moe
         matmul += self.padded_vocab * d
-        return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * self.head_dim * seq
+        return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * score_width * seq
 
 
 class MoEBlock(nnx.Module):
     def __init__(self, cfg: MoEModelConfig, *, rngs: nnx.Rngs):
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
-        self.attn = Attention(cfg.attention(), rngs=rngs, **kw)
+        self.attn = cfg.attention_module(rngs=rngs, **kw)
         self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.moe = MoE(cfg.embed_dim, cfg.moe, rngs=rngs, **kw)
 

@@ -1,0 +1,216 @@
+"""DeepSeek-V3 Multi-head Latent Attention (MLA), with Hugging Face's ``DeepseekV3Attention`` weight layout.
+
+Legend: B batch, T positions, D width, N heads, Rq q_lora_rank, Rkv kv_lora_rank, Hn qk_nope_head_dim,
+Hr qk_rope_head_dim, Hq = Hn + Hr (query/key width per head), Hv v_head_dim.
+
+Weights (HF ``nn.Linear`` weights are [out, in]; ours are their transposes with the out side split per head):
+    q_a [D, Rq]  q_a_norm [Rq]  q_b [Rq, N, Hq]   = q_a_proj.T, q_a_layernorm, q_b_proj.T.reshape(Rq, N, Hq)
+    q   [D, N, Hq]                                = q_proj.T.reshape(D, N, Hq)        (q_lora_rank None)
+    kv_a [D, Rkv + Hr]  kv_a_norm [Rkv]           = kv_a_proj_with_mqa.T, kv_a_layernorm
+    kv_b [Rkv, N, Hn + Hv]                        = kv_b_proj.T.reshape(Rkv, N, Hn + Hv)
+    o   [N, Hv, D]                                = o_proj.T.reshape(N, Hv, D)
+Per head, q's last Hr columns are its rope part; kv_a's last Hr columns are one rope key per token, shared
+by all heads (never broadcast in memory on the plain path). kv_b gives [k_nope | v] per head.
+
+RoPE (decoupled: only the Hr parts rotate), HF ``rope_interleave=True`` (DeepSeek-V3's default and the layout
+of DeepSeek's own checkpoints): the Hr columns hold rotation pairs (2i, 2i+1) turned by angle p·inv_freq[i].
+Exactly as HF's ``apply_rotary_pos_emb_interleave``, we reorder them to [even | odd] and rotate half-split
+(``jaxpar.layers.rope.apply_rope``); the rotated q/k stay in that order (only q·k is used, so the order is
+free as long as q and k agree). ``rope_interleave=False`` rotates the stored halves (HF ``apply_rotary_pos_emb``).
+
+Scale: scores = Hq^-0.5 · (q_nope·k_nope + q_rope·k_rope). With ``YarnScaling`` (HF rope type "yarn"):
+inv_freq blends interpolated/extrapolated frequencies over the [beta_fast, beta_slow] correction range of the
+*original* context; cos/sin are multiplied by ``attention_factor`` (mscale(f, mscale) / mscale(f, mscale_all_dim),
+1.0 for DeepSeek-V3), and the softmax scale by mscale(f, mscale_all_dim)² (as HF's ``self.scaling``).
+Not supported: HF's "dynamic"/"linear"/"longrope" types (``RopeScaling`` is Llama 3.1's), and HF's override of
+``factor`` by max_position_embeddings / original_max_position_embeddings (pass the ratio as ``factor``).
+
+Attention core: with ``context_parallel == "none"`` and ``implementation`` None, an explicit causal softmax in
+float32 (O(T²) scores; masks by ``index``). Otherwise ``jaxpar.parallel.attention.context_attention``, whose
+kernels need one head width for q, k and v: q/k and v are zero-padded to H = max(Hq, Hv) (for DeepSeek-V3
+192: V, its ring traffic and the P·V matmul grow by Hq/Hv = 1.5×), q is pre-multiplied by scale·√H (the
+kernels scale by H^-0.5; one extra rounding of q in bf16), and the output is sliced back to Hv. K/V there have N heads: the rules should map
+``act_kv_heads`` like ``act_heads``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.layers.common import param
+from jaxpar.layers.norms import RMSNorm
+from jaxpar.layers.rope import RopeScaling, apply_rope, rope_frequencies
+from jaxpar.parallel.attention import context_attention
+from jaxpar.rules import constrain
+
+HEADS = ("batch", "inner_length", "act_heads", None)
+TOKENS = ("batch", "inner_length", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """HF ``rope_scaling = {"type": "yarn", ...}``; the defaults are DeepSeek-V3's published config."""
+    factor: float = 40.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    attention_factor: float | None = None    # overrides the mscale ratio on cos/sin when given
+    truncate: bool = True                    # floor/ceil the correction range (HF default)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    embed_dim: int
+    num_heads: int
+    q_lora_rank: int | None                  # None: a plain q [D, N, Hq] (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | YarnScaling | None = None
+    norm_eps: float = 1e-6                   # HF builds both latent norms with its default eps 1e-6
+    implementation: str | None = None        # jax.nn.dot_product_attention's, via context_attention
+    context_parallel: str = "none"           # none | ring | ulysses
+    rope_interleave: bool = True             # HF config field of the same name
+
+
+def _mscale(factor: float, m: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def yarn_frequencies(dim: int, *, theta: float, scaling: YarnScaling) -> np.ndarray:
+    """YaRN inverse frequencies [dim/2], float64: each frequency is kept (fast dims, many turns within the
+    original context) or divided by ``factor`` (slow dims), linearly blended over the correction range."""
+    plain = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+    def dim_of(turns):    # the (fractional) dim index whose wave turns `turns` times in the original context
+        return dim * math.log(scaling.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    interpolated = np.clip((np.arange(dim // 2) - lo) / (hi - lo), 0.0, 1.0)   # 0: keep, 1: divide by factor
+    return plain * (1 - interpolated) + plain / scaling.factor * interpolated
+
+
+def mla_scales(cfg: MLAConfig) -> tuple[float, float]:
+    """``(rope_gain, softmax_scale)``: the factor on the rotated q/k rope parts (HF multiplies cos and sin)
+    and the factor on the scores."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    s = cfg.rope_scaling
+    if not isinstance(s, YarnScaling):
+        return 1.0, scale
+    gain = s.attention_factor
+    if gain is None:
+        gain = (_mscale(s.factor, s.mscale) / _mscale(s.factor, s.mscale_all_dim) if s.mscale and s.mscale_all_dim
+                else _mscale(s.factor, 1.0))
+    if s.mscale_all_dim:
+        scale *= _mscale(s.factor, s.mscale_all_dim) ** 2
+    return float(gain), float(scale)
+
+
+def mla_param_count(cfg: MLAConfig) -> int:
+    """Exact number of parameters of one ``MLA`` layer, norm scales included."""
+    d, n, hq = cfg.embed_dim, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+    q = d * n * hq if rq is None else d * rq + rq + rq * n * hq
+    kv = d * (rkv + cfg.qk_rope_head_dim) + rkv + rkv * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv + n * cfg.v_head_dim * d
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: MLAConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, n, rq, rkv = cfg.embed_dim, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        hn, hr, hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if hr % 2:
+            raise ValueError(f"qk_rope_head_dim={hr} must be even (RoPE rotates pairs)")
+        self.cfg, self.dtype = cfg, dtype
+        if rq is None:
+            self.q = param(rngs, (d, n, hn + hr), ("embed", "heads", "head_dim"), dtype=param_dtype)
+        else:
+            self.q_a = param(rngs, (d, rq), ("embed", "q_lora"), dtype=param_dtype)
+            self.q_a_norm = RMSNorm(rq, eps=cfg.norm_eps, name="q_lora", param_dtype=param_dtype)
+            self.q_b = param(rngs, (rq, n, hn + hr), ("q_lora", "heads", "head_dim"), dtype=param_dtype)
+        self.kv_a = param(rngs, (d, rkv + hr), ("embed", None), dtype=param_dtype)
+        self.kv_a_norm = RMSNorm(rkv, eps=cfg.norm_eps, name="kv_lora", param_dtype=param_dtype)
+        self.kv_b = param(rngs, (rkv, n, hn + hv), ("kv_lora", "heads", "head_dim"), dtype=param_dtype)
+        self.o = param(rngs, (n, hv, d), ("heads", "head_dim", "embed"), dtype=param_dtype)
+
+    @property
+    def inv_freq(self) -> np.ndarray:
+        """RoPE frequencies [Hr/2], from the config at trace time (never module state; see attention.py)."""
+        cfg = self.cfg
+        if isinstance(cfg.rope_scaling, YarnScaling):
+            return yarn_frequencies(cfg.qk_rope_head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+        return rope_frequencies(cfg.qk_rope_head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+
+    def _w(self, p: nnx.Param) -> jax.Array:
+        return p[...].astype(self.dtype)
+
+    def _rope(self, x: jax.Array, positions: jax.Array, gain: float) -> jax.Array:
+        """x [B, T, N or 1, Hr] in the weights' column order -> rotated, in [even | odd] order if interleaved."""
+        if self.cfg.rope_interleave:
+            x = x.reshape(*x.shape[:-1], -1, 2).swapaxes(-1, -2).reshape(x.shape)
+        y = apply_rope(x, positions, self.inv_freq)
+        return y if gain == 1.0 else y * jnp.asarray(gain, y.dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array | None = None) -> jax.Array:
+        """x [B, T, D]; positions [B, T] for RoPE; index [B, T]: each stored token's place in the original
+        sequence (the causal mask; differs from storage order under zig-zag context parallelism)."""
+        cfg = self.cfg
+        hn, rkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        x = constrain(x, ("batch", "inner_length", "act_embed"))                       # [B, T, D]
+        if cfg.q_lora_rank is None:
+            q = jnp.einsum("btd,dnh->btnh", x, self._w(self.q))
+        else:
+            cq = self.q_a_norm(constrain(x @ self._w(self.q_a), TOKENS))                   # [B, T, Rq]
+            q = jnp.einsum("btr,rnh->btnh", cq, self._w(self.q_b))
+        q = constrain(q, HEADS)                                                          # [B, T, N, Hq]
+        ckv = constrain(x @ self._w(self.kv_a), TOKENS)                                  # [B, T, Rkv + Hr]
+        kv = jnp.einsum("btr,rnh->btnh", self.kv_a_norm(ckv[..., :rkv]), self._w(self.kv_b))
+        kv = constrain(kv, HEADS)                                                        # [B, T, N, Hn + Hv]
+        gain, scale = mla_scales(cfg)
+        q_nope, q_rope = q[..., :hn], self._rope(q[..., hn:], positions, gain)
+        k_nope, v = kv[..., :hn], kv[..., hn:]
+        k_rope = self._rope(ckv[..., None, rkv:], positions, gain)                       # [B, T, 1, Hr]
+        index = positions if index is None else index
+        if cfg.context_parallel == "none" and cfg.implementation is None:
+            out = _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale)
+        else:
+            k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
+            q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), HEADS)
+            k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), HEADS)
+            out = self._padded_attention(q, k, v, index, scale)
+        out = constrain(out, HEADS)                                                      # [B, T, N, Hv]
+        y = jnp.einsum("btnh,nhd->btd", out, self._w(self.o))
+        return constrain(y, ("batch", "length", "act_embed"))
+
+    def _padded_attention(self, q, k, v, index, scale: float) -> jax.Array:
+        """``context_attention`` with q/k [B, T, N, Hq] and v [B, T, N, Hv] zero-padded to one width H."""
+        h = max(q.shape[-1], v.shape[-1])
+        pad = lambda a: a if a.shape[-1] == h else jnp.pad(a, [(0, 0)] * 3 + [(0, h - a.shape[-1])])
+        q = q * jnp.asarray(scale * math.sqrt(h), q.dtype)
+        out = context_attention(pad(q), pad(k), pad(v), index, strategy=self.cfg.context_parallel, window=None,
+                                implementation=self.cfg.implementation)
+        return out[..., :v.shape[-1]]
+
+
+def _causal_attention(q_nope, q_rope, k_nope, k_rope, v, index, scale: float) -> jax.Array:
+    """q_nope/k_nope [B, T, N, Hn], q_rope [B, T, N, Hr], k_rope [B, T, Hr] (shared by the heads),
+    v [B, T, N, Hv], index [B, T]. Scores and softmax in float32; returns [B, T, N, Hv] in v's dtype."""
+    f32 = jnp.float32
+    s = jnp.einsum("btnh,bsnh->bnts", q_nope, k_nope, preferred_element_type=f32)
+    s = s + jnp.einsum("btnh,bsh->bnts", q_rope, k_rope, preferred_element_type=f32)
+    visible = index[:, None, :, None] >= index[:, None, None, :]                      # [B, 1, T, S]
+    p = jax.nn.softmax(jnp.where(visible, s * scale, jnp.finfo(f32).min), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", p.astype(v.dtype), v)

@@ -117,10 +117,17 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.attn = cfg.attention_module(rngs=rngs, **kw)
         self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self._init_feed_forward(cfg, rngs, kw)
+
+    def _init_feed_forward(self, cfg, rngs: nnx.Rngs, kw: dict) -> None:
+        """The block's second half (families with another feed-forward override this)."""
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
 
+    def _attend(self, x: jax.Array, positions: jax.Array, index: jax.Array) -> jax.Array:
+        return x + checkpoint_name(self.attn(self.attn_norm(x), positions, index), "attn_out")
+
     def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array) -> jax.Array:
-        x = x + checkpoint_name(self.attn(self.attn_norm(x), positions, index), "attn_out")
+        x = self._attend(x, positions, index)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "act_embed"))
 

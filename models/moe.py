@@ -20,9 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.layers import MoE, MoEConfig, RMSNorm, updated_bias
+from jaxpar.layers import MoE, MoEConfig, updated_bias
 from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
 from jaxpar.models.dense import Block, DenseConfig, DenseLM, scan_blocks, stacked
 from jaxpar.rules import Dim, LayoutError, constrain
@@ -99,16 +98,14 @@ class MoEModelConfig(DenseConfig):
         return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * score_width * seq
 
 
-class MoEBlock(nnx.Module):
-    def __init__(self, cfg: MoEModelConfig, *, rngs: nnx.Rngs):
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
-        self.attn = cfg.attention_module(rngs=rngs, **kw)
-        self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+class MoEBlock(Block):
+    """A dense block whose feed-forward is an MoE; returns (x, MoEStats)."""
+
+    def _init_feed_forward(self, cfg: MoEModelConfig, rngs: nnx.Rngs, kw: dict) -> None:
         self.moe = MoE(cfg.embed_dim, cfg.moe, rngs=rngs, **kw)
 
     def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array):
-        x = x + checkpoint_name(self.attn(self.attn_norm(x), positions, index), "attn_out")
+        x = self._attend(x, positions, index)
         y, stats = self.moe(self.mlp_norm(x))
         return constrain(x + y, ("batch", "length", "act_embed")), stats
 

@@ -1,5 +1,5 @@
 """Layout invariance: the same 3 training steps give the same losses and gradients on 1 device and on
-8 devices under every mesh preset, with the tokens per step fixed.
+8 devices under every mesh preset without a sequence axis, with the tokens per step fixed.
 
 Tolerances: losses rtol 1e-5; each parameter's gradient within 1e-5 of that parameter's largest
 gradient entry (max |a - b| <= 1e-5 · max |b|), at every step. AdamW runs with eps=1e-3 here: with the
@@ -47,7 +47,8 @@ def reference():
     return _train(one_device, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+# The presets with a ``sequence`` axis train with the same losses in tests/test_context_parallel.py.
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.mesh.sequence == 1])
 def test_same_losses_and_gradients_on_8_devices(name, reference):
     ref_losses, ref_grads = reference
     losses, grads = _train(PRESETS[name])

@@ -27,8 +27,9 @@ the same result on one device and under any data or expert parallel layout.
         over ``expert`` when it is split), and a combine einsum carries the routing weights back. The
         dispatch tensor [B, T, E, C] grows as T²·k·capacity_factor/E per sequence.
     dropless (capacity_factor None): the N·k assignments are sorted by expert and run through
-        ``jax.lax.ragged_dot`` with the per-expert counts as group sizes, then unsorted and summed
-        (GSPMD places it; the ragged all-to-all for split experts is GPU/TPU-only and not used yet).
+        ``jax.lax.ragged_dot`` with the per-expert counts as group sizes, then unsorted and summed; with
+        the experts split, the assignments reach their experts by a ragged all-to-all
+        (``jaxpar.parallel.dropless``; a padded equivalent on CPU).
 Expert choice, per sequence too: C = min(T, max(1, ceil(capacity_factor · T · k / E))).
 A token's j-th choice is its j-th highest selection score (``jax.lax.top_k`` order).
 
@@ -48,6 +49,7 @@ from flax import nnx
 
 from jaxpar.layers.common import param
 from jaxpar.layers.mlp import SwiGLU
+from jaxpar.parallel.dropless import dropless_apply
 from jaxpar.parallel.moe import experts_apply
 from jaxpar.rules import LayoutError, constrain
 
@@ -249,17 +251,7 @@ class MoE(nnx.Module):
         return jnp.einsum("btec,becd->btd", combine, out)
 
     def _dropless(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
-        """Every assignment runs: sort by expert, two grouped matmuls, unsort, weigh and sum."""
-        b, t, d = x.shape
-        k, e, f = idx.shape[-1], self.cfg.num_experts, self.cfg.mlp_dim
-        flat = idx.reshape(-1)                                   # [N·k]: assignment a = token·k + choice
-        order = jnp.argsort(flat, stable=True)                   # assignments grouped by expert
-        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)   # [E] group sizes
-        rows = x.reshape(b * t, d)[order // k]                                      # [N·k, D]
-        gate_up = self.gate_up[...].astype(self.dtype).reshape(e, d, 2 * f)
-        h = jax.lax.ragged_dot(rows, gate_up, sizes).reshape(-1, 2, f)             # [N·k, 2, F]
-        h = jax.nn.silu(h[:, 0]) * h[:, 1]                                          # [N·k, F]
-        out = jax.lax.ragged_dot(h, self.down[...].astype(self.dtype), sizes)      # [N·k, D] sorted
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-        out = out[inverse].reshape(b, t, k, d)                                      # back in token order
+        """Every assignment runs (``jaxpar.parallel.dropless``: grouped matmuls, and the ragged
+        exchange over the expert axis when it is split); the outputs are weighed and summed."""
+        out = dropless_apply(x, idx, self.gate_up[...].astype(self.dtype), self.down[...].astype(self.dtype))
         return jnp.einsum("btkd,btk->btd", out, weight.astype(self.dtype))

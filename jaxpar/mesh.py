@@ -163,12 +163,31 @@ def _simulated_hybrid(devices, ici, dcn) -> np.ndarray:
     return arr.transpose(order).reshape([d * i for d, i in zip(dcn, ici)])
 
 
+# Simulated devices are threads that share the host's cores. XLA:CPU aborts the process when a thread
+# waits for a collective longer than its termination timeout; on a loaded 2-core machine a fair wait can
+# exceed the default, so simulated runs wait longer before giving up (a real deadlock still ends).
+PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
+                       "--xla_cpu_collective_call_terminate_timeout_seconds=900",
+                       "--xla_cpu_collective_timeout_seconds=900")
+
+
+def patient_collectives() -> None:
+    """Add ``PATIENT_COLLECTIVES`` to ``XLA_FLAGS`` (those not set already); before the backend starts."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    extra = [f for f in PATIENT_COLLECTIVES if f.split("=")[0] not in flags]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+
+
 def simulate_cpu_devices(n: int, /) -> None:
     """Make the CPU backend expose ``n`` devices. Must run before the first JAX operation."""
     import jax
 
     if n < 1:
         raise MeshError(f"--cpu-devices={n}: must be a positive integer")
+    patient_collectives()
     try:
         jax.config.update("jax_platforms", "cpu")     # the simulated devices, even where a GPU is present
         jax.config.update("jax_num_cpu_devices", n)

@@ -107,8 +107,45 @@ def get_model_preset(name: str, /, **overrides) -> DenseConfig:
     return dataclasses.replace(cfg, **overrides)
 
 
+CONFIG_CLASSES = {c.__name__: c for c in (DenseConfig, MoEModelConfig)}
+
+
+def config_to_dict(cfg: DenseConfig, /) -> dict:
+    """A model config as JSON-ready data, with its class: ``config_from_dict`` rebuilds it exactly."""
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return x.value if isinstance(x, Remat) else x
+    return {"class": type(cfg).__name__, **plain(cfg)}
+
+
+def config_from_dict(data: dict, /) -> DenseConfig:
+    """Inverse of ``config_to_dict``. A nested dict becomes the dataclass among its field's annotated
+    types whose fields cover its keys (``rope_scaling``: RopeScaling or YarnScaling)."""
+    import typing
+
+    def build(cls, values: dict):
+        hints = typing.get_type_hints(cls)
+        return cls(**{k: convert(hints[k], v) for k, v in values.items()})
+
+    def convert(hint, value):
+        if not isinstance(value, dict):
+            return value
+        for option in typing.get_args(hint) or (hint,):
+            if dataclasses.is_dataclass(option) and set(value) <= {f.name for f in dataclasses.fields(option)}:
+                return build(option, value)
+        raise LayoutError(f"model config: cannot read {sorted(value)} as {hint}")
+
+    data = dict(data)
+    cls = CONFIG_CLASSES.get(data.pop("class", "DenseConfig"))
+    if cls is None:
+        raise LayoutError(f"model config: unknown class; known: {', '.join(CONFIG_CLASSES)}")
+    return build(cls, data)
+
+
 def build_model(cfg: DenseConfig, /, *, rngs: nnx.Rngs) -> DenseLM:
     return MoELM(cfg, rngs=rngs) if isinstance(cfg, MoEModelConfig) else DenseLM(cfg, rngs=rngs)
 
 
-__all__ = ["DenseConfig", "DenseLM", "MoEConfig", "MoELM", "MoEModelConfig", "Remat", "PRESETS", "PUBLISHED_PARAMS", "get_model_preset", "build_model"]
+__all__ = ["DenseConfig", "DenseLM", "MoEConfig", "MoELM", "MoEModelConfig", "Remat", "PRESETS", "PUBLISHED_PARAMS", "get_model_preset", "build_model",
+           "config_to_dict", "config_from_dict"]

@@ -185,9 +185,11 @@ class DenseLM(nnx.Module):
         return scan_blocks(self.blocks, x, positions, index, self.cfg.remat), jnp.zeros((), jnp.float32), None
 
     def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """ids [B, T] int32 -> logits [B, T, V_padded] float32 (padding columns at -inf-like values)."""
+        """ids [B, T] int32 -> logits [B, T, V] float32, in natural order (``forward`` keeps the padded
+        vocabulary and the layout's storage order, for the training loss)."""
         out = self.forward(ids, positions)
-        return out.logits if out.order is None else out.logits[:, inverse_order(out.order)]
+        logits = out.logits if out.order is None else out.logits[:, inverse_order(out.order)]
+        return logits[..., :self.cfg.vocab_size]
 
     def forward(self, ids: jax.Array, positions: jax.Array | None = None) -> ForwardOutput:
         """Logits in the order the layout stores tokens in (see ``ForwardOutput``): a loss can permute

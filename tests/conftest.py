@@ -3,6 +3,6 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+from jaxpar.mesh import simulate_cpu_devices  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+simulate_cpu_devices(8)

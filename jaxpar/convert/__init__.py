@@ -1,0 +1,152 @@
+"""Hugging Face checkpoints in and out: ``model = from_hf(folder, mesh=...)``, ``to_hf(model, folder)``.
+
+Import streams: every parameter is created with ``jax.make_array_from_callback``, whose callback reads
+exactly the box of the HF tensors that one device's shard needs (``mapping.read_shard``), so no full
+copy of the model is ever assembled on the host. Host memory above the finished model is bounded by one
+parameter (a parameter's distinct shards, read once each) plus the pages of the safetensors files
+mapped while that parameter is read; files are closed after each parameter.
+
+Export gathers one HF tensor at a time (one layer's, one expert's) from the devices and writes
+safetensors files of at most ``max_shard_bytes``, into a temporary folder renamed into place at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxpar.convert.families import FAMILIES, Family, check_fields, family_of, guess_family, sources
+from jaxpar.convert.files import ConvertError, HFFolder, ShardWriter
+from jaxpar.convert.mapping import read_shard, write_pieces
+
+__all__ = ["from_hf", "to_hf", "hf_config", "ConvertError", "FAMILIES"]
+
+
+def hf_config(folder: str | os.PathLike, *, param_dtype: str = "float32", **overrides):
+    """The jaxpar config of a Hugging Face folder (fields checked against the family's allow-list),
+    with its family."""
+    hf = HFFolder(folder)
+    where = str(Path(folder) / "config.json")
+    fam = family_of(hf.config, where)
+    check_fields(hf.config, fam, where)
+    cfg = fam.to_ours(hf.config)
+    return dataclasses.replace(cfg, param_dtype=param_dtype, **overrides), fam, hf
+
+
+def _path(keys) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in keys)
+
+
+def _plan(cfg, fam: Family, hf: HFFolder, state) -> dict:
+    """Our flat state's paths -> Source, every HF tensor checked for presence and shape; HF tensors
+    nobody reads are refused."""
+    table = sources(cfg, fam)
+    plan, used = {}, set()
+    hf_sizes = {"v": cfg.vocab_size}
+    for keys, var in nnx.to_flat_state(state):
+        path = _path(keys)
+        if path not in table:
+            if path[-1] == "router_bias":             # families without a selection bias: it stays zero
+                plan[path] = None
+                continue
+            raise ConvertError(f"no Hugging Face source for parameter {'/'.join(path)} in family {fam.model_type}")
+        src = table[path]
+        shape = tuple(var.get_value().shape)
+        for name in src.all_hf_names(shape):
+            if name not in hf.names():
+                raise ConvertError(f"{hf.folder}: tensor {name} is missing (needed for {'/'.join(path)})")
+            want = src.hf_shape(shape, hf_sizes)
+            if hf.shape(name) != want:
+                raise ConvertError(f"{hf.where[name].name}: tensor {name} has shape {list(hf.shape(name))}, "
+                                   f"the config says {list(want)}")
+            used.add(name)
+        plan[path] = src
+    extra = sorted(hf.names() - used - _skipped(hf, cfg))
+    if extra:
+        raise ConvertError(f"{hf.where[extra[0]].name}: tensor {extra[0]} is not part of a {fam.model_type} model "
+                           f"this config describes ({len(extra)} such tensors)")
+    return plan
+
+
+def _skipped(hf: HFFolder, cfg) -> set[str]:
+    """Tensors that are not part of the model's function: rotary caches some exporters write, and
+    DeepSeek's multi-token-prediction layers (numbered after the last decoder layer)."""
+    mtp = tuple(f"model.layers.{cfg.num_layers + i}." for i in range(hf.config.get("num_nextn_predict_layers") or 0))
+    return {n for n in hf.names() if n.endswith("rotary_emb.inv_freq") or (mtp and n.startswith(mtp))}
+
+
+def from_hf(folder: str | os.PathLike, mesh=None, *, param_dtype: str = "float32", **overrides):
+    """A jaxpar model from a Hugging Face folder, its parameters placed shard by shard on ``mesh`` (a
+    mesh preset name or spec such as ``"fsdp=4,tensor=2"``; None: one device). ``model(ids)`` with int32
+    ids [B, T] returns float32 logits [B, T, V]. ``overrides`` set config fields (e.g. ``remat``)."""
+    from jaxpar.models import build_model
+    from jaxpar.shardings import default_layout
+
+    cfg, fam, hf = hf_config(folder, param_dtype=param_dtype, **overrides)
+    try:
+        layout = default_layout(cfg, mesh or "dp", devices=None if mesh else jax.devices()[:1])
+        with layout.activate():
+            abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+            graphdef, state = nnx.split(abstract)
+            shardings = nnx.get_named_sharding(state, layout.mesh)
+        plan = _plan(cfg, fam, hf, state)
+        by_path = {_path(k): v.get_value() for k, v in nnx.to_flat_state(shardings)}
+        flat = nnx.to_flat_state(state)
+        for keys, var in flat:
+            path = _path(keys)
+            value = var.get_value()
+            var.set_value(_place(plan[path], tuple(value.shape), np.dtype(value.dtype), by_path[path], hf,
+                                 {"v": cfg.vocab_size}))
+            hf.close()                                    # unmap what this parameter read
+        model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    finally:
+        hf.close()
+    model.layout = layout
+    return model
+
+
+def _place(src, shape, dtype, sharding, hf: HFFolder, hf_sizes) -> jax.Array:
+    cache: dict = {}
+
+    def shard(index):
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in cache:
+            if src is None:
+                cache[key] = np.zeros([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
+            else:
+                cache[key] = read_shard(src, shape, index, hf.read, hf_sizes, np.float32).astype(dtype)
+        return cache[key]
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def to_hf(model, folder: str | os.PathLike, *, family: str | None = None, max_shard_bytes: int = 2 << 30,
+          dtype: str | None = None) -> Path:
+    """Write ``model`` as a Hugging Face folder (config.json, safetensors, index when sharded) that
+    ``transformers`` loads. ``family``: a model_type of ``FAMILIES`` (default: inferred from the config);
+    ``dtype``: the tensors' dtype (default: the parameters'). ``folder`` must not exist."""
+    cfg = model.cfg
+    fam = FAMILIES[family] if family else guess_family(cfg)
+    config = fam.to_hf(cfg)
+    state = nnx.state(model)
+    table = sources(cfg, fam)
+    writer = ShardWriter(folder, max_shard_bytes=max_shard_bytes)
+    try:
+        for keys, var in nnx.to_flat_state(state):
+            path = _path(keys)
+            array = var.get_value()
+            if path not in table:
+                if path[-1] == "router_bias" and not np.any(np.asarray(array)):
+                    continue                                  # all-zero selection bias: no HF tensor needed
+                raise ConvertError(f"{'/'.join(path)}: {fam.model_type} has no tensor for it")
+            for name, x in write_pieces(table[path], lambda at, a=array: np.asarray(a[at]), array.shape,
+                                        {"v": cfg.vocab_size}):
+                writer.add(name, x.astype(dtype or x.dtype))
+        config["torch_dtype"] = str(np.dtype(dtype or cfg.param_dtype))
+        return writer.commit(config)
+    except BaseException:
+        writer.abort()
+        raise

@@ -1,0 +1,161 @@
+"""A Hugging Face checkpoint folder on disk: config.json and safetensors files (one, or several with a
+``model.safetensors.index.json``), read a box at a time; and the writer for exports.
+
+Safetensors only: nothing here unpickles, so a folder holding only ``*.bin``/``*.pt`` is refused. Every
+file's header is checked against its size before anything is read (a truncated download names its
+file), and every tensor a conversion needs is checked for presence and shape before the first read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxpar.rules import LayoutError
+
+INDEX = "model.safetensors.index.json"
+DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class ConvertError(LayoutError):
+    """A checkpoint or folder that cannot be converted; the message names the file, tensor or field."""
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise ConvertError(f"{folder}: not a directory")
+    if not path.is_file():
+        raise ConvertError(f"{path}: missing (a Hugging Face model folder has config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{path}: not valid JSON ({e})") from None
+
+
+def _header(path: Path) -> dict:
+    """The safetensors header, checked against the file's size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ConvertError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        n = struct.unpack("<Q", raw)[0]
+        if 8 + n > size:
+            raise ConvertError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConvertError(f"{path}: not a safetensors file (unreadable header)") from None
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + n + end > size:
+        raise ConvertError(f"{path}: truncated safetensors file: its tensors need {8 + n + end} bytes, "
+                           f"the file has {size}")
+    return header
+
+
+class HFFolder:
+    """The tensors of a Hugging Face folder: ``shape(name)``, ``read(name, box)`` (a tuple of slices)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.config = read_config(self.folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            others = sorted(p.name for p in self.folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+            raise ConvertError(f"{self.folder}: no *.safetensors files" + (
+                f" (found {', '.join(others)}: pickle formats are never loaded; convert them to safetensors)"
+                if others else ""))
+        index = self.folder / INDEX
+        self.where: dict[str, Path] = {}
+        self.info: dict[str, dict] = {}
+        if index.is_file():
+            mapping = json.loads(index.read_text()).get("weight_map", {})
+            for name, file in mapping.items():
+                self.where[name] = self.folder / file
+            for file in sorted(set(self.where.values())):
+                if not file.is_file():
+                    raise ConvertError(f"{index}: lists {file.name}, which is missing")
+        for file in files:
+            for name, info in _header(file).items():
+                if self.where.setdefault(name, file) == file:
+                    self.info[name] = info
+        missing = sorted(n for n in self.where if n not in self.info)
+        if missing:
+            raise ConvertError(f"{index}: {missing[0]} is listed in {self.where[missing[0]].name} but not there")
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.info)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.info[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self.info[name]["dtype"]
+
+    def read(self, name: str, box: tuple[slice, ...]) -> np.ndarray:
+        file = self.where[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="numpy")
+        return self._open[file].get_slice(name)[box]
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+class ShardWriter:
+    """Writes tensors into ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes``
+    (one tensor past the limit starts the next file) and the index, inside a temporary folder that
+    ``commit`` renames to ``out``; ``out`` must not exist, so nothing is overwritten."""
+
+    def __init__(self, out: str | os.PathLike, *, max_shard_bytes: int = 2 << 30):
+        self.out = Path(out)
+        if self.out.exists():
+            raise ConvertError(f"{self.out}: exists; the export writes a new folder and never overwrites")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", dir=self.out.parent))
+        self.max = max_shard_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.files: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if self.pending and sum(a.nbytes for a in self.pending.values()) + array.nbytes > self.max:
+            self._flush()
+        self.pending[name] = np.ascontiguousarray(array)
+        self.total += array.nbytes
+
+    def _flush(self) -> None:
+        save_file(self.pending, str(self.tmp / f"part-{len(self.files)}.safetensors"), metadata={"format": "pt"})
+        self.files.append(sorted(self.pending))
+        self.pending = {}
+
+    def commit(self, config: dict, extra_files: dict[str, str] | None = None) -> Path:
+        if self.pending:
+            self._flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map = {}
+        for i, (tensors, final) in enumerate(zip(self.files, names)):
+            os.rename(self.tmp / f"part-{i}.safetensors", self.tmp / final)
+            weight_map |= {t: final for t in tensors}
+        if n > 1:
+            (self.tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total},
+                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        (self.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (self.tmp / name).write_text(text)
+        os.rename(self.tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "shardings": "jaxpar.shardings",
     "train": "jaxpar.train.command",
     "prepare": "jaxpar.prepare",
+    "convert": "jaxpar.convert.command",
 }
 
 

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "fields for --set (with their defaults for --model tiny):\n" + describe_fields()
     parser.add_argument("--model", default="tiny", help="model preset (default: tiny)")
+    parser.add_argument("--init-from", default=None, metavar="CKPT", help="fine-tune: the model (config and "
+                        "weights) of a model checkpoint from `jaxpar convert` or a run folder; replaces --model")
     parser.add_argument("--mesh", default=None, help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d) or axis spec "
                         "like data=2,fsdp=-1 (default: 3d)")
     parser.add_argument("--steps", type=_positive, default=None, help="optimizer steps in all (default: 300)")
@@ -41,8 +43,13 @@ def build_config(args: argparse.Namespace, /):
     """The resolved ``TrainConfig``: preset, then flags, then ``--set`` in order."""
     import dataclasses
 
-    from jaxpar.train.config import apply_overrides, default_config
-    cfg = default_config(args.model)
+    from jaxpar.train.config import TrainConfig, apply_overrides, default_config
+    if getattr(args, "init_from", None):
+        from jaxpar.convert.store import model_config
+        model, _, _ = model_config(args.init_from)
+        cfg = TrainConfig(model=model, model_preset=f"init-from:{args.init_from}", init_from=str(args.init_from))
+    else:
+        cfg = default_config(args.model)
     flags = {k: getattr(args, k) for k in ("mesh", "steps", "batch", "seq") if getattr(args, k) is not None}
     log = {k: v for k, v in (("profile_steps", args.profile_steps), ("compile_cache", args.compile_cache)) if v}
     cfg = dataclasses.replace(cfg, **flags, log=dataclasses.replace(cfg.log, **log))

@@ -59,6 +59,7 @@ class TrainConfig:
     seed: int = 0                    # parameter init and data order
     microbatches: int = 1            # gradient accumulation: batch is split into this many microbatches
     z_loss: float = 0.0              # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
+    init_from: str | None = None     # a model checkpoint (jaxpar convert) or run folder: start from its weights
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=30)
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -71,6 +71,39 @@ def _check_out_dir(out: Path, config: dict) -> SavedRun | None:
     return saved
 
 
+def _check_init_from(cfg: TrainConfig) -> None:
+    """``cfg.init_from``'s model must keep every array's shape and dtype (``--set`` may change remat,
+    compute dtype, routing capacity, ..., not a dimension); checked abstractly, before any write."""
+    from flax import nnx
+
+    from jaxpar.checkpoint import CheckpointError
+    from jaxpar.convert.store import model_config
+
+    def shapes(model_cfg):
+        model = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
+        return {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+
+    theirs, ours = shapes(model_config(cfg.init_from)[0]), shapes(cfg.model)
+    for path, want in ours.items():
+        got = theirs.get(path)
+        if got is None or (want.shape, want.dtype) != (got.shape, got.dtype):
+            there = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            raise CheckpointError(f"--init-from {cfg.init_from}: {'/'.join(map(str, path))} is {there} there, "
+                                  f"{want.dtype}{list(want.shape)} here")
+
+
+def _with_weights_of(cfg: TrainConfig, state, layout: Layout):
+    """``state`` (model, fresh optimizer) with the model replaced by ``cfg.init_from``'s, restored onto
+    the layout (``_check_init_from`` has passed)."""
+    from flax import nnx
+
+    from jaxpar.convert.store import load_model
+
+    model, _ = load_model(cfg.init_from, layout)
+    state[0] = nnx.state(model)
+    return state
+
+
 def moe_record(stats, /, *, microbatches: int) -> dict:
     """What the logs show of MoE layers (stats stacked [L, ...], averaged over microbatches): the
     weighted balancing and router z-losses, the share of assignments capacity dropped (mean over layers;
@@ -110,6 +143,8 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
                          seed=cfg.seed, split="train")
     config = to_dict(cfg)
     saved = _check_out_dir(out, config)
+    if cfg.init_from and saved is None:
+        _check_init_from(cfg)
     # ---- nothing was written before this line
     if cfg.log.compile_cache:
         jax.config.update("jax_compilation_cache_dir", cfg.log.compile_cache)
@@ -139,6 +174,8 @@ class _Run:
         with layout.activate():
             if saved is None:
                 state, self.start = program.create(), 0
+                if cfg.init_from:
+                    state = _with_weights_of(cfg, state, layout)
             else:
                 abstract = abstract_like(jax.eval_shape(program.create), program.shardings)
                 state, position = self.checkpoints.restore(saved.step, abstract)

@@ -1,0 +1,57 @@
+"""``jaxpar convert``: Hugging Face folders to jaxpar model checkpoints and back.
+
+    jaxpar convert --from-hf ./Llama-3.2-1B --out ckpt/llama1b [--mesh fsdp=8] [--cpu-devices 8]
+    jaxpar train --init-from ckpt/llama1b --out runs/ft --set data.path=tokens.bin ...     # fine-tune
+    jaxpar convert --to-hf runs/ft --out ./llama1b-ft          # a run's newest checkpoint, or a model checkpoint
+
+Nothing existing is overwritten: ``--out`` must be a new path, and outputs are written under a
+temporary name and renamed when complete.
+"""
+from __future__ import annotations
+
+import argparse
+
+HELP = "convert Hugging Face checkpoints to jaxpar model checkpoints and back"
+
+
+def add_arguments(parser: argparse.ArgumentParser, /) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n")[1]
+    way = parser.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from-hf", metavar="DIR", help="a Hugging Face folder (config.json + *.safetensors)")
+    way.add_argument("--to-hf", metavar="CKPT", help="a model checkpoint or a training run's folder")
+    parser.add_argument("--out", required=True, help="the new folder to write")
+    parser.add_argument("--mesh", default=None, help="mesh preset or axis spec to place the model on "
+                        "(default: one device)")
+    parser.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
+    parser.add_argument("--dtype", default=None, help="--from-hf: parameter dtype (default float32); "
+                        "--to-hf: tensor dtype (default: the parameters')")
+    parser.add_argument("--family", default=None, help="--to-hf: the HF model_type to write (default: "
+                        "inferred from the config)")
+    parser.add_argument("--max-shard-mb", type=int, default=2048, help="--to-hf: safetensors file size limit")
+
+
+def run(args: argparse.Namespace, /) -> int:
+    from jaxpar.mesh import simulate_cpu_devices
+    if args.cpu_devices:
+        simulate_cpu_devices(args.cpu_devices)
+    import jax
+
+    from jaxpar.convert import FAMILIES, ConvertError, from_hf, to_hf
+    from jaxpar.convert.store import load_model, model_config, save_model
+    from jaxpar.shardings import default_layout
+
+    if args.family and args.family not in FAMILIES:
+        raise ConvertError(f"--family={args.family!r}: not one of {', '.join(sorted(FAMILIES))}")
+    if args.from_hf:
+        model = from_hf(args.from_hf, mesh=args.mesh, param_dtype=args.dtype or "float32")
+        out = save_model(model, args.out, source={"hf": str(args.from_hf)})
+        print(f"{args.from_hf} -> {out}: {type(model.cfg).__name__}, {model.cfg.num_params():,} parameters, "
+              f"mesh {dict((a, n) for a, n in model.layout.mesh.shape.items() if n > 1) or 'one device'}")
+        return 0
+    cfg, step, is_run = model_config(args.to_hf)
+    layout = default_layout(cfg, args.mesh or "dp", devices=None if args.mesh else jax.devices()[:1])
+    model, step = load_model(args.to_hf, layout)
+    out = to_hf(model, args.out, family=args.family, dtype=args.dtype, max_shard_bytes=args.max_shard_mb << 20)
+    print(f"{args.to_hf} ({'training run, step ' + str(step) if is_run else 'model checkpoint'}) -> {out}")
+    return 0

@@ -1,0 +1,81 @@
+"""Model checkpoints: what ``jaxpar convert --from-hf`` writes, ``jaxpar train --init-from`` fine-tunes
+from and ``jaxpar convert --to-hf`` exports (which also takes a training run's directory).
+
+A model checkpoint is a folder with ``model.json`` (the jaxpar model config and where it came from) and
+``checkpoints/0``, an orbax checkpoint of the same kind a training run writes (items state, data,
+config) whose state is the model's alone. Restores place each array straight into its shards.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from jaxpar.checkpoint import Checkpointer, abstract_like, latest
+from jaxpar.convert.files import ConvertError
+
+MODEL_JSON = "model.json"
+
+
+def save_model(model, out: str | Path, *, source: dict) -> Path:
+    """Write ``model`` as a model checkpoint in the new folder ``out`` (refused if it exists)."""
+    from jaxpar.models import config_to_dict
+
+    out = Path(out).resolve()
+    if out.exists():
+        raise ConvertError(f"{out}: exists; conversion writes a new folder and never overwrites")
+    info = {"format": "jaxpar-model", "model": config_to_dict(model.cfg), "source": source}
+    tmp = out.with_name(f".{out.name}.partial")
+    checkpoints = Checkpointer(tmp / "checkpoints", every=1, keep=1, async_save=False)
+    try:
+        checkpoints.save(0, state=nnx.state(model), data={}, config=info, force=True)
+    finally:
+        checkpoints.close()
+    (tmp / MODEL_JSON).write_text(json.dumps(info, indent=2) + "\n")
+    tmp.rename(out)
+    return out
+
+
+def model_config(ckpt: str | Path):
+    """(model config, step, whether ``ckpt`` is a training run) of a model checkpoint or a run folder."""
+    from jaxpar.models import config_from_dict
+
+    ckpt = Path(ckpt).resolve()
+    saved = latest(ckpt / "checkpoints")
+    if saved is None:
+        raise ConvertError(f"{ckpt}: holds no complete checkpoint (expected {ckpt / 'checkpoints'}/<step>)")
+    model = saved.config.get("model")
+    if not isinstance(model, dict):
+        raise ConvertError(f"{ckpt}: its checkpoint config has no model section")
+    if "class" not in model:                  # a training run's config.json: infer the family
+        model = {"class": "MoEModelConfig" if model.get("moe") else "DenseConfig", **model}
+    return config_from_dict(model), saved.step, saved.config.get("format") != "jaxpar-model"
+
+
+def load_model(ckpt: str | Path, layout, /):
+    """The model of a model checkpoint or of a training run's newest checkpoint, restored onto
+    ``layout`` (a ``jaxpar.layout.Layout``); the optimizer state of a run is not read."""
+    import orbax.checkpoint as ocp
+
+    from jaxpar.models import build_model
+
+    cfg, step, is_run = model_config(ckpt)
+    with layout.activate():
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
+        target = abstract_like(abstract, nnx.get_named_sharding(abstract, layout.mesh))
+    item = {"0": target} if is_run else target                    # a run saved (model, optimizer)
+    manager = ocp.CheckpointManager(Path(ckpt).resolve() / "checkpoints",
+                                    options=ocp.CheckpointManagerOptions(read_only=True),
+                                    item_names=("state", "data", "config"))
+    try:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)        # the target shardings
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item, restore_args=restore_args,
+                                                                partial_restore=True))
+        state = manager.restore(step, args=args)["state"]
+    finally:
+        manager.close()
+    model = nnx.merge(graphdef, state["0"] if is_run else state)
+    return model, step
+

@@ -2,9 +2,11 @@
 
 Import streams: every parameter is created with ``jax.make_array_from_callback``, whose callback reads
 exactly the box of the HF tensors that one device's shard needs (``mapping.read_shard``), so no full
-copy of the model is ever assembled on the host. Host memory above the finished model is bounded by one
-parameter (a parameter's distinct shards, read once each) plus the pages of the safetensors files
-mapped while that parameter is read; files are closed after each parameter.
+copy of the model is ever assembled on the host. A layer-stacked parameter with large shards is filled
+one layer at a time into a donated device buffer. Host memory above the finished model is thus bounded
+by one layer's shards of one parameter (or one whole unstacked parameter: the embedding, the LM head)
+plus the pages of the safetensors files mapped while it is read; files are closed after each parameter.
+``benchmarks/convert_memory.py`` measures it.
 
 Export gathers one HF tensor at a time (one layer's, one expert's) from the devices and writes
 safetensors files of at most ``max_shard_bytes``, into a temporary folder renamed into place at the end.
@@ -24,6 +26,10 @@ from jaxpar.convert.files import ConvertError, HFFolder, ShardWriter
 from jaxpar.convert.mapping import read_shard, write_pieces
 
 __all__ = ["from_hf", "to_hf", "hf_config", "ConvertError", "FAMILIES"]
+
+# A layer-stacked parameter whose shard per device is larger than this is placed one layer at a time
+# (smaller ones in one go: one compiled update per parameter costs more than it saves).
+LAYERWISE_BYTES = 16 << 20
 
 
 def hf_config(folder: str | os.PathLike, *, param_dtype: str = "float32", **overrides):
@@ -110,15 +116,34 @@ def from_hf(folder: str | os.PathLike, mesh=None, *, param_dtype: str = "float32
 
 
 def _place(src, shape, dtype, sharding, hf: HFFolder, hf_sizes) -> jax.Array:
+    """The parameter, placed shard by shard; a layer-stacked one layer at a time into a donated
+    buffer (so the host holds one layer's shards, not the whole stack)."""
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    shard_bytes = np.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize
+    if src is not None and src.ours[0] == "L" and spec[0] is None and shard_bytes > LAYERWISE_BYTES:
+        layer = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+        put = jax.jit(lambda x, piece, l: jax.lax.dynamic_update_index_in_dim(x, piece, l, 0),
+                      donate_argnums=0, out_shardings=sharding)
+        x = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()
+        for l in range(shape[0]):
+            piece = _from_reads(lambda index, l=l: read_shard(src, shape, (slice(l, l + 1), *index), hf.read,
+                                                              hf_sizes, dtype)[0], shape[1:], layer)
+            x = put(x, piece, l)
+        return x
+    if src is None:
+        return _from_reads(lambda index: np.zeros([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype),
+                           shape, sharding)
+    return _from_reads(lambda index: read_shard(src, shape, index, hf.read, hf_sizes, dtype), shape, sharding)
+
+
+def _from_reads(read, shape, sharding) -> jax.Array:
+    """``jax.make_array_from_callback`` reading each distinct shard once (replicas share it)."""
     cache: dict = {}
 
     def shard(index):
         key = tuple((s.start, s.stop) for s in index)
         if key not in cache:
-            if src is None:
-                cache[key] = np.zeros([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
-            else:
-                cache[key] = read_shard(src, shape, index, hf.read, hf_sizes, np.float32).astype(dtype)
+            cache[key] = read(index)
         return cache[key]
     return jax.make_array_from_callback(shape, sharding, shard)
 
@@ -144,8 +169,8 @@ def to_hf(model, folder: str | os.PathLike, *, family: str | None = None, max_sh
                 raise ConvertError(f"{'/'.join(path)}: {fam.model_type} has no tensor for it")
             for name, x in write_pieces(table[path], lambda at, a=array: np.asarray(a[at]), array.shape,
                                         {"v": cfg.vocab_size}):
-                writer.add(name, x.astype(dtype or x.dtype))
-        config["torch_dtype"] = str(np.dtype(dtype or cfg.param_dtype))
+                writer.add(name, x.astype(jax.numpy.dtype(dtype or x.dtype)))
+        config["torch_dtype"] = str(jax.numpy.dtype(dtype or cfg.param_dtype))
         return writer.commit(config)
     except BaseException:
         writer.abort()

@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "train": "jaxpar.train.command",
     "prepare": "jaxpar.prepare",
     "convert": "jaxpar.convert.command",
+    "plan": "jaxpar.analysis.plan_command",
 }
 
 

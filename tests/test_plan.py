@@ -109,3 +109,22 @@ def test_bad_input(argv, message, capsys):
     base.update(zip(argv[::2], argv[1::2]))
     assert main(["plan", *[x for kv in base.items() for x in kv]]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_search_ranks_a_hand_made_case(tmp_path, capsys):
+    """llama3-8b needs 16 B × 8.03e9 = 128 GB of parameters, gradients and Adam moments: on 32 GB TPU v6e
+    chips it fits only when its weights are split 8 ways (fsdp × tensor = 8; 4 ways leave 32.1 GB before
+    any activation). The fitting layouts come first, fastest first."""
+    from jaxpar.analysis.search import factorizations, search
+
+    assert len(factorizations(8, ("data", "fsdp", "tensor"))) == 10
+    ranked, refused = search("llama3-8b", 8, batch=8, seq=2048, hardware="tpu-v6e")
+    assert len(ranked) + len(refused) == len(factorizations(8, ("data", "fsdp", "sequence", "tensor")))
+    fitting = [c for c in ranked if c.fits]
+    assert fitting and all(c.mesh.get("fsdp", 1) * c.mesh.get("tensor", 1) == 8 for c in fitting)
+    assert ranked[:len(fitting)] == fitting
+    assert [c.predicted_step_s for c in fitting] == sorted(c.predicted_step_s for c in fitting)
+    assert main(["plan", "--search", "--model", "llama3-8b", "--devices", "8", "--batch", "8", "--seq", "2048",
+                 "--hardware", "tpu-v6e", "--plot", str(tmp_path / "search.png")]) == 0
+    out = capsys.readouterr().out
+    assert "fitting ones first" in out and (tmp_path / "search.png").stat().st_size > 10_000

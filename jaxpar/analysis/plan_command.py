@@ -18,7 +18,11 @@ MAX_DEVICES = 512          # simulated devices this 2-core, 24 GiB machine compi
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     from jaxpar.analysis.hardware import HARDWARE
     parser.add_argument("--model", required=True, help="model preset")
-    parser.add_argument("--mesh", required=True, help="mesh preset or axis spec, e.g. fsdp=32,tensor=8")
+    parser.add_argument("--mesh", default=None, help="mesh preset or axis spec, e.g. fsdp=32,tensor=8")
+    parser.add_argument("--search", action="store_true", help="rank every factorization of --devices over the "
+                        "axes the model can use (estimated, not compiled)")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="--search: plot memory and traffic per axis "
+                        "of the candidates (needs matplotlib)")
     parser.add_argument("--batch", type=int, required=True, help="global batch in sequences")
     parser.add_argument("--seq", type=int, required=True, help="sequence length")
     parser.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE)}")
@@ -47,10 +51,14 @@ def run(args: argparse.Namespace, /) -> int:
     from jaxpar.mesh import MeshError, simulate_cpu_devices
 
     get_hardware(args.hardware)                                      # unknown names fail before any work
+    if args.search == bool(args.mesh):
+        raise MeshError("give either --mesh (compile and analyse one layout) or --search (rank them all)")
     if not 1 <= args.devices <= MAX_DEVICES:
         raise MeshError(f"--devices={args.devices}: this machine simulates 1..{MAX_DEVICES} devices "
                         f"(llama3-70b on 256 compiles in about 10 s and 0.7 GB)")
     simulate_cpu_devices(args.devices)
+    if args.search:
+        return _search(args)
     from jaxpar.analysis.plan import plan
     result = plan(args.model, args.mesh, batch=args.batch, seq=args.seq, hardware=args.hardware,
                   efficiency=args.efficiency, overlap=args.overlap, **_overrides(args.overrides))
@@ -59,6 +67,50 @@ def run(args: argparse.Namespace, /) -> int:
     else:
         print(format_plan(result))
     return 0
+
+
+def _search(args) -> int:
+    from jaxpar.analysis.search import search
+    ranked, refused = search(args.model, args.devices, batch=args.batch, seq=args.seq, hardware=args.hardware,
+                             **_overrides(args.overrides))
+    if args.json:
+        print(json.dumps({"candidates": [c.__dict__ for c in ranked],
+                          "refused": [{"mesh": m, "reason": r} for m, r in refused]}, indent=1))
+    else:
+        print(f"{args.model}: {len(ranked)} layouts of {args.devices} devices ({len(refused)} cannot divide the "
+              f"model), batch {args.batch} × seq {args.seq} on {args.hardware}; fitting ones first, fastest first")
+        print(f"{'rank':>4}  {'mesh':<40}{'memory GB':>10}{'fits':>6}{'step ms':>10}{'MFU':>7}")
+        for i, c in enumerate(ranked, 1):
+            mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items()) or "one device"
+            print(f"{i:>4}  {mesh:<40}{c.memory_bytes / 1e9:>10.1f}{'yes' if c.fits else 'no':>6}"
+                  f"{c.predicted_step_s * 1e3:>10.1f}{c.predicted_mfu:>7.1%}")
+    if args.plot:
+        plot_candidates(ranked, args.plot, title=f"{args.model}, {args.devices} × {args.hardware}")
+    return 0
+
+
+def plot_candidates(ranked, path: str, *, title: str) -> None:
+    """Memory and analytic traffic per axis group of each candidate, as two stacked bar charts."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [",".join(f"{a[0]}{n}" for a, n in c.mesh.items()) or "1" for c in ranked]
+    groups = sorted({k for c in ranked for k in c.bytes_by_axis})
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, len(ranked) * 0.45), 7), sharex=True)
+    top.bar(labels, [c.memory_bytes / 1e9 for c in ranked], color=["tab:green" if c.fits else "tab:red" for c in ranked])
+    top.set_ylabel("memory per device (GB)")
+    top.set_title(title)
+    base = [0.0] * len(ranked)
+    for g in groups:
+        values = [c.bytes_by_axis.get(g, 0.0) / 1e9 for c in ranked]
+        bottom.bar(labels, values, bottom=base, label=g)
+        base = [b + v for b, v in zip(base, values)]
+    bottom.set_ylabel("minimum bytes sent per device per step (GB)")
+    bottom.legend(fontsize=7)
+    bottom.tick_params(axis="x", rotation=90)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def format_plan(p) -> str:

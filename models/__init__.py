@@ -33,6 +33,8 @@ PRESETS: dict[str, DenseConfig] = {
     # ~100M for benchmarks.
     "llama-100m": DenseConfig(vocab_size=32_000, embed_dim=768, num_layers=8, num_heads=8, num_kv_heads=4,
                               head_dim=96, mlp_dim=2048, rope_theta=10_000.0),
+    "llama2-7b": DenseConfig(vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                             head_dim=128, mlp_dim=11_008, rope_theta=10_000.0, max_seq_len=4096),
     "llama3-8b": _llama3(4096, 32, 32, 14_336),                     # Llama 3.1 8B
     "llama3-70b": _llama3(8192, 80, 64, 28_672),                    # Llama 3.1 70B
     "llama3-405b": _llama3(16_384, 126, 128, 53_248),               # Llama 3.1 405B
@@ -88,7 +90,7 @@ PRESETS.update({
 
 # Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
 PUBLISHED_PARAMS = {
-    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
+    "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
     "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
     "mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296,
     "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,

@@ -130,6 +130,20 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
     return 3 * used + 28 * local + 20 * a.num_layers * tokens * a.embed_dim * a.act_bytes
 
 
+def memory_estimate(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> float:
+    """Bytes per device: 16 per local parameter element (float32 parameter, gradient, two Adam moments),
+    the layer inputs kept under remat (layers × tokens × D × b_a, split by tensor's sequence
+    parallelism), one layer's working set (16 × tokens × max(D, F/t) × b_a), and float32 logits with
+    their gradient (8 × tokens × V/t)."""
+    local = sum(math.prod(p.shard_shape) for p in report.params)
+    t = mesh.get("tensor", 1)
+    tokens = acts.batch * acts.seq / math.prod(mesh[a] for a in token_axes)
+    width = max(cfg.embed_dim, cfg.mlp_dim / t)
+    activations = (acts.num_layers * tokens * cfg.embed_dim * acts.act_bytes / t
+                   + 16 * tokens * width * acts.act_bytes + 8 * tokens * cfg.padded_vocab / t)
+    return 16 * local + activations
+
+
 ACTIVATION_AXES = {"tensor", "sequence", "expert"}
 
 

@@ -116,7 +116,8 @@ def plot_candidates(ranked, path: str, *, title: str) -> None:
 def format_plan(p) -> str:
     gb = 1e9
     lines = [f"{p.model} on {p.mesh} ({p.hardware}), batch {p.batch} × seq {p.seq}",
-             f"memory per device {p.per_device_memory_bytes / gb:.2f} GB: {'fits' if p.fits else 'DOES NOT FIT'}",
+             f"memory per device: estimated {p.estimated_memory_bytes / gb:.2f} GB "
+             f"({'fits' if p.fits else 'DOES NOT FIT'}); XLA:CPU compiled {p.per_device_memory_bytes / gb:.2f} GB",
              f"FLOPs per device {p.flops_per_device:.3e} (model FLOPs {p.model_flops_per_device:.3e})",
              "", f"{'axis group':<22}{'link':<6}{'measured GB':>13}{'minimum GB':>12}{'ratio':>8}"]
     for key in sorted(set(p.bytes_by_axis) | set(p.analytic_min_bytes_by_axis)):

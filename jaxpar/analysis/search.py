@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxpar.analysis.costmodel import hbm_bytes, minimum_bytes
+from jaxpar.analysis.costmodel import hbm_bytes, memory_estimate, minimum_bytes
 from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.plan import activations_of, predict
 from jaxpar.rules import LayoutError
@@ -38,16 +38,6 @@ def factorizations(n: int, axes: tuple[str, ...]) -> list[dict]:
     if len(axes) == 1:
         return [{axes[0]: n}]
     return [{axes[0]: d} | rest for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, axes[1:])]
-
-
-def _memory(cfg, report, acts, mesh: dict, token_axes: set) -> float:
-    local = sum(math.prod(p.shard_shape) for p in report.params)
-    t = mesh.get("tensor", 1)
-    tokens = acts.batch * acts.seq / math.prod(mesh[a] for a in token_axes)
-    width = max(cfg.embed_dim, cfg.mlp_dim / t)
-    activations = (acts.num_layers * tokens * cfg.embed_dim * acts.act_bytes / t
-                   + 16 * tokens * width * acts.act_bytes + 8 * tokens * cfg.padded_vocab / t)
-    return 16 * local + activations
 
 
 def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency=0.6, overlap=0.8):
@@ -75,7 +65,7 @@ def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency
         4 / 3 if cfg.remat.value == "full" else 1.0)
     times = predict(traffic, flops=train_flops, bytes_accessed=hbm_bytes(report, acts, full, token_axes), mesh=full,
                     hw=hw, efficiency=efficiency, overlap=overlap)
-    memory = _memory(cfg, report, acts, full, token_axes)
+    memory = memory_estimate(cfg, report, acts, full, token_axes)
     mfu = cfg.flops_per_token(seq) * batch * seq / math.prod(full.values()) / (times["step_s"] * hw.peak_bf16_flops)
     return Candidate({a: n for a, n in mesh.items() if n > 1}, memory <= hw.hbm_bytes, memory, times["step_s"], mfu,
                      traffic)

@@ -4,7 +4,7 @@ Each case is MaxText's own configuration, from its repository (AI-Hypercomputer/
   * Llama2-7B on one A3 node (8 × H100), ``src/maxtext/configs/gpu/a3/llama_2_7b/1vm.sh`` with
     ``configs/gpu/models/llama2_7b.yml``: ici_fsdp_parallelism=8, per_device_batch_size=4,
     max_target_length=4096, remat_policy=minimal_with_context; published 492 TFLOP/s per GPU
-    (``configs/gpu/a3/llama_2_7b/README.md``), i.e. 49.7% of the H100's 989 TFLOP/s.
+    (``configs/gpu/a3/llama_2_7b/README.md``), i.e. 49.75% of the H100's 989 TFLOP/s.
   * MaxText's 32B model on v5p-128 (64 chips), ``src/maxtext/configs/tpu/v5p/32b.sh``:
     global_parameter_scale=32 (emb 8192, 64 heads of 128, mlp 28672, 32 layers, vocab 32000),
     ici_fsdp_parallelism=-1 (16) × ici_tensor_parallelism=4, per_device_batch_size=6,

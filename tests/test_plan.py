@@ -99,7 +99,7 @@ def test_hlo_reading_equals_a_direct_count():
 
 @pytest.mark.parametrize("argv, message", [
     (["--hardware", "h300"], "unknown hardware 'h300'"),
-    (["--devices", "4096"], "--devices=4096: this machine simulates 1..512"),
+    (["--devices", "4096"], "--devices=4096: this machine simulates 1..2048"),
     (["--mesh", "expert=8", "--model", "tiny-moe"], "model.moe.num_experts=4 (logical axis 'experts') is not "
                                                      "divisible by mesh axes expert=8"),
 ])

@@ -43,9 +43,8 @@ def factorizations(n: int, axes: tuple[str, ...]) -> list[dict]:
 def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency=0.6, overlap=0.8):
     """One candidate's ``Candidate`` (raises ``LayoutError`` when the layout cannot divide the model)."""
     from jaxpar.layout import Layout
-    from jaxpar.mesh import MeshConfig
-    from jaxpar.meshes import MeshPreset, compose_rules
-    from jaxpar.rules import check_layout
+    from jaxpar.meshes import compose_rules
+    from jaxpar.rules import Dim, check_layout
     from jaxpar.shardings import param_shardings
 
     hw = get_hardware(hardware)
@@ -53,7 +52,6 @@ def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency
     spec = ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
     rules = compose_rules(spec, {a for a, n in mesh.items() if n > 1})
     dims = dict(cfg.logical_dims())
-    from jaxpar.rules import Dim
     dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
     rules = check_layout(dims, rules, full)
     layout = Layout(_abstract_mesh(full), rules)

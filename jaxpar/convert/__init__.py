@@ -51,7 +51,7 @@ def _plan(cfg, fam: Family, hf: HFFolder, state) -> dict:
     """Our flat state's paths -> Source, every HF tensor checked for presence and shape; HF tensors
     nobody reads are refused."""
     table = sources(cfg, fam)
-    plan, used = {}, set()
+    plan, used, available = {}, set(), hf.names()          # names() builds a set: once, not per tensor
     hf_sizes = {"v": cfg.vocab_size}
     for keys, var in nnx.to_flat_state(state):
         path = _path(keys)
@@ -63,7 +63,7 @@ def _plan(cfg, fam: Family, hf: HFFolder, state) -> dict:
         src = table[path]
         shape = tuple(var.get_value().shape)
         for name in src.all_hf_names(shape):
-            if name not in hf.names():
+            if name not in available:
                 raise ConvertError(f"{hf.folder}: tensor {name} is missing (needed for {'/'.join(path)})")
             want = src.hf_shape(shape, hf_sizes)
             if hf.shape(name) != want:
@@ -71,7 +71,7 @@ def _plan(cfg, fam: Family, hf: HFFolder, state) -> dict:
                                    f"the config says {list(want)}")
             used.add(name)
         plan[path] = src
-    extra = sorted(hf.names() - used - _skipped(hf, cfg))
+    extra = sorted(available - used - _skipped(hf, cfg))
     if extra:
         raise ConvertError(f"{hf.where[extra[0]].name}: tensor {extra[0]} is not part of a {fam.model_type} model "
                            f"this config describes ({len(extra)} such tensors)")

@@ -21,7 +21,6 @@ from safetensors.numpy import save_file
 from jaxpar.rules import LayoutError
 
 INDEX = "model.safetensors.index.json"
-DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class ConvertError(LayoutError):

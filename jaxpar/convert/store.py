@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer, abstract_like, latest

@@ -163,18 +163,30 @@ def _simulated_hybrid(devices, ici, dcn) -> np.ndarray:
     return arr.transpose(order).reshape([d * i for d, i in zip(dcn, ici)])
 
 
-# Simulated devices are threads that share the host's cores. XLA:CPU aborts the process when a thread
-# waits for a collective longer than its termination timeout; on a loaded 2-core machine a fair wait can
-# exceed the default, so simulated runs wait longer before giving up (a real deadlock still ends).
-PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
-                       "--xla_cpu_collective_call_terminate_timeout_seconds=900",
-                       "--xla_cpu_collective_timeout_seconds=900")
+# Simulated devices are threads that share the host's cores, and XLA:CPU runs them on two thread pools
+# sized max(cores, devices). A collective blocks the pool thread that runs it until every peer arrives,
+# and independent collectives (an FSDP all-gather beside the ring's collective-permute inside a loop) can
+# start in a different order on different devices. With one thread per device the pool can fill with
+# waiters whose peers have no thread left to arrive on: a deadlock, seen on 2 cores after 50-300 steps of
+# the fsdp x ring layout. Four threads per device removed it (1,200 steps; the step time did not change).
+# Blocked threads cost no CPU. XLA reads PJRT_NPROC when the backend starts.
+THREADS_PER_SIMULATED_DEVICE = 4
+# A real deadlock still ends the process, after these timeouts, rather than hanging a CI job for hours.
+PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
+                       "--xla_cpu_collective_call_terminate_timeout_seconds=300",
+                       "--xla_cpu_collective_timeout_seconds=300")
 
 
-def patient_collectives() -> None:
-    """Add ``PATIENT_COLLECTIVES`` to ``XLA_FLAGS`` (those not set already); before the backend starts."""
+def cpu_runtime_env(n: int, /) -> None:
+    """Thread pools and collective timeouts for ``n`` simulated devices; before the backend starts.
+
+    Raises ``PJRT_NPROC`` to at least ``THREADS_PER_SIMULATED_DEVICE * n`` (never below the cores or a
+    larger value already set) and adds the ``PATIENT_COLLECTIVES`` flags not already in ``XLA_FLAGS``."""
     import os
 
+    have = os.environ.get("PJRT_NPROC", "")
+    floor = max(THREADS_PER_SIMULATED_DEVICE * n, os.cpu_count() or 1)
+    os.environ["PJRT_NPROC"] = str(max(int(have) if have.isdigit() else 0, floor))
     flags = os.environ.get("XLA_FLAGS", "")
     extra = [f for f in PATIENT_COLLECTIVES if f.split("=")[0] not in flags]
     if extra:
@@ -187,7 +199,7 @@ def simulate_cpu_devices(n: int, /) -> None:
 
     if n < 1:
         raise MeshError(f"--cpu-devices={n}: must be a positive integer")
-    patient_collectives()
+    cpu_runtime_env(n)
     try:
         jax.config.update("jax_platforms", "cpu")     # the simulated devices, even where a GPU is present
         jax.config.update("jax_num_cpu_devices", n)

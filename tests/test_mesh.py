@@ -1,4 +1,5 @@
 """MeshConfig forms, -1 filling, the hybrid ICI × DCN layout, and every rejected mesh input."""
+import os
 import jax
 import numpy as np
 import pytest
@@ -62,3 +63,19 @@ def test_simulate_devices_after_start_refuses_other_count():
     simulate_cpu_devices(8)                       # same count: fine
     with pytest.raises(MeshError, match=r"asked for 4 but JAX already started with 8"):
         simulate_cpu_devices(4)
+
+
+def test_cpu_runtime_env_gives_each_simulated_device_threads(monkeypatch):
+    """Collectives block pool threads; one thread per device deadlocked the fsdp × ring layout."""
+    from jaxpar.mesh import THREADS_PER_SIMULATED_DEVICE, cpu_runtime_env
+
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_timeout_seconds=7")
+    cpu_runtime_env(32)
+    assert int(os.environ["PJRT_NPROC"]) >= THREADS_PER_SIMULATED_DEVICE * 32
+    flags = os.environ["XLA_FLAGS"].split()
+    assert "--xla_cpu_collective_timeout_seconds=7" in flags          # the user's value is kept
+    assert sum(f.startswith("--xla_cpu_collective_timeout_seconds") for f in flags) == 1
+    monkeypatch.setenv("PJRT_NPROC", "4096")
+    cpu_runtime_env(2)
+    assert os.environ["PJRT_NPROC"] == "4096"                          # never lowered

@@ -55,6 +55,9 @@ def mismatches(saved: dict, current: dict, /) -> list[str]:
 
 
 def check_compatible(saved: SavedRun, current: dict, where: Path, /) -> None:
+    if not isinstance(saved.config, dict) or not isinstance(saved.config.get("model"), dict):
+        raise CheckpointError(f"{where} holds no jaxpar run config (a JSON object with a model section); "
+                              "nothing was written. Use another --out.")
     bad = mismatches(saved.config, current)
     if bad:
         raise CheckpointError(
@@ -78,7 +81,10 @@ def latest(directory: Path, /) -> SavedRun | None:
         step = manager.latest_step()
         if step is None:
             return None
-        config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        try:
+            config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except (KeyError, ValueError, OSError) as err:     # a step folder without a readable config item
+            raise CheckpointError(f"{directory / str(step)}: not a readable checkpoint of a run ({err})") from None
         return SavedRun(step, config)
     finally:
         manager.close()
@@ -110,6 +116,10 @@ class Checkpointer:
     @property
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Returns when every write started so far is complete on disk."""
+        self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for writes in flight, then releases the manager."""

@@ -196,7 +196,7 @@ def _open(path: Path, dtype: str) -> np.ndarray:
                             f"{', '.join(NPY_DTYPES)}")
         return arr
     sidecar = path.with_suffix(".json")        # written by `jaxpar prepare`
-    written = json.loads(sidecar.read_text()).get("dtype", dtype) if sidecar.exists() else dtype
+    written = _sidecar(sidecar).get("dtype", dtype) if sidecar.exists() else dtype
     if written != dtype:
         raise DataError(f"data.dtype={dtype}, but {sidecar} says {path} holds {written}: --set data.dtype={written}")
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
@@ -204,6 +204,17 @@ def _open(path: Path, dtype: str) -> np.ndarray:
         raise DataError(f"{path}: {size} bytes is not a multiple of {itemsize} (data.dtype={dtype}): "
                         f"wrong data.dtype or a truncated file")
     return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
+def _sidecar(path: Path) -> dict:
+    """The JSON object `jaxpar prepare` writes beside a .bin file (vocabulary, EOS id, dtype)."""
+    try:
+        info = json.loads(path.read_text())
+    except ValueError as err:                 # JSONDecodeError, UnicodeDecodeError
+        raise DataError(f"{path}: not valid JSON ({err}); it should be the sidecar `jaxpar prepare` wrote") from None
+    if not isinstance(info, dict):
+        raise DataError(f"{path}: holds a JSON {type(info).__name__}, not the object `jaxpar prepare` writes")
+    return info
 
 
 @functools.lru_cache(maxsize=256)
@@ -279,7 +290,7 @@ def _file_windows(cfg: DataConfig, *, vocab_size: int, seq: int, split: str) -> 
         names = ", ".join(str(p) for p in files.paths)
         most = (files.total - 1) // parts
         raise DataError(f"{field}: {names} hold {files.total} tokens, too few for {parts} window(s) of --seq {seq} "
-                        f"(needs {1 + parts * seq} tokens)" + (f"; use --seq {most} or less" if most else ""))
+                        f"(needs {1 + parts * seq} tokens)" + (f"; use --seq {most} or less" if most > 0 else ""))
     windows = (files.total - 1) // seq
     if not held_out:
         return WindowSource(files, seq, 0, windows)

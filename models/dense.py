@@ -25,7 +25,7 @@ from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScalin
 from jaxpar.layers.common import param
 from jaxpar.parallel.attention import storage_order
 from jaxpar.parallel.common import inverse_order
-from jaxpar.rules import Dim, constrain
+from jaxpar.rules import Dim, LayoutError, constrain
 
 
 class Remat(str, enum.Enum):
@@ -39,6 +39,12 @@ class Remat(str, enum.Enum):
         cp = jax.checkpoint_policies
         return {Remat.FULL: cp.nothing_saveable, Remat.DOTS: cp.dots_with_no_batch_dims_saveable,
                 Remat.ATTN: cp.save_only_these_names("attn_out"), Remat.NONE: None}[self]
+
+
+# Sizes that must be positive: the config divides by several of them (num_kv_heads, vocab_multiple).
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+SIZE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+               "vocab_multiple", "max_seq_len")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +73,18 @@ class DenseConfig:
     cp_order: str = "zigzag"         # ring: how tokens are stored over the devices: zigzag | contiguous
 
     def __post_init__(self):
+        for name in SIZE_FIELDS:                  # before any division by them
+            if getattr(self, name) < 1:
+                raise LayoutError(f"model.{name}={getattr(self, name)} must be ≥ 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in FLOAT_DTYPES:
+                raise LayoutError(f"model.{name}={getattr(self, name)!r}: choose one of {', '.join(FLOAT_DTYPES)}")
+        if not (self.norm_eps > 0 and self.rope_theta > 0):       # also refuses NaN
+            raise LayoutError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be > 0")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise LayoutError(f"model.sliding_window={self.sliding_window} must be ≥ 1 (or None: full attention)")
         object.__setattr__(self, "remat", Remat(self.remat))
 
     @property

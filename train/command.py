@@ -8,8 +8,48 @@ Re-running the same command resumes from the newest checkpoint in ``--out``.
 from __future__ import annotations
 
 import argparse
+import os
 
 HELP = "train a model preset on a mesh layout (resumes from --out)"
+
+
+def _from_env(value, name: str, cast=str):
+    """``value`` if the flag was given, else environment variable ``name`` (None when unset)."""
+    from jaxpar.mesh import MeshError
+    text = os.environ.get(name)
+    if value is not None or text is None:
+        return value
+    try:
+        return cast(text)
+    except ValueError:
+        raise MeshError(f"environment variable {name}={text!r}: expected an integer") from None
+
+
+def start_distributed(args: argparse.Namespace, /) -> bool:
+    """``jax.distributed.initialize`` when asked (flags, env, ``--distributed``); True if it ran.
+    Bad values are refused here, naming the flag, before jax waits for a coordinator."""
+    from jaxpar.mesh import MeshError
+    coordinator = _from_env(args.coordinator, "JAX_COORDINATOR_ADDRESS")
+    n = _from_env(args.num_processes, "JAXPAR_NUM_PROCESSES", int)
+    i = _from_env(args.process_id, "JAXPAR_PROCESS_ID", int)
+    if not (args.distributed or any(v is not None for v in (coordinator, n, i))):
+        return False
+    if (n is None) != (i is None):
+        missing = "--process-id" if i is None else "--num-processes"
+        raise MeshError(f"{missing} is needed too: give --num-processes and --process-id together "
+                        "(or neither, to detect them from the cluster)")
+    if n is not None and not 0 <= i < n:
+        raise MeshError(f"--process-id={i}: must be in 0..{n - 1} for --num-processes={n}")
+    if coordinator is not None and not _host_port(coordinator):
+        raise MeshError(f"--coordinator={coordinator!r}: expected HOST:PORT, e.g. 10.0.0.1:1234")
+    import jax
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i)
+    return True
+
+
+def _host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _positive(text: str) -> int:
@@ -32,7 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument("--batch", type=_positive, default=None, help="global batch in sequences (default: 16)")
     parser.add_argument("--seq", type=_positive, default=None, help="sequence length in tokens (default: 128)")
     parser.add_argument("--out", required=True, help="run directory: config, checkpoints, metrics")
-    parser.add_argument("--cpu-devices", type=_positive, default=None, help="simulate this many CPU devices")
+    parser.add_argument("--cpu-devices", type=_positive, default=None,
+                        help="simulate this many CPU devices (per process when there are several)")
+    group = parser.add_argument_group("several processes (docs/scale-out.md)")
+    group.add_argument("--distributed", action="store_true", help="start jax.distributed; what is not given "
+                       "below is detected from the cluster (SLURM, Cloud TPU, Kubernetes, Open MPI)")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address (env JAX_COORDINATOR_ADDRESS); implies --distributed")
+    group.add_argument("--num-processes", type=_positive, default=None, metavar="N",
+                       help="processes in the job (env JAXPAR_NUM_PROCESSES); implies --distributed")
+    group.add_argument("--process-id", type=int, default=None, metavar="I",
+                       help="this process, 0..N-1 (env JAXPAR_PROCESS_ID); implies --distributed")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="set any config field by its dotted path (repeatable; listed below)")
     parser.add_argument("--profile-steps", default=None, metavar="A:B", help="jax.profiler trace of steps A..B")
@@ -60,9 +110,14 @@ def run(args: argparse.Namespace, /) -> int:
     from jaxpar.mesh import simulate_cpu_devices
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
+    start_distributed(args)
+    import jax
+
     from jaxpar.train.loop import train
     cfg = build_config(args).validate()
     result = train(cfg, args.out)
+    if jax.process_index() != 0:
+        return 0
     if result.losses:
         last = result.losses[result.last_step]
         line = f"step {result.last_step}: loss {last:.4f}"
@@ -71,7 +126,7 @@ def run(args: argparse.Namespace, /) -> int:
             line += f", eval loss {result.eval_losses[step]:.4f} (step {step})"
         if result.entropy_rate is not None:
             line += f"; the source's entropy rate is {result.entropy_rate:.4f} nats (the floor)"
-        print(line)
+        print(line + (" (preempted: checkpoint saved)" if result.preempted else ""))
     else:
         print(f"nothing to do: {args.out} already holds step {result.last_step} of {cfg.steps}")
     print(f"run directory: {args.out} (config.json, metrics.jsonl, tensorboard/, checkpoints/)")

@@ -31,6 +31,9 @@ class ConfigError(LayoutError):
     """A configuration value the user can fix; the message names the field."""
 
 
+NONFINITE_POLICIES = ("stop", "skip")
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 100                 # save every K steps (and always at the last step)
@@ -60,6 +63,8 @@ class TrainConfig:
     microbatches: int = 1            # gradient accumulation: batch is split into this many microbatches
     z_loss: float = 0.0              # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
     init_from: str | None = None     # a model checkpoint (jaxpar convert) or run folder: start from its weights
+    nonfinite: str = "stop"          # a step whose loss or gradient norm is NaN/inf: "stop" the run, or "skip" its update
+    max_skips: int = 10              # nonfinite=skip: stop anyway after this many skipped steps in a row
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=30)
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -75,8 +80,14 @@ class TrainConfig:
         if self.seq > self.model.max_seq_len:
             raise ConfigError(f"seq={self.seq} is longer than model.max_seq_len={self.model.max_seq_len} "
                               f"of model {self.model_preset!r}")
-        if self.z_loss < 0:
+        if not self.z_loss >= 0:                  # also refuses NaN
             raise ConfigError(f"z_loss={self.z_loss} must be ≥ 0")
+        if self.log.eval_every < 0:
+            raise ConfigError(f"log.eval_every={self.log.eval_every} must be ≥ 0 (0: never)")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite={self.nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}")
+        if self.max_skips < 1:
+            raise ConfigError(f"max_skips={self.max_skips} must be ≥ 1")
         for section in ("checkpoint.every", "checkpoint.keep", "log.eval_batches"):
             outer, inner = section.split(".")
             if getattr(getattr(self, outer), inner) < 1:

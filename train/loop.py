@@ -12,7 +12,13 @@ batch ``s + 1``; a run that finds one resumes at step ``s + 1`` and, with the sa
 same losses bit for bit as a run that was never interrupted.
 
 Metrics are read one step late: step ``s + 1`` is dispatched before step ``s``'s loss is fetched, so the
-host never idles the devices to log.
+host never idles the devices to log. Except before a checkpoint or an eval: there the step's own metrics
+are fetched first and pass the non-finite guard (``guard.py``), so a NaN state is never saved.
+
+Stopping early (``guard.py``): a preemption notice (SIGTERM) ends the run after the step in flight, with
+a checkpoint of it; a non-finite step stops the run (or is skipped, by policy). A run killed outright
+resumes from its last complete checkpoint: orbax finishes a checkpoint by renaming its directory, and
+an unfinished one is never listed.
 """
 from __future__ import annotations
 
@@ -26,15 +32,19 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.checkpoint import Checkpointer, SavedRun, abstract_like, check_compatible, latest
+from jaxpar.checkpoint import CheckpointError, Checkpointer, SavedRun, abstract_like, check_compatible, latest
 from jaxpar.data import make_loader, to_global
 from jaxpar.layout import Layout, make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model
 from jaxpar.train.config import ConfigError, TrainConfig, to_dict
+from jaxpar.train.guard import NonFiniteError, NonFiniteGuard, Preemption
 from jaxpar.train.metrics import MetricsLog, throughput
 from jaxpar.train.optim import make_optimizer, make_schedule
 from jaxpar.train.step import TrainState, batch_sharding, init_program, make_eval_step, make_train_step
+
+
+BARRIER_TIMEOUT_S = 3600      # how long processes wait for each other at a barrier (compiles can be slow)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +55,7 @@ class RunResult:
     losses: dict[int, float]         # step -> training cross-entropy
     eval_losses: dict[int, float]
     entropy_rate: float | None       # of the synthetic source, when that is the data
+    preempted: bool = False          # stopped after last_step by a preemption notice (checkpoint saved)
 
 
 def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
@@ -57,16 +68,42 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
         raise ConfigError(f"batch={cfg.batch} / microbatches={cfg.microbatches} = {micro} rows per microbatch "
                           f"is not divisible by the {sharded} devices the batch is split over "
                           f"({' × '.join(f'{a}={layout.mesh.shape[a]}' for a in layout.rules['batch'])})")
+    if jax.process_count() > 1:
+        check_process_rows(cfg, layout, jax.process_index(), jax.process_count(), jax.local_devices())
     return layout
+
+
+def check_process_rows(cfg: TrainConfig, layout: Layout, p: int, n: int, local_devices) -> None:
+    """Process ``p`` of ``n`` loads rows [p·b, (p+1)·b) of each global batch, all positions
+    (``data.py``), so its ``local_devices`` must hold exactly those. Refuses a layout that splits the
+    batch across processes in another order, or splits positions or replicates rows across processes."""
+    local = set(local_devices)
+    indices = batch_sharding(layout)["inputs"].devices_indices_map((cfg.batch, cfg.seq))
+    held = [index for device, index in indices.items() if device in local]
+    rows = sorted({r for index in held for r in range(*index[0].indices(cfg.batch))})
+    cols = {c for index in held for c in range(*index[1].indices(cfg.seq))}
+    b = cfg.batch // n
+    if rows != list(range(p * b, (p + 1) * b)) or len(cols) != cfg.seq:
+        raise ConfigError(
+            f"--mesh {cfg.mesh} on {n} processes: process {p} loads rows {p * b}..{(p + 1) * b - 1} (all "
+            f"{cfg.seq} positions) of each batch, but its devices hold rows {rows[0]}..{rows[-1]} "
+            f"({len(rows)} rows) and {len(cols)} positions. The axes that split the batch must span the "
+            "processes in order and sequence must stay inside each process (docs/scale-out.md)")
 
 
 def _check_out_dir(out: Path, config: dict) -> SavedRun | None:
     """The checkpoint to resume from (None for a fresh run); refuses an incompatible run directory."""
+    if out.exists() and not out.is_dir() or any(p.is_file() for p in out.parents):
+        raise CheckpointError(f"--out {out}: is a file (or inside one), not a run directory; nothing was written")
     saved = latest(out / "checkpoints")
     if saved is not None:
         check_compatible(saved, config, out)
     elif (out / "config.json").is_file():
-        previous = json.loads((out / "config.json").read_text())
+        try:
+            previous = json.loads((out / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{out / 'config.json'}: not valid JSON, so not a run this one can resume; "
+                                  "nothing was written. Use another --out.") from None
         check_compatible(SavedRun(0, previous), config, out / "config.json")
     return saved
 
@@ -114,10 +151,33 @@ def moe_record(stats, /, *, microbatches: int) -> dict:
             "expert_tokens": [round(x) for x in load.sum(0) * microbatches]}
 
 
+def all_processes_reach(name: str, /) -> None:
+    """Several processes: wait here for all of them (a coordination-service barrier, through orbax).
+    Gloo, XLA:CPU's collectives between processes, gives a process 30 s to meet its peers at a group's
+    first collective; compile times on a loaded host differ by more than that."""
+    if jax.process_count() > 1:
+        import orbax.checkpoint as ocp
+        ocp.multihost.get_barrier_sync_fn()(key=f"jaxpar-{name}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
+
+
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def _make_loaders(cfg: TrainConfig) -> dict:
+    """The train loader, and the eval loader when the run evaluates: both check their token files now."""
+    loaders = {}
+    try:
+        for split in ("train", "eval") if cfg.log.eval_every else ("train",):
+            loaders[split] = make_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq=cfg.seq,
+                                         global_batch=cfg.batch, seed=cfg.seed, split=split)
+    except BaseException:
+        for loader in loaders.values():
+            loader.close()
+        raise
+    return loaders
 
 
 def _profile_window(spec: str) -> tuple[int, int] | None:
@@ -139,12 +199,11 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     out = Path(out_dir).resolve()          # orbax wants absolute paths
     profile = _profile_window(cfg.log.profile_steps)
     layout = plan_layout(cfg, devices=devices)
-    loader = make_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq=cfg.seq, global_batch=cfg.batch,
-                         seed=cfg.seed, split="train")
     config = to_dict(cfg)
     saved = _check_out_dir(out, config)
     if cfg.init_from and saved is None:
         _check_init_from(cfg)
+    loaders = _make_loaders(cfg)
     # ---- nothing was written before this line
     if cfg.log.compile_cache:
         jax.config.update("jax_compilation_cache_dir", cfg.log.compile_cache)
@@ -153,7 +212,7 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     if primary:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(out / "config.json", config)
-    run = _Run(cfg, layout, out, config, loader, saved)
+    run = _Run(cfg, layout, out, config, loaders, saved)
     try:
         return run.loop(stop_after=stop_after, profile=profile)
     finally:
@@ -163,8 +222,11 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
 class _Run:
     """The state of one training run between ``train``'s checks and its end."""
 
-    def __init__(self, cfg: TrainConfig, layout: Layout, out: Path, config: dict, loader, saved: SavedRun | None):
-        self.cfg, self.layout, self.out, self.config, self.loader = cfg, layout, out, config, loader
+    def __init__(self, cfg: TrainConfig, layout: Layout, out: Path, config: dict, loaders: dict,
+                 saved: SavedRun | None):
+        self.cfg, self.layout, self.out, self.config = cfg, layout, out, config
+        self.loader, self.eval_loader = loaders["train"], loaders.get("eval")
+        loader = self.loader
         model_cfg, opt_cfg = cfg.model, cfg.optimizer
         program = init_program(lambda rngs: build_model(model_cfg, rngs=rngs),
                                lambda model: make_optimizer(opt_cfg, model, total_steps=cfg.steps),
@@ -189,6 +251,8 @@ class _Run:
         self.metrics.message(f"{cfg.model_preset}: {cfg.model.num_params():,} params | mesh {dict(layout.mesh.shape)} "
                              f"rules {layout.rules.name!r} | data: {loader.describe()}")
         self.schedule = make_schedule(opt_cfg, cfg.steps)
+        self.guard = NonFiniteGuard(cfg.nonfinite, cfg.max_skips, self.checkpoints)
+        self.preemption = Preemption()
         self.shardings = batch_sharding(layout)
 
     def _batch(self, loader=None):
@@ -197,22 +261,20 @@ class _Run:
     def _compile(self, batch):
         """Ahead-of-time compile of the train and eval steps (timed and reported separately)."""
         t0 = time.perf_counter()
-        step = make_train_step(self.ts, self.layout, microbatches=self.cfg.microbatches, z_loss=self.cfg.z_loss)
+        step = make_train_step(self.ts, self.layout, microbatches=self.cfg.microbatches, z_loss=self.cfg.z_loss,
+                               skip_nonfinite=self.cfg.nonfinite == "skip")
         step = step.lower(self.ts.state, batch).compile()
         evaluate = (make_eval_step(self.ts, self.layout).lower(self.ts.state, batch).compile()
                     if self.cfg.log.eval_every else None)
         self.metrics.message(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+        all_processes_reach("compiled")
         return step, evaluate
 
     def _eval_batches(self):
-        if not self.cfg.log.eval_every:
+        """The eval batches (the same ones at every eval), read once."""
+        if self.eval_loader is None:
             return []
-        loader = make_loader(self.cfg.data, vocab_size=self.cfg.model.vocab_size, seq=self.cfg.seq,
-                             global_batch=self.cfg.batch, seed=self.cfg.seed, split="eval")
-        try:
-            return [self._batch(loader) for _ in range(self.cfg.log.eval_batches)]
-        finally:
-            loader.close()
+        return [self._batch(self.eval_loader) for _ in range(self.cfg.log.eval_batches)]
 
     def loop(self, *, stop_after: int | None, profile: tuple[int, int] | None) -> RunResult:
         cfg, last = self.cfg, min(self.cfg.steps, stop_after or self.cfg.steps)
@@ -222,57 +284,79 @@ class _Run:
         batch = self._batch()
         step_fn, eval_fn = self._compile(batch)
         eval_batches = self._eval_batches()
-        state, pending, clock = self.ts.state, None, time.perf_counter()
+        state, pending, clock, preempted = self.ts.state, None, time.perf_counter(), False
         for s in range(self.start + 1, last + 1):
             if profile and s == profile[0]:
                 jax.profiler.start_trace(str(self.out / "profile"))
             state, metrics = step_fn(state, batch)
-            if pending is not None:
+            if pending is not None:                   # the previous step's metrics, while this one runs
                 clock = self._report(pending, clock, losses)
-            pending = [s, metrics, None]
+            pending = [s, metrics]
             if profile and s == profile[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
-            final = s == cfg.steps
+            preempted = self.preemption.requested(s)
+            final = s == cfg.steps or preempted
             save = s % cfg.checkpoint.every == 0 or final
             position = self.loader.get_state() if save else None      # before the next batch is read
-            if s < last:
+            if s < last and not preempted:
                 batch = self._batch()
-            do_eval = bool(eval_batches) and (s % cfg.log.eval_every == 0 or final)
-            if do_eval or save:
-                jax.block_until_ready(state)      # the step's own time ends here; eval and save are apart
-            paused = time.perf_counter()
-            if do_eval:
-                evals[s] = pending[2] = float(np.mean([float(eval_fn(state, b)) for b in eval_batches]))
-            if save:
-                self.checkpoints.save(s, state=state, data=position, config=self.config, force=final)
-            clock += time.perf_counter() - paused
-        self._report(pending, clock, losses)
-        return RunResult(self.out, self.start, last, losses, evals, self.loader.entropy_rate)
+            do_eval = bool(eval_batches) and (s % cfg.log.eval_every == 0 or s == cfg.steps)
+            if do_eval or save:                       # the step's metrics now: never save a non-finite state
+                clock = paused = self._report(pending, clock, losses, eval_fn=eval_fn if do_eval else None,
+                                              eval_batches=eval_batches, evals=evals, state=state)
+                pending = None                        # eval and save time is kept out of the next step's time
+                if save:
+                    self.checkpoints.save(s, state=state, data=position, config=self.config, force=final)
+                clock += time.perf_counter() - paused
+            if preempted:
+                self.checkpoints.wait()
+                self.metrics.message(f"preempted: stopped after step {s}; checkpoint {s} is saved in "
+                                     f"{self.out / 'checkpoints'} and the same command resumes from it")
+                last = s
+                break
+        if pending is not None:
+            self._report(pending, clock, losses)
+        return RunResult(self.out, self.start, last, losses, evals, self.loader.entropy_rate, preempted)
 
-    def _report(self, pending: list, since: float, losses: dict) -> float:
-        """Fetches the metrics of step ``pending = [step, metrics, eval loss or None]`` (waiting for
-        them), logs them, returns the time they arrived."""
-        step, metrics, eval_loss = pending
-        loss = float(metrics.loss)
+    def _report(self, pending: list, since: float, losses: dict, *, eval_fn=None, eval_batches=(), evals=None,
+                state=None) -> float:
+        """Fetches the metrics of step ``pending = [step, metrics]`` (waiting for them), applies the
+        non-finite guard, evaluates when ``eval_fn`` is given, logs; returns the time the metrics arrived."""
+        step, metrics = pending
+        loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
         now = time.perf_counter()
+        record = self._record(step, metrics, loss, grad_norm, now - since)
+        try:
+            finite = self.guard.check(step, loss, grad_norm)
+        except NonFiniteError:
+            self.metrics.write(record)
+            raise
         losses[step] = loss
+        if not finite:
+            record["skipped"] = True
+        elif eval_fn is not None:
+            evals[step] = record["eval_loss"] = float(np.mean([float(eval_fn(state, b)) for b in eval_batches]))
+        self.metrics.write(record)
+        return now
+
+    def _record(self, step: int, metrics, loss: float, grad_norm: float, seconds: float) -> dict:
         cfg = self.cfg
-        record = {"step": step, "loss": loss, "grad_norm": float(metrics.grad_norm),
-                  "lr": float(self.schedule(step - 1)), "step_time_s": now - since}
-        record.update(throughput(tokens=cfg.batch * cfg.seq, seconds=now - since,
+        record = {"step": step, "loss": loss, "grad_norm": grad_norm,
+                  "lr": float(self.schedule(step - 1)), "step_time_s": seconds}
+        record.update(throughput(tokens=cfg.batch * cfg.seq, seconds=seconds,
                                  flops_per_token=cfg.model.flops_per_token(cfg.seq),
                                  num_devices=self.layout.mesh.size, device_kind=jax.devices()[0].device_kind))
         if cfg.z_loss:
             record["z_loss"] = float(metrics.z_loss)
         if metrics.moe is not None:
             record.update(moe_record(metrics.moe, microbatches=cfg.microbatches))
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
-        self.metrics.write(record)
-        return now
+        return record
 
     def close(self) -> None:
+        self.preemption.close()
         self.checkpoints.close()
         self.metrics.close()
         self.loader.close()
+        if self.eval_loader is not None:
+            self.eval_loader.close()

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -133,26 +134,41 @@ def _accumulated_grads(model, batch: Batch, loss_fn, microbatches: int):
     return jax.tree.map(lambda x: x / microbatches, parts), grads
 
 
+def is_finite_step(loss, grad_norm) -> bool:
+    """The guard's test, the same on the host and inside the step: loss and gradient norm both finite
+    (a NaN or inf anywhere in the gradient makes its norm non-finite)."""
+    return bool(np.isfinite(loss) and np.isfinite(grad_norm))
+
+
 def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, microbatches: int = 1,
-                    z_loss: float = 0.0):
+                    z_loss: float = 0.0, skip_nonfinite: bool = False):
     """``step(state, batch) -> (state, StepMetrics)``, jitted with explicit shardings, state donated.
 
     ``microbatches=k`` accumulates the gradient over k slices of the batch before one optimizer update:
     the same update as the whole batch at once (up to float rounding), with 1/k of the activations.
+    ``skip_nonfinite``: a step whose loss or gradient norm is not finite returns the state unchanged
+    (parameters, moments and the optimizer's step count), so the schedule does not advance either.
     """
     graphdef = ts.graphdef
     objective = functools.partial(loss_fn, z_loss=z_loss)
 
+    def apply(state, grads, parts):
+        model, opt = nnx.merge(graphdef, state)
+        opt.update(model, grads)
+        if parts.moe is not None:                     # DeepSeek's auxiliary-loss-free balancing (off at rate 0)
+            model.update_router_bias(parts.moe.expert_load)
+        return nnx.state((model, opt))
+
     def step(state, batch):
         with layout.activate_trace():
-            model, opt = nnx.merge(graphdef, state)
+            model, _ = nnx.merge(graphdef, state)
             parts, grads = _accumulated_grads(model, batch, objective, microbatches)
-            opt.update(model, grads)
-            if parts.moe is not None:                 # DeepSeek's auxiliary-loss-free balancing (off at rate 0)
-                model.update_router_bias(parts.moe.expert_load)
             metrics = StepMetrics(loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss,
                                   moe=parts.moe)
-            return nnx.state((model, opt)), metrics
+            if not skip_nonfinite:
+                return apply(state, grads, parts), metrics
+            finite = jnp.isfinite(metrics.loss) & jnp.isfinite(metrics.grad_norm)
+            return jax.lax.cond(finite, apply, lambda s, g, p: s, state, grads, parts), metrics
 
     return jax.jit(step, in_shardings=(ts.shardings, batch_sharding(layout)),
                    out_shardings=(ts.shardings, layout.sharding(())), donate_argnums=0)

@@ -33,9 +33,16 @@ def read_config(folder: Path) -> dict:
         raise ConvertError(f"{folder}: not a directory")
     if not path.is_file():
         raise ConvertError(f"{path}: missing (a Hugging Face model folder has config.json)")
+    config = _json(path)
+    if not isinstance(config, dict):
+        raise ConvertError(f"{path}: holds a JSON {type(config).__name__}, not an object of config fields")
+    return config
+
+
+def _json(path: Path):
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except ValueError as e:                     # JSONDecodeError, UnicodeDecodeError
         raise ConvertError(f"{path}: not valid JSON ({e})") from None
 
 
@@ -53,7 +60,12 @@ def _header(path: Path) -> dict:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ConvertError(f"{path}: not a safetensors file (unreadable header)") from None
+    if not isinstance(header, dict):
+        raise ConvertError(f"{path}: not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
+    if not all(isinstance(info, dict) and isinstance(info.get("data_offsets"), list)
+               and len(info["data_offsets"]) == 2 for info in header.values()):
+        raise ConvertError(f"{path}: not a safetensors file (a header entry has no data_offsets pair)")
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + n + end > size:
         raise ConvertError(f"{path}: truncated safetensors file: its tensors need {8 + n + end} bytes, "
@@ -77,7 +89,10 @@ class HFFolder:
         self.where: dict[str, Path] = {}
         self.info: dict[str, dict] = {}
         if index.is_file():
-            mapping = json.loads(index.read_text()).get("weight_map", {})
+            mapping = _json(index)
+            mapping = mapping.get("weight_map", {}) if isinstance(mapping, dict) else None
+            if not isinstance(mapping, dict):
+                raise ConvertError(f"{index}: its weight_map is not an object (tensor name -> file)")
             for name, file in mapping.items():
                 self.where[name] = self.folder / file
             for file in sorted(set(self.where.values())):

@@ -167,7 +167,7 @@ def _simulated_hybrid(devices, ici, dcn) -> np.ndarray:
 # sized max(cores, devices). A collective blocks the pool thread that runs it until every peer arrives,
 # and independent collectives (an FSDP all-gather beside the ring's collective-permute inside a loop) can
 # start in a different order on different devices. With one thread per device the pool can fill with
-# waiters whose peers have no thread left to arrive on: a deadlock, seen on 2 cores after 50-300 steps of
+# waiters whose peers have no thread left to arrive on: a deadlock, 3 runs of 3 within 350 steps of
 # the fsdp x ring layout. Four threads per device removed it (1,200 steps; the step time did not change).
 # Blocked threads cost no CPU. XLA reads PJRT_NPROC when the backend starts.
 THREADS_PER_SIMULATED_DEVICE = 4

@@ -34,6 +34,7 @@ STRUCTURAL_FIELDS = ("vocab_size", "vocab_multiple", "embed_dim", "num_layers", 
                      "head_dim", "mlp_dim", "qkv_bias", "qk_norm", "tie_embeddings", "param_dtype")
 # Run fields that decide which batches come next: changing them would not continue the same data stream.
 DATA_FIELDS = ("batch", "seq", "seed", "data")
+READ_SETTINGS = ("num_threads", "prefetch")      # data.* fields free to change on resume
 
 
 class CheckpointError(LayoutError):
@@ -50,8 +51,16 @@ def mismatches(saved: dict, current: dict, /) -> list[str]:
     """Fields where a saved run config and the current one disagree in a way resuming cannot bridge."""
     out = [f"model.{k}: saved {saved['model'].get(k)!r}, now {current['model'].get(k)!r}"
            for k in STRUCTURAL_FIELDS if saved["model"].get(k) != current["model"].get(k)]
-    out += [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in DATA_FIELDS if saved.get(k) != current.get(k)]
+    stream = [(k, _stream(saved.get(k)), _stream(current.get(k))) for k in DATA_FIELDS]
+    out += [f"{k}: saved {a!r}, now {b!r}" for k, a, b in stream if a != b]
     return out
+
+
+def _stream(value):
+    """A run-config value without the data settings that only change how fast batches are read."""
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in READ_SETTINGS}
+    return value
 
 
 def check_compatible(saved: SavedRun, current: dict, where: Path, /) -> None:

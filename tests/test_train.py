@@ -104,6 +104,16 @@ def test_incompatible_run_directory_is_refused_untouched(uninterrupted, override
     assert _tree_digest(uninterrupted.out_dir) == before
 
 
+def test_read_settings_may_change_on_resume_the_stream_may_not():
+    from jaxpar.checkpoint import mismatches
+    from jaxpar.train.config import to_dict
+
+    saved = to_dict(_cfg())
+    assert mismatches(saved, to_dict(_cfg("data.num_threads=8", "data.prefetch=1"))) == []
+    (only,) = mismatches(saved, to_dict(_cfg("data.markov_seed=5", "data.num_threads=8")))
+    assert only.startswith("data: saved {") and "'markov_seed': 5" in only and "num_threads" not in only
+
+
 def test_batch_not_divisible_by_data_axes():
     with pytest.raises(Exception, match=r"batch=8 / microbatches=4 = 2 rows per microbatch is not divisible by the 4"):
         plan_layout(_cfg("microbatches=4", mesh="3d"))

@@ -301,6 +301,9 @@ CASES = {
                                    r"float32\[2, 64, 64\] here", needs_run=True),
     # ---- Hugging Face folders (jaxpar convert --from-hf)
     "hf-not-a-directory": Case(convert("<tmp>/nowhere"), r"<tmp>/nowhere: not a directory"),
+    "convert-out-exists": Case(["convert", "--from-hf", "<tmp>/hf", "--out", "<tmp>/mine"],
+                               r"<tmp>/mine: exists; conversion writes a new folder and never overwrites",
+                               make=(hf(), write("mine/keep.txt", "mine"))),
     "hf-missing-config": Case(convert(), r"<tmp>/hf/config\.json: missing \(a Hugging Face model folder has config\.json\)",
                               make=(hf(config=None),)),
     "hf-config-not-json": Case(convert(), r"<tmp>/hf/config\.json: not valid JSON",

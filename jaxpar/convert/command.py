@@ -10,6 +10,7 @@ temporary name and renamed when complete.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 HELP = "convert Hugging Face checkpoints to jaxpar model checkpoints and back"
 
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace, /) -> int:
 
     if args.family and args.family not in FAMILIES:
         raise ConvertError(f"--family={args.family!r}: not one of {', '.join(sorted(FAMILIES))}")
+    if Path(args.out).exists():                   # before any tensor is read
+        raise ConvertError(f"{Path(args.out).resolve()}: exists; conversion writes a new folder and never overwrites")
     if args.from_hf:
         model = from_hf(args.from_hf, mesh=args.mesh, param_dtype=args.dtype or "float32")
         out = save_model(model, args.out, source={"hf": str(args.from_hf)})

@@ -226,7 +226,6 @@ class _Run:
                  saved: SavedRun | None):
         self.cfg, self.layout, self.out, self.config = cfg, layout, out, config
         self.loader, self.eval_loader = loaders["train"], loaders.get("eval")
-        loader = self.loader
         model_cfg, opt_cfg = cfg.model, cfg.optimizer
         program = init_program(lambda rngs: build_model(model_cfg, rngs=rngs),
                                lambda model: make_optimizer(opt_cfg, model, total_steps=cfg.steps),
@@ -241,7 +240,7 @@ class _Run:
             else:
                 abstract = abstract_like(jax.eval_shape(program.create), program.shardings)
                 state, position = self.checkpoints.restore(saved.step, abstract)
-                loader.set_state(position)
+                self.loader.set_state(position)
                 self.start = saved.step
         self.ts = TrainState(program.graphdef, state, program.shardings)
         self.metrics = MetricsLog(out, enabled=jax.process_index() == 0, total_steps=cfg.steps,
@@ -249,7 +248,7 @@ class _Run:
         if saved is not None:
             self.metrics.message(f"resumed from {out / 'checkpoints'} at step {saved.step}")
         self.metrics.message(f"{cfg.model_preset}: {cfg.model.num_params():,} params | mesh {dict(layout.mesh.shape)} "
-                             f"rules {layout.rules.name!r} | data: {loader.describe()}")
+                             f"rules {layout.rules.name!r} | data: {self.loader.describe()}")
         self.schedule = make_schedule(opt_cfg, cfg.steps)
         self.guard = NonFiniteGuard(cfg.nonfinite, cfg.max_skips, self.checkpoints)
         self.preemption = Preemption()

@@ -42,6 +42,7 @@ RAW_DTYPES = ("uint16", "uint32")
 NPY_DTYPES = ("uint16", "uint32", "int32")
 SPLITS = ("train", "eval")
 DIRICHLET_ALPHA = 0.5     # transition probabilities per state ~ Dirichlet(0.5, ..., 0.5): skewed, not peaked
+MARKOV_MAX_VOCAB = 2**20  # states of the synthetic chain: 1.7 s for 151,936 (Qwen's vocabulary), 24 s at the cap
 MARKOV_LENGTH = 2**40     # records in a markov stream: endless in practice, still a finite grain source
 SCAN_CHUNK = 1 << 22      # tokens per chunk when scanning files for bad ids
 ENDLESS = 2**62           # records a loader can yield: grain's repeat() makes len sys.maxsize, whose
@@ -109,6 +110,10 @@ def markov_chain(vocab_size: int, *, branching: int, seed: int) -> MarkovChain:
     """
     if not 1 <= branching <= vocab_size:
         raise DataError(f"data.markov_branching={branching}: must be between 1 and model.vocab_size={vocab_size}")
+    if vocab_size > MARKOV_MAX_VOCAB:
+        raise DataError(f"data.source=markov: model.vocab_size={vocab_size:,} is more states than the synthetic chain "
+                        f"is built for (at most {MARKOV_MAX_VOCAB:,}: its tables live in memory and its stationary "
+                        "distribution is iterated); use data.source=files")
     rng = np.random.default_rng([seed, 0x6D61726B])
     cycle = rng.permutation(vocab_size)
     succ = np.empty((vocab_size, branching), np.int64)

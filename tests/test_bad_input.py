@@ -231,6 +231,9 @@ CASES = {
                               r"moe\.capacity_factor=0\.0 must be > 0"),
     "profile-steps-reversed": Case(train("--profile-steps", "5:2"), r"--profile-steps '5:2': need 1 ≤ FIRST ≤ LAST"),
     # ---- token files (data.source=files)
+    "markov-vocab-too-large": Case(train("--set", "model.vocab_size=100000000"),
+                                   r"data\.source=markov: model\.vocab_size=100,000,000 is more states than the "
+                                   r"synthetic chain is built for \(at most 1,048,576"),
     "data-path-missing": Case(on_tokens("data/missing.npy"), r"data\.path: <tmp>/data/missing\.npy does not exist"),
     "data-path-empty-dir": Case(on_tokens("data"), r"data\.path: no \.npy or \.bin token files in <tmp>/data$",
                                 make=(folder("data"),)),

@@ -5,9 +5,9 @@ import sys
 import time
 from pathlib import Path
 
-QUIET = ["--set", "log.progress=false", "--set", "log.tensorboard=false", "--set", "log.eval_every=0",
-         "--set", "optimizer.schedule=constant", "--set", "optimizer.warmup_steps=0",
-         "--set", "optimizer.learning_rate=1e-2"]
+SETTINGS = ["log.progress=false", "log.tensorboard=false", "log.eval_every=0", "optimizer.schedule=constant",
+            "optimizer.warmup_steps=0", "optimizer.learning_rate=1e-2"]
+QUIET = [arg for setting in SETTINGS for arg in ("--set", setting)]
 
 
 def train_command(out: Path, *args: str, steps: int, every: int) -> list[str]:

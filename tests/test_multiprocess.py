@@ -11,7 +11,7 @@ import socket
 
 import numpy as np
 
-from live_runs import QUIET, checkpoint_entries, finish, losses, records, start, train_command, wait_until
+from live_runs import SETTINGS, checkpoint_entries, finish, losses, records, start, train_command, wait_until
 from jaxpar.train.config import apply_overrides, default_config
 from jaxpar.train.loop import train
 
@@ -26,9 +26,8 @@ def _free_port() -> int:
 
 def _in_process_cfg(steps):
     """The config the CLI builds from ``train_command`` (same fields), for runs inside this process."""
-    sets = [QUIET[i + 1] for i in range(0, len(QUIET), 2)]
     return apply_overrides(default_config("tiny", steps=steps, batch=8, seq=16, mesh=MESH),
-                           [*sets, "checkpoint.every=1000"])
+                           [*SETTINGS, "checkpoint.every=1000"])
 
 
 def test_two_processes_train_like_one_and_resume_in_one(tmp_path):

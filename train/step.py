@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -132,12 +131,6 @@ def _accumulated_grads(model, batch: Batch, loss_fn, microbatches: int):
     (grads, parts), _ = jax.lax.scan(body, zeros, micro)
     grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
     return jax.tree.map(lambda x: x / microbatches, parts), grads
-
-
-def is_finite_step(loss, grad_norm) -> bool:
-    """The guard's test, the same on the host and inside the step: loss and gradient norm both finite
-    (a NaN or inf anywhere in the gradient makes its norm non-finite)."""
-    return bool(np.isfinite(loss) and np.isfinite(grad_norm))
 
 
 def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, microbatches: int = 1,

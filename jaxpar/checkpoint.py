@@ -5,6 +5,7 @@ One checkpoint = one step directory with three items:
              written by the devices that hold its shards
     data     the data loader's position (JSON), so a resumed run reads the batches that came next
     config   the resolved run configuration (JSON), checked before anything is restored
+             (``jaxpar.identity``: is this the same run?)
 
 Saving is asynchronous: ``save`` returns once the arrays are copied off the devices and the files are
 written in the background while training goes on. Orbax writes each step into a temporary directory and
@@ -24,54 +25,15 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxpar.rules import LayoutError
+from jaxpar.errors import CheckpointError  # noqa: F401  (re-exported)
 
 ITEMS = ("state", "data", "config")
-
-# Model fields that decide the shapes and dtypes of the saved arrays: a checkpoint loads only into a
-# model that agrees on all of them. Others (rope_theta, remat, compute dtype, ...) may change on resume.
-STRUCTURAL_FIELDS = ("vocab_size", "vocab_multiple", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "mlp_dim", "qkv_bias", "qk_norm", "tie_embeddings", "param_dtype")
-# Run fields that decide which batches come next: changing them would not continue the same data stream.
-DATA_FIELDS = ("batch", "seq", "seed", "data")
-READ_SETTINGS = ("num_threads", "prefetch")      # data.* fields free to change on resume
-
-
-class CheckpointError(LayoutError):
-    """A checkpoint that cannot be used by this run; the message names the fields that disagree."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedRun:
     step: int
     config: dict
-
-
-def mismatches(saved: dict, current: dict, /) -> list[str]:
-    """Fields where a saved run config and the current one disagree in a way resuming cannot bridge."""
-    out = [f"model.{k}: saved {saved['model'].get(k)!r}, now {current['model'].get(k)!r}"
-           for k in STRUCTURAL_FIELDS if saved["model"].get(k) != current["model"].get(k)]
-    stream = [(k, _stream(saved.get(k)), _stream(current.get(k))) for k in DATA_FIELDS]
-    out += [f"{k}: saved {a!r}, now {b!r}" for k, a, b in stream if a != b]
-    return out
-
-
-def _stream(value):
-    """A run-config value without the data settings that only change how fast batches are read."""
-    if isinstance(value, dict):
-        return {k: v for k, v in value.items() if k not in READ_SETTINGS}
-    return value
-
-
-def check_compatible(saved: SavedRun, current: dict, where: Path, /) -> None:
-    if not isinstance(saved.config, dict) or not isinstance(saved.config.get("model"), dict):
-        raise CheckpointError(f"{where} holds no jaxpar run config (a JSON object with a model section); "
-                              "nothing was written. Use another --out.")
-    bad = mismatches(saved.config, current)
-    if bad:
-        raise CheckpointError(
-            f"{where} holds a checkpoint (step {saved.step}) of a run this one cannot resume:\n  " + "\n  ".join(bad)
-            + "\nNothing was written. Use another --out, or the saved settings to resume.")
 
 
 def _quiet_orbax():

@@ -12,8 +12,9 @@ Adding ``train``, ``plan`` or ``convert`` is one line here plus that module. Mod
 build the parser, so they must not touch a jax backend at import time (``--devices`` simulates CPU
 devices, which only works before the first JAX operation); import flax and the zoo inside ``run``.
 
-Errors the user can fix (``LayoutError``, ``MeshError``: unknown preset, indivisible sizes) print
-``jaxpar: error: <message>`` to stderr and exit with status 2, like argparse's own usage errors.
+Errors the user can fix (``jaxpar.errors``: unknown preset, indivisible sizes, a run directory of another
+model, ...) print ``jaxpar: error: <message>`` to stderr and exit with status 2, like argparse's own usage
+errors. A run that fails on the way (``NonFiniteError``: a NaN loss) prints the same way and exits with 1.
 """
 from __future__ import annotations
 
@@ -44,16 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script and ``python -m jaxpar``; returns the exit status."""
-    from jaxpar.data import DataError
-    from jaxpar.mesh import MeshError
-    from jaxpar.rules import LayoutError
+    from jaxpar.errors import JaxparError, NonFiniteError
 
     args = build_parser().parse_args(argv)
     try:
         return args._run(args)
-    except (LayoutError, MeshError, DataError) as err:
+    except JaxparError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(err, NonFiniteError) else 2
     except BrokenPipeError:                      # output piped into `head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

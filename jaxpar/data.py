@@ -35,10 +35,21 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.mesh import suggest
+from jaxpar.config import Choice, check_choices
+from jaxpar.errors import DataError  # noqa: F401  (re-exported)
 
-SOURCES = ("markov", "files")
-RAW_DTYPES = ("uint16", "uint32")
+
+class DataSource(Choice):
+    MARKOV = "markov"          # the embedded synthetic source
+    FILES = "files"            # token files (jaxpar prepare)
+
+
+class TokenDtype(Choice):
+    """Element type of raw .bin token files (.npy files carry their own)."""
+    UINT16 = "uint16"
+    UINT32 = "uint32"
+
+
 NPY_DTYPES = ("uint16", "uint32", "int32")
 SPLITS = ("train", "eval")
 DIRICHLET_ALPHA = 0.5     # transition probabilities per state ~ Dirichlet(0.5, ..., 0.5): skewed, not peaked
@@ -49,17 +60,13 @@ ENDLESS = 2**62           # records a loader can yield: grain's repeat() makes l
                           # batch(1) length ceil(maxsize / 1.0) = 2**63 overflows len(); repeat finitely
 
 
-class DataError(ValueError):
-    """Data the user can fix: the message names the config field (``data.path``) and/or the file."""
-
-
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "markov"        # "markov" (embedded synthetic) | "files" (token files)
+    source: DataSource = DataSource.MARKOV
     path: str = ""                # files: a file, a directory (all *.npy / *.bin inside, sorted) or a glob
     eval_path: str = ""           # held-out token files; "" -> hold out the last `eval_fraction` of windows of `path`
     eval_fraction: float = 0.01
-    dtype: str = "uint16"         # element type of raw .bin files: uint16 | uint32 (.npy carries its own)
+    dtype: TokenDtype = TokenDtype.UINT16   # element type of raw .bin files (.npy carries its own)
     markov_branching: int = 8     # successors per state of the synthetic chain
     markov_seed: int = 0          # the chain itself (transition table); sample streams are derived from the loader seed
     shuffle: bool = True
@@ -67,12 +74,7 @@ class DataConfig:
     prefetch: int = 4             # grain prefetch buffer
 
     def __post_init__(self):
-        if self.source not in SOURCES:
-            raise DataError(f"data.source={self.source!r}: unknown source; choose one of "
-                            f"{', '.join(SOURCES)}{suggest(self.source, SOURCES)}")
-        if self.dtype not in RAW_DTYPES:
-            raise DataError(f"data.dtype={self.dtype!r}: raw .bin tokens are one of {', '.join(RAW_DTYPES)}"
-                            f"{suggest(self.dtype, RAW_DTYPES)}")
+        check_choices(self, "data")
         if not 0 < self.eval_fraction < 1:
             raise DataError(f"data.eval_fraction={self.eval_fraction}: must be between 0 and 1 (exclusive)")
         if self.markov_branching < 1:

@@ -30,11 +30,11 @@ import math
 
 import numpy as np
 
+from jaxpar.errors import MeshError  # noqa: F401  (re-exported)
+
 AXES: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
 
-class MeshError(ValueError):
-    """A mesh that cannot be built: the message names the field, the axis and the numbers."""
 
 
 @dataclasses.dataclass(frozen=True)

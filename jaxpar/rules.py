@@ -33,6 +33,8 @@ from typing import Iterable, Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.errors import LayoutError, NoLayoutError  # noqa: F401  (LayoutError: re-exported)
+
 PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts",
               "q_lora", "kv_lora")
 ACTIVATION_AXES = ("batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads",
@@ -40,8 +42,6 @@ ACTIVATION_AXES = ("batch", "length", "inner_length", "act_embed", "act_heads", 
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
 
-class LayoutError(ValueError):
-    """A model, batch and mesh that do not fit together. The message names field, axis and numbers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,20 +119,47 @@ def use_layout(mesh: jax.sharding.Mesh, rules: Rules):
         yield
 
 
-def current_layout() -> tuple[jax.sharding.Mesh, Rules] | None:
-    """``(mesh, rules)`` of the innermost ``trace_layout``/``use_layout``, or None outside one."""
+def _devices_spanned(x) -> int:
+    """How many devices the mesh of ``x`` (a traced or concrete array) spans; 0 or 1 for one device."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        concrete = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+        return 0 if concrete is None else len(concrete.device_set)
+    return mesh.size
+
+
+def active_layout(*arrays) -> tuple[jax.sharding.Mesh, Rules] | None:
+    """``(mesh, rules)`` of the current layout, or None when the model runs on one device.
+
+    Never silent: with no layout active, arrays that live on a multi-device mesh (or a multi-device
+    ``jax.set_mesh`` context) raise ``NoLayoutError``. Without its layout a model would compile with no
+    sharding constraints and with the one-device attention and MoE paths: correct, but O(L) memory and
+    none of the kernels its layout asks for."""
     layout = _CURRENT.get()
-    return None if layout is None else (layout.mesh, layout.rules)
+    if layout is not None:
+        return layout.mesh, layout.rules
+    context = jax.sharding.get_abstract_mesh()
+    spans = max([0 if context.empty else context.size] + [_devices_spanned(x) for x in arrays])
+    if spans > 1:
+        raise NoLayoutError(
+            f"the model is traced on a mesh of {spans} devices but no jaxpar layout is active, so it would run "
+            "without sharding constraints and with its one-device attention and MoE paths. Trace it inside "
+            "`layout.activate()` (eager code, init) or `layout.activate_trace()` (inside a jitted function), "
+            "with the layout from jaxpar.layout.make_layout; jaxpar.train.step's functions do this for you")
+    return None
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pin an activation's layout by logical names; a no-op outside ``use_layout``."""
-    layout = _CURRENT.get()
+    """Pin an activation's layout by logical names. On one device (no layout, ``x`` on one device) it
+    is the identity; on a multi-device mesh without a layout it raises ``NoLayoutError``."""
+    layout = active_layout(x)
     if layout is None:
         return x
+    mesh, rules = layout
     if len(names) != x.ndim:
         raise LayoutError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, layout.rules.spec(names)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))
 
 
 # ------------------------------------------------------------------------------------------ check

@@ -6,7 +6,8 @@ this works for models far larger than the machine, e.g. llama3-405b on 64 simula
     report = param_shardings(get_model_preset("llama3-8b"), default_layout(cfg, "fsdp_tp"))
     report.per_device_bytes, report.golden(), report.to_json(), format_table(report)
 
-Also the ``jaxpar shardings`` subcommand (``add_arguments`` / ``run``, registered in ``jaxpar.cli``).
+Also the ``jaxpar shardings`` subcommand (``add_arguments`` / ``run``, registered in ``jaxpar.cli``);
+its ``--rules`` form prints a preset's rules table instead (``jaxpar.rules_report``).
 This module imports jax but touches no backend at import time, so the command can still simulate devices;
 flax and the model zoo are imported inside the functions that build models.
 """
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxpar.layout import Layout, make_layout
+from jaxpar.mesh import AXES
 
 SpecEntry = Union[None, str, list]        # one dimension of a normalised spec: None | axis | [axes]
 MiB, GiB = 2**20, 2**30
@@ -208,7 +210,8 @@ def format_table(report: ShardingReport, /) -> str:
 
 
 # ------------------------------------------------------------------------------------- command line
-HELP = "what each device holds: per-parameter shardings and memory of a model under a mesh preset"
+HELP = ("what each device holds: per-parameter shardings and memory of a model under a mesh preset; "
+        "--rules prints a preset's rules table")
 
 
 def _positive(text: str) -> int:
@@ -222,19 +225,24 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
-    parser.add_argument("--model", required=True, help="model preset, e.g. tiny, llama3-8b, llama3-70b")
-    parser.add_argument("--mesh", required=True,
-                        help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d) or axis sizes like 'data=2,fsdp=-1'")
+    parser.add_argument("--model", help="model preset, e.g. tiny, llama3-8b, llama3-70b (required with --mesh)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mesh", help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d, cp, ...) or axis sizes "
+                                      "like 'data=2,fsdp=-1'")
+    where.add_argument("--rules", metavar="PRESET_OR_SPEC",
+                       help="print the rules table of a mesh preset or axis spec, one line per logical axis; "
+                            "with --model, as checked against that model")
     parser.add_argument("--devices", type=_positive, default=None,
                         help="simulate this many CPU devices (default: what the mesh needs, 8 if it fits)")
     parser.add_argument("--batch", type=_positive, default=None, help="global batch (default: the smallest that splits)")
     parser.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the smallest that splits)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(_shardings_parser=parser)           # for usage errors argparse cannot express
 
 
 def default_device_count(mesh_config, /) -> int:
     """The devices a mesh needs: its size if fixed, else the smallest multiple of its fixed axes ≥ 8."""
-    sizes = [getattr(mesh_config, a) for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")]
+    sizes = [getattr(mesh_config, a) for a in AXES]
     fixed = math.prod(s for s in sizes if s != -1) * math.prod(mesh_config.dcn_sizes().values())
     return fixed if -1 not in sizes else math.lcm(8, fixed)
 
@@ -244,6 +252,10 @@ def run(args: argparse.Namespace, /) -> int:
     from jaxpar.meshes import resolve_mesh_arg
     from jaxpar.models import get_model_preset
 
+    if args.rules is not None:
+        return _run_rules(args)
+    if args.model is None:
+        args._shardings_parser.error("--model is required with --mesh (--rules prints a rules table without one)")
     cfg = get_model_preset(args.model)
     preset = resolve_mesh_arg(args.mesh)
     simulate_cpu_devices(args.devices if args.devices is not None else default_device_count(preset.mesh))
@@ -254,4 +266,21 @@ def run(args: argparse.Namespace, /) -> int:
     else:
         print(f"model {args.model}, mesh preset {preset.name}\n")
         print(format_table(report))
+    return 0
+
+
+def _run_rules(args: argparse.Namespace, /) -> int:
+    """``--rules``: the table alone needs no devices; checked against ``--model`` it simulates them."""
+    from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.meshes import resolve_mesh_arg
+    from jaxpar.rules_report import format_rules, rules_report
+
+    if args.model is None and (args.batch is not None or args.seq is not None):
+        args._shardings_parser.error("--batch and --seq need --model: the table alone has no batch or sequence")
+    preset = resolve_mesh_arg(args.rules, flag="--rules")
+    devices = args.devices if args.devices is not None else default_device_count(preset.mesh)
+    if args.model is not None:
+        simulate_cpu_devices(devices)
+    report = rules_report(preset, devices, args.model, batch=args.batch, seq=args.seq)
+    print(report.to_json() if args.json else format_rules(report))
     return 0

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.mesh import MeshConfig, suggest
-from jaxpar.rules import LayoutError, Rules
+from jaxpar.mesh import AXES, MeshConfig, suggest
+from jaxpar.rules import LOGICAL_AXES, LayoutError, Rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +32,7 @@ class MeshPreset:
     doc: str
 
 
-_REPLICATED = dict.fromkeys(
-    ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts", "q_lora", "kv_lora",
-     "batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
-     "act_experts"))
+_REPLICATED = dict.fromkeys(LOGICAL_AXES)               # every logical axis, none sharded
 
 # Tensor parallelism: heads/mlp/vocab split; the residual stream split along length between blocks.
 _TENSOR = dict(vocab="tensor", heads="tensor", kv_heads="tensor", mlp="tensor", length="tensor",
@@ -72,8 +69,7 @@ def _preset(name: str, mesh: str, doc: str) -> MeshPreset:
 
 def _sharded_axes(config: MeshConfig) -> set[str]:
     """Axes with a size other than 1 (-1 counts: it will be filled from the device count)."""
-    return {a for a in ("data", "fsdp", "expert", "sequence", "tensor")
-            if getattr(config, a) * config.dcn_sizes()[a] != 1}
+    return {a for a in AXES if getattr(config, a) * config.dcn_sizes()[a] != 1}
 
 
 PRESETS: dict[str, MeshPreset] = {p.name: p for p in (
@@ -89,18 +85,19 @@ PRESETS: dict[str, MeshPreset] = {p.name: p for p in (
 )}
 
 
-def get_mesh_preset(name: str, /) -> MeshPreset:
+def get_mesh_preset(name: str, /, *, flag: str = "--mesh") -> MeshPreset:
+    """The preset ``name``; an unknown name raises ``LayoutError`` naming ``flag`` and the closest preset."""
     try:
         return PRESETS[name]
     except KeyError:
-        raise LayoutError(f"--mesh: unknown mesh preset {name!r}{suggest(name, PRESETS)}; presets are {', '.join(PRESETS)}, "
-                          "or give axis sizes like 'data=2,fsdp=-1,tensor=2'") from None
+        raise LayoutError(f"{flag}: unknown mesh preset {name!r}{suggest(name, PRESETS)}; presets are "
+                          f"{', '.join(PRESETS)}, or give axis sizes like 'data=2,fsdp=-1,tensor=2'") from None
 
 
-def resolve_mesh_arg(value: str, /) -> MeshPreset:
+def resolve_mesh_arg(value: str, /, *, flag: str = "--mesh") -> MeshPreset:
     """A preset name, or an axis spec (``data=2,sequence=2,tensor=2``) with the rules composed for the
     axes it shards."""
     if "=" not in value:
-        return get_mesh_preset(value)
+        return get_mesh_preset(value, flag=flag)
     config = MeshConfig.parse(value)
     return MeshPreset(value, config, compose_rules(value, _sharded_axes(config)), "axis spec")

@@ -9,13 +9,14 @@ import dataclasses
 
 from flax import nnx
 
-from jaxpar.layers.rope import RopeScaling
-from jaxpar.layers.mla import MLAConfig, YarnScaling
+from jaxpar.config import from_dict, to_dict
+from jaxpar.errors import ConfigError
+from jaxpar.layers.rope import RopeScaling, YarnScaling
+from jaxpar.layers.mla import MLAConfig
 from jaxpar.layers.moe import MoEConfig
 from jaxpar.models.dense import DenseConfig, DenseLM, Remat
 from jaxpar.models.moe import MoELM, MoEModelConfig
 from jaxpar.mesh import suggest
-from jaxpar.rules import LayoutError
 
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
 
@@ -67,8 +68,8 @@ PRESETS.update({
                                                   num_groups=4, topk_groups=2, routed_scale=2.5,
                                                   num_shared_experts=1, shared_mlp_dim=32,
                                                   bias_update_rate=1e-3, capacity_factor=2.0),
-                                    mla=MLAConfig(embed_dim=64, num_heads=8, q_lora_rank=32, kv_lora_rank=16,
-                                                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
+                                    mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                  qk_rope_head_dim=8, v_head_dim=8)),
     "mixtral-8x7b": _moe(32_000, 4096, 32, 32, 8, 14_336, MoEConfig(num_experts=8, top_k=2, mlp_dim=14_336),
                          rope_theta=1_000_000.0, max_seq_len=32_768),
     "mixtral-8x22b": _moe(32_768, 6144, 56, 48, 8, 16_384, MoEConfig(num_experts=8, top_k=2, mlp_dim=16_384),
@@ -81,11 +82,11 @@ PRESETS.update({
     # sigmoid scores, routed scale 2.5) plus one shared expert; without the multi-token-prediction module.
     "deepseek-v3": MoEModelConfig(
         vocab_size=129_280, embed_dim=7168, num_layers=61, num_heads=128, num_kv_heads=128, head_dim=128,
-        mlp_dim=18_432, first_dense_layers=3, norm_eps=1e-6, max_seq_len=163_840,
+        mlp_dim=18_432, first_dense_layers=3, norm_eps=1e-6, max_seq_len=163_840, rope_scaling=YarnScaling(),
         moe=MoEConfig(num_experts=256, top_k=8, mlp_dim=2048, router="sigmoid", num_groups=8, topk_groups=4,
                       routed_scale=2.5, num_shared_experts=1, shared_mlp_dim=2048, bias_update_rate=1e-3),
-        mla=MLAConfig(embed_dim=7168, num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                      qk_rope_head_dim=64, v_head_dim=128, rope_scaling=YarnScaling())),
+        mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128)),
 })
 
 # Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
@@ -105,44 +106,18 @@ def get_model_preset(name: str, /, **overrides) -> DenseConfig:
     try:
         cfg = PRESETS[name]
     except KeyError:
-        raise LayoutError(f"--model: unknown model preset {name!r}{suggest(name, PRESETS)}; presets are {', '.join(PRESETS)}") from None
+        raise ConfigError(f"--model: unknown model preset {name!r}{suggest(name, PRESETS)}; presets are {', '.join(PRESETS)}") from None
     return dataclasses.replace(cfg, **overrides)
 
 
-CONFIG_CLASSES = {c.__name__: c for c in (DenseConfig, MoEModelConfig)}
-
-
 def config_to_dict(cfg: DenseConfig, /) -> dict:
-    """A model config as JSON-ready data, with its class: ``config_from_dict`` rebuilds it exactly."""
-    def plain(x):
-        if dataclasses.is_dataclass(x):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
-        return x.value if isinstance(x, Remat) else x
-    return {"class": type(cfg).__name__, **plain(cfg)}
+    """A model config as JSON-ready data, tagged with its class (``jaxpar.config.to_dict``)."""
+    return to_dict(cfg, DenseConfig)
 
 
 def config_from_dict(data: dict, /) -> DenseConfig:
-    """Inverse of ``config_to_dict``. A nested dict becomes the dataclass among its field's annotated
-    types whose fields cover its keys (``rope_scaling``: RopeScaling or YarnScaling)."""
-    import typing
-
-    def build(cls, values: dict):
-        hints = typing.get_type_hints(cls)
-        return cls(**{k: convert(hints[k], v) for k, v in values.items()})
-
-    def convert(hint, value):
-        if not isinstance(value, dict):
-            return value
-        for option in typing.get_args(hint) or (hint,):
-            if dataclasses.is_dataclass(option) and set(value) <= {f.name for f in dataclasses.fields(option)}:
-                return build(option, value)
-        raise LayoutError(f"model config: cannot read {sorted(value)} as {hint}")
-
-    data = dict(data)
-    cls = CONFIG_CLASSES.get(data.pop("class", "DenseConfig"))
-    if cls is None:
-        raise LayoutError(f"model config: unknown class; known: {', '.join(CONFIG_CLASSES)}")
-    return build(cls, data)
+    """Inverse of ``config_to_dict``: the family's own config class (``jaxpar.config.from_dict``)."""
+    return from_dict(DenseConfig, data, where="model")
 
 
 def build_model(cfg: DenseConfig, /, *, rngs: nnx.Rngs) -> DenseLM:

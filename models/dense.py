@@ -13,7 +13,6 @@ Only logical axis names appear here; the mesh presets decide what they mean.
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +20,16 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScaling, SwiGLU
+from jaxpar.config import Choice, DType, check_choices
+from jaxpar.errors import ConfigError
+from jaxpar.layers import Attention, AttentionConfig, AttentionImpl, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
 from jaxpar.layers.common import param
-from jaxpar.parallel.attention import storage_order
+from jaxpar.parallel.attention import ContextParallel, TokenOrder, storage_order
 from jaxpar.parallel.common import inverse_order
-from jaxpar.rules import Dim, LayoutError, constrain
+from jaxpar.rules import Dim, constrain
 
 
-class Remat(str, enum.Enum):
+class Remat(Choice):
     """What a scanned block keeps for the backward pass."""
     NONE = "none"            # keep every intermediate
     FULL = "full"            # keep only the block input; recompute the rest
@@ -42,7 +43,6 @@ class Remat(str, enum.Enum):
 
 
 # Sizes that must be positive: the config divides by several of them (num_kv_heads, vocab_multiple).
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 SIZE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                "vocab_multiple", "max_seq_len")
 
@@ -57,35 +57,40 @@ class DenseConfig:
     head_dim: int
     mlp_dim: int
     rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None      # YaRN: MLA attention only
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     tie_embeddings: bool = False
-    dtype: str = "float32"           # compute dtype
-    param_dtype: str = "float32"     # storage dtype of parameters (and so of optimizer state)
+    dtype: DType = DType.FLOAT32           # compute dtype
+    param_dtype: DType = DType.FLOAT32     # storage dtype of parameters (and so of optimizer state)
     remat: Remat = Remat.FULL
     vocab_multiple: int = 128        # the embedding is padded to a multiple of this (shardable vocab)
-    attention_impl: str | None = None
+    attention_impl: AttentionImpl | None = None
     max_seq_len: int = 2048          # longest sequence the model is meant for (HF max_position_embeddings)
-    context_parallel: str = "none"   # attention when positions are split over `sequence`: none | ring | ulysses
-    cp_order: str = "zigzag"         # ring: how tokens are stored over the devices: zigzag | contiguous
+    context_parallel: ContextParallel = ContextParallel.NONE   # attention when positions are split over `sequence`
+    cp_order: TokenOrder = TokenOrder.ZIGZAG                   # ring: how tokens are stored over the devices
 
     def __post_init__(self):
+        check_choices(self, "model")
         for name in SIZE_FIELDS:                  # before any division by them
             if getattr(self, name) < 1:
-                raise LayoutError(f"model.{name}={getattr(self, name)} must be ≥ 1")
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be ≥ 1")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in FLOAT_DTYPES:
-                raise LayoutError(f"model.{name}={getattr(self, name)!r}: choose one of {', '.join(FLOAT_DTYPES)}")
+            raise ConfigError(f"model.num_heads={self.num_heads} is not a multiple of "
+                              f"model.num_kv_heads={self.num_kv_heads}")
         if not (self.norm_eps > 0 and self.rope_theta > 0):       # also refuses NaN
-            raise LayoutError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be > 0")
+            raise ConfigError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be > 0")
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise LayoutError(f"model.sliding_window={self.sliding_window} must be ≥ 1 (or None: full attention)")
-        object.__setattr__(self, "remat", Remat(self.remat))
+            raise ConfigError(f"model.sliding_window={self.sliding_window} must be ≥ 1 (or None: full attention)")
+        if isinstance(self.rope_scaling, YarnScaling) and not self.uses_mla:
+            raise ConfigError("model.rope_scaling: YaRN is implemented for MLA attention (DeepSeek) only")
+
+    @property
+    def uses_mla(self) -> bool:
+        """Whether the attention is DeepSeek's Multi-head Latent Attention (families that have it say so)."""
+        return False
 
     @property
     def padded_vocab(self) -> int:

@@ -21,31 +21,35 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.errors import ConfigError
 from jaxpar.layers import MoE, MoEConfig, updated_bias
 from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
 from jaxpar.models.dense import Block, DenseConfig, DenseLM, scan_blocks, stacked
-from jaxpar.rules import Dim, LayoutError, constrain
+from jaxpar.rules import Dim, constrain
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEModelConfig(DenseConfig):
-    moe: MoEConfig | None = None         # the MoE layers' router, experts and capacity
+    moe: MoEConfig                       # the MoE layers' router, experts and capacity
     first_dense_layers: int = 0          # DeepSeek: the first layers keep a dense SwiGLU of width mlp_dim
     mla: MLAConfig | None = None         # DeepSeek: Multi-head Latent Attention instead of GQA
 
     def __post_init__(self):
         super().__post_init__()
-        if self.moe is None:
-            raise LayoutError("model.moe: an MoE model needs its MoEConfig")
+        if not isinstance(self.moe, MoEConfig):
+            raise ConfigError(f"model.moe: an MoE model needs its MoEConfig, got {self.moe!r}")
         if not 0 <= self.first_dense_layers < self.num_layers:
-            raise LayoutError(f"model.first_dense_layers={self.first_dense_layers} must be in [0, "
+            raise ConfigError(f"model.first_dense_layers={self.first_dense_layers} must be in [0, "
                               f"model.num_layers={self.num_layers})")
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.mla is not None
 
     def attention_module(self, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Module:
         if self.mla is None:
             return super().attention_module(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        mla = dataclasses.replace(self.mla, context_parallel=self.context_parallel, implementation=self.attention_impl)
-        return MLA(mla, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        return MLA(self.attention(), self.mla, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def _attention_params(self) -> int:
         """Parameters of one layer's attention as the dense count has them (GQA)."""
@@ -78,7 +82,8 @@ class MoEModelConfig(DenseConfig):
         moe_mlp = d * m.num_experts + m.num_experts * 3 * d * m.mlp_dim + 3 * d * m.num_shared_experts * m.shared_mlp_dim
         total = super().num_params(padded=padded) + self.num_moe_layers * (moe_mlp - 3 * d * self.mlp_dim)
         if self.mla is not None:
-            total += self.num_layers * (mla_param_count(self.mla) - self._attention_params())
+            mla = mla_param_count(self.mla, embed_dim=d, num_heads=self.num_heads)
+            total += self.num_layers * (mla - self._attention_params())
         return total
 
     def flops_per_token(self, seq: int) -> float:
@@ -90,7 +95,8 @@ class MoEModelConfig(DenseConfig):
         score_width = self.head_dim                              # per head: (q·k width + v width) / 2
         if self.mla is not None:
             la = self.mla
-            attn = mla_param_count(la) - (la.q_lora_rank or 0) - la.kv_lora_rank      # matmul weights only
+            attn = (mla_param_count(la, embed_dim=d, num_heads=self.num_heads)
+                    - (la.q_lora_rank or 0) - la.kv_lora_rank)                        # matmul weights only
             score_width = (la.qk_nope_head_dim + la.qk_rope_head_dim + la.v_head_dim) / 2
         moe = routed + d * m.num_experts                                      # experts + router
         matmul = self.num_layers * attn + self.first_dense_layers * dense_mlp + self.num_moe_layers * moe
@@ -106,7 +112,7 @@ class MoEBlock(Block):
 
     def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array):
         x = self._attend(x, positions, index)
-        y, stats = self.moe(self.mlp_norm(x))
+        y, stats = self.moe(self.mlp_norm(x), index)
         return constrain(x + y, ("batch", "length", "act_embed")), stats
 
 

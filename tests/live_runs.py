@@ -45,7 +45,7 @@ def checkpoint_entries(out: Path) -> tuple[list[int], list[str]]:
     return sorted(int(n) for n in names if n.isdigit()), [n for n in names if not n.isdigit()]
 
 
-def wait_until(condition, proc: subprocess.Popen, log: Path, *, timeout: float = 600, poll: float = 0.002):
+def wait_until(condition, proc: subprocess.Popen, log: Path, *, timeout: float = 600, poll: float = 0.05):
     """Polls ``condition()`` until true; fails if ``proc`` ends first or time runs out."""
     end = time.monotonic() + timeout
     while not condition():

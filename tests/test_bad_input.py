@@ -104,8 +104,17 @@ def remove(name: str) -> Make:
 
 
 def run_copy(at: Where) -> None:
-    """``tmp/run``: a copy of the finished tiny run (config.json and the step-1 checkpoint)."""
+    """``tmp/run``: a copy of the case's finished run (config.json and the step-1 checkpoint)."""
     shutil.copytree(at.run, at.tmp / "run")
+
+
+def edit_model(name: str, **changes) -> Make:
+    """Change model fields in a JSON config file (e.g. a checkpoint's config item): an edited checkpoint."""
+    def make(at: Where):
+        data = json.loads((at.tmp / name).read_text())
+        data["model"].update(changes)
+        (at.tmp / name).write_text(json.dumps(data))
+    return make
 
 
 TOKENS = (np.arange(2000) % 200).astype(np.uint16)      # ids < 256: fine for the tiny model
@@ -152,7 +161,8 @@ class Case:
     argv: list[str]                     # <tmp>, <out> and <run> stand for the case's folders
     message: str                        # regex searched in stderr, with the same stand-ins (escaped)
     make: tuple[Make, ...] = ()         # writes the case's input files before the snapshot
-    needs_run: bool = False             # the shared finished run (one real tiny training run)
+    run: str | None = None              # the finished run it needs: "tiny" (a real one-step run), "tiny-moe"
+                                        # or "tiny-deepseek" (see ``built_run``); <run> stands for it
 
 
 def train(*extra: str, out: str = "<out>") -> list[str]:
@@ -164,8 +174,14 @@ def on_tokens(path: str, *extra: str) -> list[str]:
     return train("--set", "data.source=files", "--set", f"data.path=<tmp>/{path}", *extra)
 
 
-def resume(*extra: str) -> list[str]:
-    return train(*extra, out="<tmp>/run")
+def resume(*extra: str, model: str = "tiny") -> list[str]:
+    return ["train", "--model", model, *train(*extra, out="<tmp>/run")[1:]]
+
+
+def resume_case(model: str, *extra: str, lines: str, of: str | None = None) -> Case:
+    """Resuming a copy of the finished ``of`` run (default: ``model``'s) as ``model`` with ``extra``:
+    refused, ``lines`` (a regex) listing what differs."""
+    return Case(resume(*extra, model=model), RESUME_REFUSED + lines, make=(run_copy,), run=of or model)
 
 
 def convert(path: str = "<tmp>/hf") -> list[str]:
@@ -216,17 +232,18 @@ CASES = {
     "unknown-model-preset": Case(["train", "--model", "tiny-mo", *train()[1:]],
                                  r"--model: unknown model preset 'tiny-mo' \(did you mean 'tiny-moe'\?\)"),
     "unknown-schedule": Case(train("--set", "optimizer.schedule=linear"),
-                             r"optimizer\.schedule='linear' is not one of constant, cosine, wsd"),
+                             r"optimizer\.schedule='linear': choose one of constant, cosine, wsd"),
     "optimizer-b2-out-of-range": Case(train("--set", "optimizer.b2=1.0"), r"optimizer\.b2=1\.0 is out of range"),
     "unknown-data-source": Case(train("--set", "data.source=file"),
-                                r"data\.source='file': unknown source; choose one of markov, files \(did you mean 'files'\?\)"),
+                                r"data\.source='file': choose one of markov, files \(did you mean 'files'\?\)"),
     "seq-beyond-max-seq-len": Case(train("--set", "model.max_seq_len=8"), r"seq=16 is longer than model\.max_seq_len=8"),
     "zero-kv-heads": Case(train("--set", "model.num_kv_heads=0"), r"--set model\.num_kv_heads=0: model\.num_kv_heads=0 must be ≥ 1"),
     "zero-vocab-multiple": Case(train("--set", "model.vocab_multiple=0"), r"model\.vocab_multiple=0 must be ≥ 1"),
     "kv-heads-not-dividing-heads": Case(train("--set", "model.num_kv_heads=3"),
-                                        r"--set model\.num_kv_heads=3: num_heads=8 is not a multiple of num_kv_heads=3"),
+                                        r"--set model\.num_kv_heads=3: model\.num_heads=8 is not a multiple of "
+                                        r"model\.num_kv_heads=3"),
     "moe-top-k-above-experts": Case(["train", "--model", "tiny-moe", *train("--set", "model.moe.top_k=9")[1:]],
-                                    r"--set model\.moe\.top_k=9: moe\.top_k=9 exceeds moe\.num_experts=4"),
+                                    r"--set model\.moe\.top_k=9: model\.moe\.top_k=9 exceeds model\.moe\.num_experts=4"),
     "moe-zero-capacity": Case(["train", "--model", "tiny-moe", *train("--set", "model.moe.capacity_factor=0")[1:]],
                               r"moe\.capacity_factor=0\.0 must be > 0"),
     "profile-steps-reversed": Case(train("--profile-steps", "5:2"), r"--profile-steps '5:2': need 1 ≤ FIRST ≤ LAST"),
@@ -280,28 +297,28 @@ CASES = {
                                    make=(npy("data/tok.npy", TOKENS),)),
     # ---- run directories and checkpoints (a copy of one finished tiny run: batch 8, seq 16, step 1)
     "resume-other-model-dims": Case(resume("--set", "model.mlp_dim=64"), RESUME_REFUSED + r"model\.mlp_dim: saved 128, now 64",
-                                    make=(run_copy,), needs_run=True),
+                                    make=(run_copy,), run="tiny"),
     "resume-other-batch": Case(resume("--batch", "16"), RESUME_REFUSED + r"batch: saved 8, now 16",
-                               make=(run_copy,), needs_run=True),
-    "resume-other-seq": Case(resume("--seq", "32"), RESUME_REFUSED + r"seq: saved 16, now 32", make=(run_copy,), needs_run=True),
+                               make=(run_copy,), run="tiny"),
+    "resume-other-seq": Case(resume("--seq", "32"), RESUME_REFUSED + r"seq: saved 16, now 32", make=(run_copy,), run="tiny"),
     "resume-other-data-stream": Case(resume("--set", "data.markov_seed=5"),
-                                     RESUME_REFUSED + r"data: saved \{[^}]*'markov_seed': 0[^}]*\}, now \{[^}]*'markov_seed': 5",
-                                     make=(run_copy,), needs_run=True),
+                                     RESUME_REFUSED + r"data\.markov_seed: saved 0, now 5$",
+                                     make=(run_copy,), run="tiny"),
     "config-json-of-other-model": Case(resume("--set", "model.num_layers=3"),
-                                       r"<tmp>/run/config\.json holds a checkpoint \(step 0\) of a run this one cannot "
-                                       r"resume:\n  model\.num_layers: saved 2, now 3",
-                                       make=(run_copy, remove("run/checkpoints")), needs_run=True),
+                                       r"<tmp>/run/config\.json holds the config of a run this one cannot "
+                                       r"resume:\n  model\.num_layers: saved 2, now 3$",
+                                       make=(run_copy, remove("run/checkpoints")), run="tiny"),
     "config-json-not-a-run-config": Case(resume(), r"<tmp>/run/config\.json holds no jaxpar run config",
                                          make=(run_copy, remove("run/checkpoints"), write("run/config.json", "[]")),
-                                         needs_run=True),
+                                         run="tiny"),
     "checkpoint-without-config": Case(resume(), r"<tmp>/run/checkpoints/1: not a readable checkpoint of a run",
-                                      make=(run_copy, remove("run/checkpoints/1/config")), needs_run=True),
+                                      make=(run_copy, remove("run/checkpoints/1/config")), run="tiny"),
     "init-from-not-a-checkpoint": Case(train("--init-from", "<tmp>/data"),
                                        r"<tmp>/data: holds no complete checkpoint \(expected <tmp>/data/checkpoints/<step>\)",
                                        make=(npy("data/tok.npy", TOKENS),)),
     "init-from-other-shapes": Case(train("--init-from", "<run>", "--set", "model.mlp_dim=64"),
-                                   r"--init-from <run>: blocks/mlp/down is float32\[2, 128, 64\] there, "
-                                   r"float32\[2, 64, 64\] here", needs_run=True),
+                                   r"--init-from <run>: its model is not the one this run asks for:\n"
+                                   r"  model\.mlp_dim: saved 128, now 64$", run="tiny"),
     # ---- Hugging Face folders (jaxpar convert --from-hf)
     "hf-not-a-directory": Case(convert("<tmp>/nowhere"), r"<tmp>/nowhere: not a directory"),
     "convert-out-exists": Case(["convert", "--from-hf", "<tmp>/hf", "--out", "<tmp>/mine"],
@@ -352,7 +369,7 @@ CASES |= {
         make=(npy("data/tok.npy", TOKENS), npy("data/eval.npy", with_token(TOKENS, 7, 300)))),
     "config-json-not-json": Case(resume(), r"<tmp>/run/config\.json: not valid JSON, so not a run this one can resume",
                                  make=(run_copy, remove("run/checkpoints"), write("run/config.json", "{")),
-                                 needs_run=True),
+                                 run="tiny"),
     "out-is-a-file": Case(train(out="<tmp>/taken"), r"--out <tmp>/taken: is a file \(or inside one\), not a run "
                                                     r"directory", make=(write("taken", "mine"),)),
     "out-inside-a-file": Case(train(out="<tmp>/taken/run"), r"--out <tmp>/taken/run: is a file \(or inside one\)",
@@ -376,20 +393,107 @@ CASES |= {
 }
 
 
+CASES |= {
+    # ---- run identity: every model field of every family, by kind of field (jaxpar.identity)
+    "resume-dense-rope-theta": resume_case("tiny", "--set", "model.rope_theta=500000",
+                                           lines=r"model\.rope_theta: saved 10000\.0, now 500000\.0$"),
+    "resume-dense-qk-norm": resume_case("tiny", "--set", "model.qk_norm=true", lines=r"model\.qk_norm: saved false, now true$"),
+    "resume-dense-param-dtype": resume_case("tiny", "--set", "model.param_dtype=bfloat16",
+                                            lines=r'model\.param_dtype: saved "float32", now "bfloat16"$'),
+    "resume-dense-as-moe": resume_case("tiny-moe", of="tiny",
+                                       lines=r'model\.class: saved "DenseConfig", now "MoEModelConfig"\n'
+                                             r"  model\.moe: saved \(absent\), now \{"),
+    "resume-moe-num-experts": resume_case("tiny-moe", "--set", "model.moe.num_experts=8",
+                                          lines=r"model\.moe\.num_experts: saved 4, now 8$"),
+    "resume-moe-top-k": resume_case("tiny-moe", "--set", "model.moe.top_k=1", lines=r"model\.moe\.top_k: saved 2, now 1$"),
+    "resume-moe-router": resume_case("tiny-moe", "--set", "model.moe.router=sigmoid",
+                                     lines=r'model\.moe\.router: saved "softmax", now "sigmoid"$'),
+    "resume-moe-norm-topk": resume_case("tiny-moe", "--set", "model.moe.norm_topk=false",
+                                        lines=r"model\.moe\.norm_topk: saved true, now false$"),
+    "resume-moe-routed-scale": resume_case("tiny-moe", "--set", "model.moe.routed_scale=2",
+                                           lines=r"model\.moe\.routed_scale: saved 1\.0, now 2\.0$"),
+    "resume-moe-as-dense": resume_case("tiny", of="tiny-moe",
+                                       lines=r'model\.class: saved "MoEModelConfig", now "DenseConfig"\n'
+                                             r"  model\.moe: saved \{.*\}, now \(absent\)"),
+    "resume-moe-two-fields": resume_case("tiny-moe", "--set", "model.moe.top_k=1", "--set", "model.embed_dim=32",
+                                         lines=r"model\.embed_dim: saved 64, now 32\n  model\.moe\.top_k: saved 2, now 1$"),
+    "resume-deepseek-first-dense-layers": resume_case("tiny-deepseek", "--set", "model.first_dense_layers=0",
+                                                      lines=r"model\.first_dense_layers: saved 1, now 0$"),
+    "resume-deepseek-kv-lora-rank": resume_case("tiny-deepseek", "--set", "model.mla.kv_lora_rank=8",
+                                                lines=r"model\.mla\.kv_lora_rank: saved 16, now 8$"),
+    "resume-deepseek-rope-interleave": resume_case("tiny-deepseek", "--set", "model.mla.rope_interleave=false",
+                                                   lines=r"model\.mla\.rope_interleave: saved true, now false$"),
+    "resume-deepseek-topk-groups": resume_case("tiny-deepseek", "--set", "model.moe.topk_groups=4",
+                                               lines=r"model\.moe\.topk_groups: saved 2, now 4$"),
+    "resume-deepseek-as-moe": resume_case("tiny-moe", of="tiny-deepseek",
+                                          lines=r"model\.num_layers: saved 3, now 2\n"),
+    "init-from-moe-top-k": Case(["train", "--init-from", "<run>", *train("--set", "model.moe.top_k=1")[1:]],
+                                r"--init-from <run>: its model is not the one this run asks for:\n"
+                                r"  model\.moe\.top_k: saved 2, now 1$", run="tiny-moe"),
+    "convert-edited-checkpoint": Case(["convert", "--to-hf", "<tmp>/run", "--out", "<out>"],
+                                      r"<tmp>/run: its arrays do not fit the model its config describes:\n"
+                                      r"  0/blocks/mlp/down: saved float32\[2, 128, 64\], now float32\[2, 64, 64\]",
+                                      make=(run_copy, edit_model("run/checkpoints/1/config/metadata", mlp_dim=64)),
+                                      run="tiny"),
+}
+
+
 def _params():
     for name, case in CASES.items():
         yield pytest.param(case, id=name)
 
 
 # ------------------------------------------------------------------------------------------ the test
+RUN_FLAGS = ["--steps", "1", "--batch", "8", "--seq", "16", "--set", "log.eval_every=0", "--set",
+             "log.tensorboard=false", "--set", "log.progress=false"]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     """One real tiny run: 1 step, batch 8, seq 16, default mesh (3d); config.json and checkpoint 1."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    assert main(["train", "--model", "tiny", "--steps", "1", "--batch", "8", "--seq", "16", "--out", str(run),
-                 "--set", "log.eval_every=0", "--set", "log.tensorboard=false", "--set", "log.progress=false"]) == 0
+    assert main(["train", "--model", "tiny", "--out", str(run), *RUN_FLAGS]) == 0
     assert (run / "config.json").is_file() and (run / "checkpoints" / "1").is_dir()
     return run
+
+
+def built_run(preset: str, run: Path) -> Path:
+    """The run directory ``jaxpar train --model PRESET`` with ``RUN_FLAGS`` leaves, built from the
+    library's own pieces without compiling a train step: the config ``jaxpar train`` resolves, and
+    checkpoint 1 holding the sharded initial state (the refusals read configs and array metadata only)."""
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.cli import build_parser
+    from jaxpar.models import build_model
+    from jaxpar.train.command import build_config
+    from jaxpar.train.config import to_dict
+    from jaxpar.train.loop import plan_layout
+    from jaxpar.train.optim import make_optimizer
+    from jaxpar.train.step import init_program
+
+    cfg = build_config(build_parser().parse_args(["train", "--model", preset, "--out", str(run), *RUN_FLAGS])).validate()
+    layout = plan_layout(cfg)
+    program = init_program(lambda r: build_model(cfg.model, rngs=r),
+                           lambda m: make_optimizer(cfg.optimizer, m, total_steps=cfg.steps), layout)
+    with layout.activate():
+        state = program.create()
+    checkpoints = Checkpointer(run / "checkpoints", every=1, keep=1, async_save=False)
+    checkpoints.save(1, state=state, data={"next_batch": 1}, config=to_dict(cfg), force=True)
+    checkpoints.close()
+    (run / "config.json").write_text(json.dumps(to_dict(cfg)))
+    return run
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory) -> Path:
+    return built_run("tiny-moe", tmp_path_factory.mktemp("moe") / "run")
+
+
+@pytest.fixture(scope="module")
+def deepseek_run(tmp_path_factory) -> Path:
+    return built_run("tiny-deepseek", tmp_path_factory.mktemp("deepseek") / "run")
+
+
+RUN_FIXTURES = {"tiny": "finished_run", "tiny-moe": "moe_run", "tiny-deepseek": "deepseek_run"}
 
 
 def _reached(what: str):
@@ -403,7 +507,7 @@ def test_bad_input_is_refused_by_name_and_writes_nothing(case: Case, request, tm
     import jaxpar.convert
     import jaxpar.train.loop
 
-    at = Where(tmp_path, request.getfixturevalue("finished_run") if case.needs_run else None)
+    at = Where(tmp_path, request.getfixturevalue(RUN_FIXTURES[case.run]) if case.run else None)
     monkeypatch.setattr(jaxpar.train.loop, "_Run", _reached("training (init, compile)"))
     monkeypatch.setattr(jaxpar.convert, "_place", _reached("reading the Hugging Face weights"))
     for make in case.make:

@@ -1,11 +1,15 @@
-"""The run configuration: --set parsing, suggestions, JSON round trip, schedules. No devices needed."""
+"""The run configuration: --set parsing, suggestions, JSON round trip (every preset keeps its family's
+config class), string choices checked at construction, error classes, schedules. No devices needed."""
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
-from jaxpar.models import Remat
-from jaxpar.rules import LayoutError
+from jaxpar import errors
+from jaxpar.data import DataConfig
+from jaxpar.layers import AttentionConfig, MoEConfig
+from jaxpar.models import PRESETS, DenseConfig, MoEModelConfig, Remat, get_model_preset
 from jaxpar.train.config import (ConfigError, TrainConfig, apply_overrides, default_config, describe_fields,
                                  field_paths, from_dict, to_dict)
 from jaxpar.train.optim import OptimizerConfig, make_schedule
@@ -30,7 +34,7 @@ def test_every_field_is_settable_and_parsed_by_type():
     ("learning_rate=1", "did you mean optimizer.learning_rate"),
     ("stepz=3", "did you mean steps"),
     ("steps=three", "steps=three: expected int"),
-    ("model.remat=some", "expected one of none, full, dots, attn"),
+    ("model.remat=some", "--set model.remat='some': choose one of none, full, dots, attn"),
     ("checkpoint.async_save=maybe", "expected true or false"),
     ("steps", "expected key=value"),
     ("model.rope_scaling.factor=2", "rope_scaling is None"),
@@ -46,16 +50,91 @@ def test_json_round_trip():
     assert back == cfg
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_round_trips_through_json_with_its_class(preset):
+    cfg = default_config(preset)
+    data = json.loads(json.dumps(to_dict(cfg)))
+    assert data["model"]["class"] == type(cfg.model).__name__
+    back = from_dict(TrainConfig, data)
+    assert back == cfg and type(back.model) is type(cfg.model)
+
+
+def test_set_keeps_the_family_and_reaches_its_fields():
+    cfg = apply_overrides(default_config("tiny-deepseek"), ["model.moe.top_k=1", "model.mla.kv_lora_rank=8",
+                                                            "model.moe.router=softmax", "model.dtype=bfloat16"])
+    assert type(cfg.model) is MoEModelConfig and cfg.model.moe.top_k == 1 and cfg.model.mla.kv_lora_rank == 8
+    assert cfg.model.moe.router == "softmax" and cfg.model.dtype == "bfloat16"
+    assert from_dict(TrainConfig, json.loads(json.dumps(to_dict(cfg)))) == cfg
+    with pytest.raises(ConfigError, match=r"--set model\.moe\.top_k: unknown field"):
+        apply_overrides(default_config("tiny"), ["model.moe.top_k=1"])
+
+
+def test_untagged_model_data_is_read_by_its_fields():
+    """config.json written before the class tag: the smallest config class that has every key."""
+    for preset in ("tiny", "tiny-moe"):
+        data = to_dict(get_model_preset(preset))
+        assert type(from_dict(DenseConfig, data)) is type(get_model_preset(preset))
+    with pytest.raises(ConfigError, match=r"model\.class='Nope'"):
+        from_dict(DenseConfig, {"class": "Nope"}, where="model")
+    with pytest.raises(ConfigError, match="unknown field"):
+        from_dict(DenseConfig, {**to_dict(get_model_preset("tiny")), "colour": 1})
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: get_model_preset("tiny", context_parallel="rings"), "model.context_parallel='rings'"),
+    (lambda: get_model_preset("tiny", cp_order="zag"), "model.cp_order='zag'"),
+    (lambda: get_model_preset("tiny", dtype="float8"), "model.dtype='float8'"),
+    (lambda: get_model_preset("tiny", param_dtype="int8"), "model.param_dtype='int8'"),
+    (lambda: get_model_preset("tiny", attention_impl="flash"), "model.attention_impl='flash'"),
+    (lambda: get_model_preset("tiny", remat="some"), "model.remat='some'"),
+    (lambda: MoEConfig(num_experts=4, top_k=2, mlp_dim=8, router="topk"), "model.moe.router='topk'"),
+    (lambda: OptimizerConfig(schedule="cosin"), "optimizer.schedule='cosin'"),
+    (lambda: DataConfig(source="web"), "data.source='web'"),
+    (lambda: DataConfig(dtype="int64"), "data.dtype='int64'"),
+    (lambda: dataclasses.replace(default_config("tiny"), nonfinite="ignore"), "nonfinite='ignore'"),
+    (lambda: AttentionConfig(8, 2, 2, 4, context_parallel="x"), "model.context_parallel='x'"),
+])
+def test_choices_are_enums_checked_when_built(make, field):
+    with pytest.raises(ConfigError, match=field + ": choose one of"):
+        make()
+    with pytest.raises(ConfigError, match=r"did you mean 'cosine'\?"):
+        OptimizerConfig(schedule="cosin")
+
+
+def test_choices_parse_into_their_enums():
+    cfg = apply_overrides(default_config("tiny-moe"), ["model.context_parallel=ring", "nonfinite=skip",
+                                                       "optimizer.schedule=wsd", "data.source=files"])
+    for value in (cfg.model.context_parallel, cfg.model.moe.router, cfg.nonfinite, cfg.optimizer.schedule,
+                  cfg.data.source, cfg.model.dtype, cfg.model.cp_order):
+        assert type(value).__mro__[1].__name__ == "Choice", value
+
+
+def test_an_moe_model_needs_its_moe_config():
+    dense = dataclasses.asdict(get_model_preset("tiny"))
+    with pytest.raises(TypeError, match="moe"):
+        MoEModelConfig(**dense)
+    with pytest.raises(ConfigError, match=r"model\.moe: an MoE model needs its MoEConfig"):
+        MoEModelConfig(**dense, moe=None)
+
+
+def test_error_classes_say_what_they_are():
+    assert not issubclass(errors.NonFiniteError, errors.LayoutError)
+    assert not issubclass(errors.LaunchError, errors.MeshError)
+    assert not issubclass(errors.ConfigError, errors.LayoutError)
+    for name in ("ConfigError", "MeshError", "LayoutError", "DataError", "CheckpointError", "ConvertError",
+                 "LaunchError", "NonFiniteError", "NoLayoutError"):
+        assert issubclass(getattr(errors, name), errors.JaxparError), name
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(seq=4096), "seq=4096 is longer than model.max_seq_len=1024"),
     (dict(batch=10, microbatches=4), "batch=10 is not divisible by microbatches=4"),
     (dict(steps=0), "steps=0 must be"),
     (dict(z_loss=-1.0), "z_loss=-1.0"),
-    (dict(optimizer=OptimizerConfig(schedule="cosin")), "did you mean 'cosine'"),
     (dict(optimizer=OptimizerConfig(warmup_steps=-1)), "optimizer.warmup_steps=-1"),
 ])
 def test_validate_names_the_field(fields, message):
-    with pytest.raises(LayoutError, match=message):
+    with pytest.raises(ConfigError, match=message):
         dataclasses.replace(default_config("tiny"), **fields).validate()
 
 

@@ -1,45 +1,30 @@
-"""Context parallelism in the model: the tiny model trains with the same losses on 1 device and with its
-sequence split (ring, Ulysses, GSPMD all-gather), the compiled ring moves exactly the K/V the formula
-says, and layouts a strategy cannot run are refused before compiling.
+"""Context parallelism in the model: the tiny model trains with the losses and every parameter's
+gradients of 1 device with its sequence split (ring, Ulysses, GSPMD all-gather), the compiled ring moves
+exactly the K/V the formula says, and layouts a strategy cannot run are refused before compiling.
 
-The kernels themselves are checked against the dense oracle in tests/test_ring.py and test_ulysses.py.
+The kernels themselves are checked against the dense oracle in tests/test_ring.py and test_ulysses.py;
+MLA (tiny-deepseek) under ring and Ulysses in tests/test_moe_models.py.
 """
-import dataclasses
-import functools
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from invariance import assert_same_gradients, one_device, train_steps
 from jaxpar.analysis import analyze_compiled
+from jaxpar.errors import ConfigError
 from jaxpar.layout import make_layout
-from jaxpar.mesh import MeshConfig
 from jaxpar.meshes import get_mesh_preset, resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
 from jaxpar.rules import LayoutError
-from jaxpar.train.optim import OptimizerConfig, make_optimizer
-from jaxpar.train.step import init_train_state, make_train_step
 
 B, T, STEPS = 8, 32, 3
 TOKENS = np.random.default_rng(0).integers(0, 256, (STEPS, B, T + 1), dtype=np.int32)
 
 
-def _losses(cfg, preset, devices=None):
-    layout = make_layout(cfg, preset, batch=B, seq=T, devices=devices)
-    tx = functools.partial(make_optimizer, OptimizerConfig(learning_rate=1e-2, eps=1e-3))
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), tx, layout)
-    step, state, losses = make_train_step(ts, layout), ts.state, []
-    for i in range(STEPS):
-        state, metrics = step(state, {"inputs": TOKENS[i, :, :-1], "targets": TOKENS[i, :, 1:]})
-        losses.append(float(metrics.loss))
-    return losses
-
-
 @pytest.fixture(scope="module")
 def reference():
-    one = dataclasses.replace(get_mesh_preset("dp"), mesh=MeshConfig())
-    return _losses(get_model_preset("tiny"), one, devices=jax.devices()[:1])
+    return one_device(get_model_preset("tiny"), TOKENS)
 
 
 @pytest.mark.parametrize("strategy, order, mesh", [
@@ -50,10 +35,14 @@ def reference():
     ("ulysses", "zigzag", "data=2,fsdp=2,sequence=2"),
     ("none", "zigzag", "tp_cp"),
 ])
-def test_same_losses_as_one_device(reference, strategy, order, mesh):
+def test_same_losses_and_gradients_as_one_device(reference, strategy, order, mesh):
+    """3 steps: losses rtol 1e-5, and at every step each parameter's gradient within 1e-5 of its largest
+    entry (``invariance.assert_same_gradients``)."""
     cfg = get_model_preset("tiny", context_parallel=strategy, cp_order=order)
-    np.testing.assert_allclose(_losses(cfg, resolve_mesh_arg(mesh)), reference, rtol=1e-5)
-    assert abs(reference[0] - reference[-1]) > 1e-3          # the steps really change the model
+    run = train_steps(cfg, resolve_mesh_arg(mesh), TOKENS)
+    np.testing.assert_allclose(run.losses, reference.losses, rtol=1e-5)
+    assert_same_gradients(run.grads, reference.grads, f"{strategy} {order} {mesh}")
+    assert abs(reference.losses[0] - reference.losses[-1]) > 1e-3          # the steps really change the model
 
 
 def test_logits_come_back_in_natural_order():
@@ -92,13 +81,13 @@ def test_ring_moves_exactly_the_kv_blocks():
     assert not full_kv, full_kv
 
 
-@pytest.mark.parametrize("strategy, heads, mesh, seq, message", [
-    ("ring", 8, "cp", 40, "seq=40 is not divisible by 2 × sequence=8 = 16"),
-    ("ulysses", 8, "sequence=4,tensor=2", 32, "num_kv_heads (1 on this device) divisible by 4"),
-    ("ulysses", 6, "data=2,sequence=4", 32, "num_heads (6 on this device) divisible by 4"),
-    ("spiral", 8, "cp", 32, "model.context_parallel='spiral'"),
+@pytest.mark.parametrize("strategy, heads, mesh, seq, error, message", [
+    ("ring", 8, "cp", 40, LayoutError, "seq=40 is not divisible by 2 × sequence=8 = 16"),
+    ("ulysses", 8, "sequence=4,tensor=2", 32, LayoutError, "num_kv_heads (1 on this device) divisible by 4"),
+    ("ulysses", 6, "data=2,sequence=4", 32, LayoutError, "num_heads (6 on this device) divisible by 4"),
+    ("spiral", 8, "cp", 32, ConfigError, "model.context_parallel='spiral'"),     # refused by the config itself
 ])
-def test_layouts_a_strategy_cannot_run_are_refused(strategy, heads, mesh, seq, message):
-    cfg = get_model_preset("tiny", context_parallel=strategy, num_heads=heads)
-    with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)")):
+def test_layouts_a_strategy_cannot_run_are_refused(strategy, heads, mesh, seq, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg = get_model_preset("tiny", context_parallel=strategy, num_heads=heads)
         make_layout(cfg, resolve_mesh_arg(mesh), batch=B, seq=seq)

@@ -32,7 +32,8 @@ def folders(tmp_path_factory):
 def test_logits_match_transformers(folders, family, mesh):
     folder, want = folders[family]
     model = from_hf(folder, mesh=mesh)
-    got = np.asarray(jax.jit(lambda m, ids: m(ids))(model, hf_models.IDS))
+    with model.layout.activate():            # a sharded model is traced inside its layout (else: NoLayoutError)
+        got = np.asarray(jax.jit(lambda m, ids: m(ids))(model, hf_models.IDS))
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     if mesh:

@@ -3,6 +3,7 @@ HF folder. With a vanishing learning rate the exported folder gives transformers
 so the run really started from the converted weights and the export read the run's checkpoint."""
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -32,8 +33,11 @@ def test_hf_to_checkpoint_to_fine_tune_to_hf(hf_folder, tmp_path):
     ckpt, run, back = tmp_path / "ckpt", tmp_path / "run", tmp_path / "back"
     assert main(["convert", "--from-hf", str(folder), "--out", str(ckpt), "--mesh", "fsdp=4,tensor=2"]) == 0
     assert json.loads((ckpt / "model.json").read_text())["model"]["class"] == "MoEModelConfig"
-    model, _ = load_model(ckpt, default_layout(_cfg(ckpt), "fsdp"))
-    np.testing.assert_allclose(np.asarray(model(hf_models.IDS)), want, atol=1e-4, rtol=1e-4)
+    layout = default_layout(_cfg(ckpt), "fsdp")
+    model, _ = load_model(ckpt, layout)
+    with layout.activate():
+        got = np.asarray(jax.jit(lambda m, ids: m(ids))(model, hf_models.IDS))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
     assert main(["train", "--init-from", str(ckpt), "--out", str(run), "--mesh", "data=2,expert=4", "--steps", "2",
                  "--batch", "8", "--seq", "16", "--set", "optimizer.learning_rate=1e-12", *QUIET]) == 0

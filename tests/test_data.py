@@ -11,6 +11,7 @@ from jaxpar import prepare
 from jaxpar.cli import main
 from jaxpar.data import (DataConfig, DataError, MarkovSource, TokenFiles, WindowSource, make_loader,
                          markov_chain, resolve_files, to_global)
+from jaxpar.errors import ConfigError
 
 
 def _save(path, tokens, dtype):
@@ -224,14 +225,14 @@ def test_bad_files(tmp_path):
         TokenFiles([tmp_path / "wide.bin"], "uint16")
 
 
-@pytest.mark.parametrize("fields,words", [
-    (dict(source="markv"), ["data.source='markv'", "did you mean 'markov'"]),
-    (dict(dtype="int8"), ["data.dtype='int8'"]),
-    (dict(eval_fraction=1.0), ["data.eval_fraction=1.0"]),
-    (dict(markov_branching=0), ["data.markov_branching=0"]),
+@pytest.mark.parametrize("fields,error,words", [
+    (dict(source="markv"), ConfigError, ["data.source='markv': choose one of", "did you mean 'markov'"]),
+    (dict(dtype="int8"), ConfigError, ["data.dtype='int8': choose one of uint16, uint32"]),
+    (dict(eval_fraction=1.0), DataError, ["data.eval_fraction=1.0"]),
+    (dict(markov_branching=0), DataError, ["data.markov_branching=0"]),
 ])
-def test_bad_config_fields(fields, words):
-    with pytest.raises(DataError) as err:
+def test_bad_config_fields(fields, error, words):
+    with pytest.raises(error) as err:
         DataConfig(**fields)
     assert all(w in str(err.value) for w in words)
 

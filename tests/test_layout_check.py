@@ -4,6 +4,7 @@ import pytest
 from jaxpar.layout import make_layout
 from jaxpar.meshes import get_mesh_preset, resolve_mesh_arg
 from jaxpar.models import get_model_preset
+from jaxpar.errors import ConfigError
 from jaxpar.rules import LayoutError, Rules
 
 TINY = get_model_preset("tiny")
@@ -69,7 +70,7 @@ def test_unknown_mesh_preset_suggests_closest(name, closest):
 
 
 def test_unknown_model_preset_suggests_closest():
-    with pytest.raises(LayoutError, match=r"unknown model preset 'llama3-8' \(did you mean 'llama3-8b'\?\)"):
+    with pytest.raises(ConfigError, match=r"unknown model preset 'llama3-8' \(did you mean 'llama3-8b'\?\)"):
         get_model_preset("llama3-8")
 
 

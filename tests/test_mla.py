@@ -10,28 +10,50 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.layers.mla import MLA, MLAConfig, YarnScaling, mla_param_count
+from jaxpar.layers import AttentionConfig, YarnScaling
+from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
 from jaxpar.mesh import build_mesh
 from jaxpar.meshes import get_mesh_preset
 from jaxpar.rules import use_layout
 
 B, T = 2, 8
-SMALL = MLAConfig(embed_dim=32, num_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
-                  qk_rope_head_dim=4, v_head_dim=6, rope_theta=100.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One MLA under test: the model's attention settings (width, heads, RoPE theta and scaling, kernel,
+    context-parallel strategy) and the MLA config; the reference reads the fields of both by name."""
+    attn: AttentionConfig
+    mla: MLAConfig
+
+    def __getattr__(self, name):
+        for part in (self.mla, self.attn):
+            if name in {f.name for f in dataclasses.fields(part)}:
+                return getattr(part, name)
+        raise AttributeError(name)
+
+    def replace(self, **changes):
+        mla = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(MLAConfig)}}
+        attn = {k: v for k, v in changes.items() if k not in mla}
+        return Case(dataclasses.replace(self.attn, **attn), dataclasses.replace(self.mla, **mla))
+
+
+SMALL = Case(AttentionConfig(embed_dim=32, num_heads=4, num_kv_heads=4, head_dim=6, rope_theta=100.0),
+             MLAConfig(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6))
 YARN = YarnScaling(factor=8.0, original_max_position=4, beta_fast=4.0, beta_slow=1.0, mscale=0.7,
                    mscale_all_dim=1.0)
 CONFIGS = {
     "q_lora": SMALL,
-    "plain_q": dataclasses.replace(SMALL, q_lora_rank=None),
-    "yarn": dataclasses.replace(SMALL, rope_scaling=YARN, rope_theta=50.0),
-    "half_split": dataclasses.replace(SMALL, rope_interleave=False),
+    "plain_q": SMALL.replace(q_lora_rank=None),
+    "yarn": SMALL.replace(rope_scaling=YARN, rope_theta=50.0),
+    "half_split": SMALL.replace(rope_interleave=False),
 }
 
 
-def make(cfg, seed=0):
+def make(cfg: Case, seed=0):
     """An MLA with O(1) activations: weights ~ N(0, 1/fan_in), norm scales around 1. Built abstract and
     filled from numpy: eager random init compiles one program per op and shape (~8 s here)."""
-    m = nnx.eval_shape(lambda: MLA(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    m = nnx.eval_shape(lambda: MLA(cfg.attn, cfg.mla, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(seed)
     for path, p in nnx.to_flat_state(nnx.state(m, nnx.Param)):
         shape = p.shape
@@ -81,7 +103,7 @@ def hf_reference(x, w, positions, cfg, xp=np):
     b, t, _ = x.shape
     n, hn, hr, hv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     linear = lambda a, name: a @ w[name].T
-    rms = lambda a, name: w[name] * (a / xp.sqrt(xp.mean(a * a, axis=-1, keepdims=True) + cfg.norm_eps))
+    rms = lambda a, name: w[name] * (a / xp.sqrt(xp.mean(a * a, axis=-1, keepdims=True) + cfg.latent_norm_eps))
     if cfg.q_lora_rank is None:
         q = linear(x, "q_proj")
     else:
@@ -144,11 +166,11 @@ def test_matches_hf_reference_and_gradients(name):
 @pytest.mark.parametrize("hv", [6, 16])   # v narrower than q/k (pad v), wider (pad q and k)
 def test_padded_kernel_path_equals_plain_path(hv):
     """``implementation`` set routes through context_attention with zero-padded heads; same result."""
-    cfg = dataclasses.replace(CONFIGS["yarn"], v_head_dim=hv)
+    cfg = CONFIGS["yarn"].replace(v_head_dim=hv)
     x, pos = inputs(cfg)
     call = nnx.jit(lambda m, x, p: m(x, p))
     want = np.asarray(call(make(cfg), x, pos))
-    got = np.asarray(call(make(dataclasses.replace(cfg, implementation="xla")), x, pos))
+    got = np.asarray(call(make(cfg.replace(implementation="xla")), x, pos))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -156,26 +178,27 @@ def test_padded_kernel_path_equals_plain_path(hv):
 def test_param_count_small(name):
     m = make(CONFIGS[name])
     total = sum(p[...].size for _, p in nnx.to_flat_state(nnx.state(m, nnx.Param)))
-    assert mla_param_count(CONFIGS[name]) == total
+    case = CONFIGS[name]
+    assert mla_param_count(case.mla, embed_dim=case.embed_dim, num_heads=case.num_heads) == total
 
 
 def test_param_count_deepseek_v3():
     """D=7168, N=128, Rq=1536, Rkv=512, Hn=128, Hr=64, Hv=128: counted from the abstract module's shapes."""
-    cfg = MLAConfig(embed_dim=7168, num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                    qk_rope_head_dim=64, v_head_dim=128)
-    m = nnx.eval_shape(lambda: MLA(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    attn = AttentionConfig(embed_dim=7168, num_heads=128, num_kv_heads=128, head_dim=128)
+    cfg = MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    m = nnx.eval_shape(lambda: MLA(attn, cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     sizes = {".".join(map(str, k)): math.prod(p.shape) for k, p in nnx.to_flat_state(nnx.state(m, nnx.Param))}
     matrices = 7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * 256 + 128 * 128 * 7168
     assert matrices == 187_105_280
     assert sizes["q_a_norm.scale"] + sizes["kv_a_norm.scale"] == 1536 + 512
-    assert sum(sizes.values()) == mla_param_count(cfg) == 187_105_280 + 2048 == 187_107_328
+    assert sum(sizes.values()) == mla_param_count(cfg, embed_dim=7168, num_heads=128) == 187_105_280 + 2048 == 187_107_328
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
 def test_context_parallel_matches_one_device(strategy):
     """Under the ``cp`` preset (sequence=8), natural order (index = positions): output and dx equal the
     single-device plain path's (the zero padding and the q pre-scale go through the kernels' backward too)."""
-    cfg = dataclasses.replace(CONFIGS["yarn"], num_heads=8)
+    cfg = CONFIGS["yarn"].replace(num_heads=8, num_kv_heads=8)
     x, pos = inputs(cfg)
     x, pos = np.concatenate([x, x[:, ::-1]], axis=1), np.concatenate([pos, pos + T], axis=1)   # T = 16
     ct = np.random.default_rng(3).standard_normal((B, 2 * T, cfg.embed_dim)).astype(np.float32)
@@ -191,7 +214,7 @@ def test_context_parallel_matches_one_device(strategy):
     mesh = build_mesh(preset.mesh)
     assert dict(mesh.shape)["sequence"] == 8
     with use_layout(mesh, preset.rules):
-        m = make(dataclasses.replace(cfg, context_parallel=strategy))
+        m = make(cfg.replace(context_parallel=strategy))
         got = run(m)
         graphdef, state = nnx.split(m)
         hlo = jax.jit(lambda s, x, p: nnx.merge(graphdef, s)(x, p, p)).lower(state, x, pos).as_text()

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from jaxpar.layers.moe import MoE, MoEConfig, RouterBias, expert_slots, updated_bias
-from jaxpar.rules import LayoutError, use_layout
+from jaxpar.errors import ConfigError
+from jaxpar.rules import use_layout
 
 D = 8                       # width in every test but the hand-built one
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -192,6 +193,27 @@ def test_capacity_drops_follow_choice_major_priority():
     np.testing.assert_array_equal(stats.expert_load, [12, 12, 0, 0])
 
 
+def test_capacity_drops_the_same_assignments_in_any_storage_order():
+    """The zig-zag order of context parallelism stores each sequence permuted; ``index`` gives every
+    stored token's original place, and capacity ranks in that order. So a permuted sequence drops the
+    same assignments and gives the same outputs, permuted (capacity 0.75: some must drop)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=0.75)
+    m, x = build(cfg), random_x()
+    order = np.random.default_rng(3).permutation(x.shape[1])
+    index = jnp.broadcast_to(jnp.asarray(order, jnp.int32), x.shape[:2])
+    y, stats = forward(m, x)
+    y_perm, stats_perm = nnx.jit(lambda m, x, i: m(x, i))(m, x[:, order], index)
+    assert float(stats.dropped_fraction) > 0.1            # 4 of the 24 assignments drop
+    np.testing.assert_allclose(np.asarray(y_perm), np.asarray(y)[:, order], **TOL)
+    assert float(stats_perm.dropped_fraction) == float(stats.dropped_fraction)
+    idx = jnp.asarray(np.random.default_rng(4).integers(0, 4, (2, 6, 2)), jnp.int32)
+    perm = np.random.default_rng(5).permutation(6)
+    stored = expert_slots(idx[:, perm], 4, jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (2, 6)))
+    np.testing.assert_array_equal(np.asarray(stored), np.asarray(expert_slots(idx, 4))[:, perm])
+    unranked = np.asarray(expert_slots(idx[:, perm], 4))                 # stored order taken as token order
+    assert not np.array_equal(unranked, np.asarray(stored))
+
+
 def test_capacity_random_routing_matches_reference():
     cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=0.75)
     m, x = build(cfg), random_x()
@@ -278,7 +300,7 @@ def test_bias_update_is_outside_the_parameters():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(num_experts=4, top_k=5), ["moe.top_k=5 exceeds moe.num_experts=4"]),
+    (dict(num_experts=4, top_k=5), ["model.moe.top_k=5 exceeds model.moe.num_experts=4"]),
     (dict(capacity_factor=0.0), ["moe.capacity_factor=0.0"]),
     (dict(capacity_factor=-1.0), ["moe.capacity_factor=-1.0"]),
     (dict(num_experts=6, num_groups=4), ["moe.num_groups=4", "moe.num_experts=6"]),
@@ -290,7 +312,7 @@ def test_bias_update_is_outside_the_parameters():
 ])
 def test_bad_config_names_the_field(kwargs, words):
     base = dict(num_experts=8, top_k=2, mlp_dim=4)
-    with pytest.raises(LayoutError) as err:
+    with pytest.raises(ConfigError) as err:
         MoEConfig(**{**base, **kwargs})
     for w in words:
         assert w in str(err.value)

@@ -1,18 +1,59 @@
-"""Published presets: shapes give the published parameter counts; big ones build abstractly."""
+"""Published presets: shapes give the published parameter counts exactly; big ones build abstractly; the
+README's "Models" tables state the counts we compute."""
+import re
+from pathlib import Path
+
 import jax
 import pytest
 from flax import nnx
 
+from jaxpar.layers.moe import RouterBias
 from jaxpar.models import PRESETS, PUBLISHED_PARAMS, build_model, get_model_preset
+
+# Values a published checkpoint stores that we keep as non-trained state, not parameters: DeepSeek-V3's
+# routers' selection biases (e_score_correction_bias), 256 experts × 58 MoE layers.
+SELECTION_BIASES = {"deepseek-v3": 256 * (61 - 3)}
+
+
+def _sizes(cfg):
+    """(parameters, router-bias entries) of the model built abstractly (no allocation)."""
+    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    size = lambda kind: sum(x.size for x in jax.tree.leaves(nnx.state(abstract, kind)))
+    return size(nnx.Param), size(RouterBias)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
-def test_parameter_count_matches_published(name):
+def test_parameter_count_is_the_published_one(name):
     cfg = PRESETS[name]
-    assert abs(cfg.num_params() / PUBLISHED_PARAMS[name] - 1) < 0.005
-    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))      # no allocation
-    built = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-    assert built == cfg.num_params(padded=True)
+    params, router_biases = _sizes(cfg)
+    assert cfg.num_params() == cfg.num_params(padded=True) == params      # no vocabulary padding here
+    stored = SELECTION_BIASES.get(name, 0)
+    assert params + stored == PUBLISHED_PARAMS[name]
+    if stored:
+        assert router_biases == stored
+
+
+def _readme_rows():
+    """(preset, parameters, published) of every row of the README's "Models" tables."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("\n## Models\n"):text.index("\n## Training\n")]
+    number = lambda cell: int(cell.replace(",", "")) if re.fullmatch(r"[\d,]+", cell) else None
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                rows.append((name, number(cells[1].split(" ")[0]), number(cells[2])))
+    return rows
+
+
+def test_readme_tables_state_our_counts():
+    rows = _readme_rows()
+    assert {name for name, _, _ in rows} == set(PRESETS)
+    for name, ours, published in rows:
+        if ours is not None:
+            assert ours == PRESETS[name].num_params(), name
+        assert published == PUBLISHED_PARAMS.get(name), name
 
 
 def test_variants_switch_their_parameters():

@@ -15,20 +15,20 @@ HELP = "train a model preset on a mesh layout (resumes from --out)"
 
 def _from_env(value, name: str, cast=str):
     """``value`` if the flag was given, else environment variable ``name`` (None when unset)."""
-    from jaxpar.mesh import MeshError
+    from jaxpar.errors import LaunchError
     text = os.environ.get(name)
     if value is not None or text is None:
         return value
     try:
         return cast(text)
     except ValueError:
-        raise MeshError(f"environment variable {name}={text!r}: expected an integer") from None
+        raise LaunchError(f"environment variable {name}={text!r}: expected an integer") from None
 
 
 def start_distributed(args: argparse.Namespace, /) -> bool:
     """``jax.distributed.initialize`` when asked (flags, env, ``--distributed``); True if it ran.
     Bad values are refused here, naming the flag, before jax waits for a coordinator."""
-    from jaxpar.mesh import MeshError
+    from jaxpar.errors import LaunchError
     coordinator = _from_env(args.coordinator, "JAX_COORDINATOR_ADDRESS")
     n = _from_env(args.num_processes, "JAXPAR_NUM_PROCESSES", int)
     i = _from_env(args.process_id, "JAXPAR_PROCESS_ID", int)
@@ -36,12 +36,12 @@ def start_distributed(args: argparse.Namespace, /) -> bool:
         return False
     if (n is None) != (i is None):
         missing = "--process-id" if i is None else "--num-processes"
-        raise MeshError(f"{missing} is needed too: give --num-processes and --process-id together "
+        raise LaunchError(f"{missing} is needed too: give --num-processes and --process-id together "
                         "(or neither, to detect them from the cluster)")
     if n is not None and not 0 <= i < n:
-        raise MeshError(f"--process-id={i}: must be in 0..{n - 1} for --num-processes={n}")
+        raise LaunchError(f"--process-id={i}: must be in 0..{n - 1} for --num-processes={n}")
     if coordinator is not None and not _host_port(coordinator):
-        raise MeshError(f"--coordinator={coordinator!r}: expected HOST:PORT, e.g. 10.0.0.1:1234")
+        raise LaunchError(f"--coordinator={coordinator!r}: expected HOST:PORT, e.g. 10.0.0.1:1234")
     import jax
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i)
     return True

@@ -10,28 +10,22 @@
 
 ``apply_overrides(cfg, ["optimizer.learning_rate=1e-3"])`` parses each value by the field's annotated
 type (int, float, str, bool, enums, ``X | None`` where ``none`` means None) and refuses unknown paths
-with the closest known one. ``to_dict``/``from_dict`` round-trip through JSON (``DIR/config.json``).
+with the closest known one. ``to_dict``/``from_dict`` (``jaxpar.config``, the one serializer) round-trip
+through JSON (``DIR/config.json``), the model keeping its family's config class.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
-import types
 import typing
 from typing import Any
 
+from jaxpar.config import Choice, check_choices, config_classes, from_dict, hints, is_union, to_dict  # noqa: F401
 from jaxpar.data import DataConfig
+from jaxpar.errors import ConfigError
 from jaxpar.models import DenseConfig, get_model_preset
-from jaxpar.rules import LayoutError
+from jaxpar.train.guard import NonFinite
 from jaxpar.train.optim import OptimizerConfig
-
-
-class ConfigError(LayoutError):
-    """A configuration value the user can fix; the message names the field."""
-
-
-NONFINITE_POLICIES = ("stop", "skip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +57,18 @@ class TrainConfig:
     microbatches: int = 1            # gradient accumulation: batch is split into this many microbatches
     z_loss: float = 0.0              # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
     init_from: str | None = None     # a model checkpoint (jaxpar convert) or run folder: start from its weights
-    nonfinite: str = "stop"          # a step whose loss or gradient norm is NaN/inf: "stop" the run, or "skip" its update
+    nonfinite: NonFinite = NonFinite.STOP   # a step whose loss or gradient norm is NaN/inf: stop, or skip its update
     max_skips: int = 10              # nonfinite=skip: stop anyway after this many skipped steps in a row
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=30)
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+
+    def __post_init__(self):
+        check_choices(self, "")
+        if not isinstance(self.model, DenseConfig):
+            raise ConfigError(f"model: expected a model config (DenseConfig or a family extending it), "
+                              f"got {type(self.model).__name__}")
 
     def validate(self) -> TrainConfig:
         """Checks that need no devices; raises ``ConfigError`` naming the field."""
@@ -84,8 +84,6 @@ class TrainConfig:
             raise ConfigError(f"z_loss={self.z_loss} must be ≥ 0")
         if self.log.eval_every < 0:
             raise ConfigError(f"log.eval_every={self.log.eval_every} must be ≥ 0 (0: never)")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"nonfinite={self.nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}")
         if self.max_skips < 1:
             raise ConfigError(f"max_skips={self.max_skips} must be ≥ 1")
         for section in ("checkpoint.every", "checkpoint.keep", "log.eval_batches"):
@@ -101,17 +99,13 @@ def default_config(model_preset: str = "tiny", /, **fields) -> TrainConfig:
 
 
 # ---------------------------------------------------------------------------------- dotted paths
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def field_paths(obj=TrainConfig, prefix: str = "") -> dict[str, Any]:
     """Every settable leaf path → its annotated type. ``obj`` is a config or a config class; nested
     dataclasses are walked, by their actual class when ``obj`` is an instance (so an MoE model's
     ``model.moe.top_k`` is settable while a dense model has no ``model.moe``)."""
     out = {}
     cls = obj if isinstance(obj, type) else type(obj)
-    for name, tp in _hints(cls).items():
+    for name, tp in hints(cls).items():
         value = None if isinstance(obj, type) else getattr(obj, name)
         inner = type(value) if dataclasses.is_dataclass(value) else _dataclass_in(tp)
         if inner is not None:
@@ -122,17 +116,13 @@ def field_paths(obj=TrainConfig, prefix: str = "") -> dict[str, Any]:
 
 
 def _dataclass_in(tp):
-    args = typing.get_args(tp) if _is_union(tp) else (tp,)
-    return next((a for a in args if dataclasses.is_dataclass(a)), None)
-
-
-def _is_union(tp) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+    classes = config_classes(tp)
+    return classes[0] if classes else None
 
 
 def parse_value(path: str, tp, text: str):
     """``text`` as a value of type ``tp``; ``ConfigError`` naming ``path`` if it is not one."""
-    if _is_union(tp):
+    if is_union(tp):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if type(None) in typing.get_args(tp) and text.lower() in ("none", "null"):
             return None
@@ -150,11 +140,8 @@ def parse_value(path: str, tp, text: str):
         if low in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"--set {path}={text}: expected true or false")
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(text)
-        except ValueError:
-            raise ConfigError(f"--set {path}={text}: expected one of {', '.join(e.value for e in tp)}") from None
+    if isinstance(tp, type) and issubclass(tp, Choice):
+        return tp.parse(text, field=f"--set {path}")
     if tp in (int, float, str):
         try:
             return tp(text)
@@ -183,10 +170,11 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. optimizer.learning_rate=1e-3")
         if path not in paths:
             raise ConfigError(f"--set {path}: unknown field{_closest(path, paths)}; `jaxpar train --help` lists them")
+        value = parse_value(path, paths[path], text.strip())
         try:
-            cfg = _replace_path(cfg, path.split("."), parse_value(path, paths[path], text.strip()))
-        except (ValueError, TypeError) as err:
-            if isinstance(err, ConfigError):
+            cfg = _replace_path(cfg, path.split("."), value)
+        except (ValueError, TypeError) as err:        # a config's own check: prefix where the value came from
+            if str(err).startswith("--set "):
                 raise
             raise ConfigError(f"--set {path}={text}: {err}") from None
     return cfg
@@ -197,26 +185,6 @@ def _closest(path: str, paths) -> str:
     match = (difflib.get_close_matches(path, list(paths), n=1, cutoff=0.6)
              or [leaves[m] for m in difflib.get_close_matches(path.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)])
     return f"; did you mean {match[0]}?" if match else ""
-
-
-# ---------------------------------------------------------------------------------- JSON
-def to_dict(obj) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if isinstance(obj, (list, tuple)):
-        return [to_dict(x) for x in obj]
-    return obj
-
-
-def from_dict(cls, data: dict):
-    """Inverse of ``to_dict`` for our dataclasses (unknown keys are refused by the constructor)."""
-    hints, kwargs = _hints(cls), {}
-    for key, value in data.items():
-        inner = _dataclass_in(hints.get(key, object))
-        kwargs[key] = from_dict(inner, value) if inner is not None and isinstance(value, dict) else value
-    return cls(**kwargs)
 
 
 def describe_fields() -> str:

@@ -23,11 +23,14 @@ import threading
 
 import jax
 
-from jaxpar.rules import LayoutError
+from jaxpar.config import Choice
+from jaxpar.errors import NonFiniteError  # noqa: F401  (re-exported)
 
 
-class NonFiniteError(LayoutError):
-    """A step produced a NaN or inf loss or gradient norm (the message names the step)."""
+class NonFinite(Choice):
+    """What a run does with a step whose loss or gradient norm is NaN or inf (``nonfinite``)."""
+    STOP = "stop"            # end the run, naming the step and the last good checkpoint
+    SKIP = "skip"            # leave the state unchanged for that step and go on (at most max_skips in a row)
 
 
 class Preemption:
@@ -58,7 +61,7 @@ class Preemption:
 class NonFiniteGuard:
     """Checks each step's fetched loss and gradient norm under the run's ``nonfinite`` policy."""
 
-    def __init__(self, policy: str, max_skips: int, checkpoints):
+    def __init__(self, policy: NonFinite, max_skips: int, checkpoints):
         self.policy, self.max_skips, self.checkpoints = policy, max_skips, checkpoints
         self.in_a_row = 0
 

@@ -4,8 +4,10 @@
 
 Order of work, so that bad input costs nothing and loses nothing:
   1. checks that need no writes: config, mesh and layout (divisibility), data files (ids < vocab),
-     and the run directory (a checkpoint or config.json of an incompatible run is refused)
-  2. only then: write DIR/config.json, init (or restore + reshard) the state, compile, train
+     and the run directory and ``init_from`` (``jaxpar.identity``: a checkpoint or config.json of
+     another run, or a checkpoint whose arrays do not fit, is refused, listing every difference)
+  2. only then: init (or restore + reshard) the state; once it exists, write DIR/config.json (under a
+     temporary name, renamed into place), then compile and train
 
 Step numbering: checkpoint ``s`` holds the state after ``s`` optimizer updates and the data position of
 batch ``s + 1``; a run that finds one resumes at step ``s + 1`` and, with the same config, produces the
@@ -32,16 +34,17 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.checkpoint import CheckpointError, Checkpointer, SavedRun, abstract_like, check_compatible, latest
+from jaxpar.checkpoint import CheckpointError, Checkpointer, SavedRun, abstract_like, latest
 from jaxpar.data import make_loader, to_global
+from jaxpar.identity import Entry, check_fits
 from jaxpar.layout import Layout, make_layout
 from jaxpar.meshes import resolve_mesh_arg
-from jaxpar.models import build_model
+from jaxpar.models import DenseConfig, build_model
 from jaxpar.train.config import ConfigError, TrainConfig, to_dict
-from jaxpar.train.guard import NonFiniteError, NonFiniteGuard, Preemption
+from jaxpar.train.guard import NonFinite, NonFiniteError, NonFiniteGuard, Preemption
 from jaxpar.train.metrics import MetricsLog, throughput
 from jaxpar.train.optim import make_optimizer, make_schedule
-from jaxpar.train.step import TrainState, batch_sharding, init_program, make_eval_step, make_train_step
+from jaxpar.train.step import InitProgram, TrainState, batch_sharding, init_program, make_eval_step, make_train_step
 
 
 BARRIER_TIMEOUT_S = 3600      # how long processes wait for each other at a barrier (compiles can be slow)
@@ -91,42 +94,41 @@ def check_process_rows(cfg: TrainConfig, layout: Layout, p: int, n: int, local_d
             "processes in order and sequence must stay inside each process (docs/scale-out.md)")
 
 
-def _check_out_dir(out: Path, config: dict) -> SavedRun | None:
-    """The checkpoint to resume from (None for a fresh run); refuses an incompatible run directory."""
+def _check_out_dir(out: Path, config: dict, abstract) -> SavedRun | None:
+    """The checkpoint to resume from (None for a fresh run); refuses a run directory of another run, or
+    a checkpoint whose arrays do not fit ``abstract`` (the state this run would create)."""
     if out.exists() and not out.is_dir() or any(p.is_file() for p in out.parents):
         raise CheckpointError(f"--out {out}: is a file (or inside one), not a run directory; nothing was written")
     saved = latest(out / "checkpoints")
     if saved is not None:
-        check_compatible(saved, config, out)
+        check_fits(Entry.RESUME, saved_config=saved.config, current=config, step=saved.step, where=out,
+                   checkpoints=out / "checkpoints", abstract=abstract)
     elif (out / "config.json").is_file():
         try:
             previous = json.loads((out / "config.json").read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"{out / 'config.json'}: not valid JSON, so not a run this one can resume; "
                                   "nothing was written. Use another --out.") from None
-        check_compatible(SavedRun(0, previous), config, out / "config.json")
+        check_fits(Entry.RESUME, saved_config=previous, current=config, step=None, where=out / "config.json")
     return saved
 
 
 def _check_init_from(cfg: TrainConfig) -> None:
-    """``cfg.init_from``'s model must keep every array's shape and dtype (``--set`` may change remat,
-    compute dtype, routing capacity, ..., not a dimension); checked abstractly, before any write."""
+    """``cfg.init_from``'s model must be this run's (``jaxpar.identity``: every model field but the
+    execution settings, and every array's shape and dtype); checked abstractly, before any write."""
     from flax import nnx
 
-    from jaxpar.checkpoint import CheckpointError
-    from jaxpar.convert.store import model_config
+    from jaxpar.config import to_dict as config_data
 
-    def shapes(model_cfg):
-        model = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
-        return {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
-
-    theirs, ours = shapes(model_config(cfg.init_from)[0]), shapes(cfg.model)
-    for path, want in ours.items():
-        got = theirs.get(path)
-        if got is None or (want.shape, want.dtype) != (got.shape, got.dtype):
-            there = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            raise CheckpointError(f"--init-from {cfg.init_from}: {'/'.join(map(str, path))} is {there} there, "
-                                  f"{want.dtype}{list(want.shape)} here")
+    ckpt = Path(cfg.init_from).resolve()
+    saved = latest(ckpt / "checkpoints")
+    if saved is None:
+        raise CheckpointError(f"--init-from {ckpt}: holds no complete checkpoint (expected {ckpt / 'checkpoints'}/<step>)")
+    model = saved.config.get("model") if isinstance(saved.config, dict) else None
+    is_run = isinstance(saved.config, dict) and saved.config.get("format") != "jaxpar-model"
+    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0))))
+    check_fits(Entry.INIT_FROM, saved_config=model, current=config_data(cfg.model, DenseConfig), step=saved.step,
+               where=ckpt, checkpoints=ckpt / "checkpoints", abstract=abstract, prefix="0/" if is_run else "")
 
 
 def _with_weights_of(cfg: TrainConfig, state, layout: Layout):
@@ -200,7 +202,10 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     profile = _profile_window(cfg.log.profile_steps)
     layout = plan_layout(cfg, devices=devices)
     config = to_dict(cfg)
-    saved = _check_out_dir(out, config)
+    program = init_program(lambda rngs: build_model(cfg.model, rngs=rngs),
+                           lambda model: make_optimizer(cfg.optimizer, model, total_steps=cfg.steps),
+                           layout, seed=cfg.seed)
+    saved = _check_out_dir(out, config, program.abstract)
     if cfg.init_from and saved is None:
         _check_init_from(cfg)
     loaders = _make_loaders(cfg)
@@ -208,11 +213,12 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     if cfg.log.compile_cache:
         jax.config.update("jax_compilation_cache_dir", cfg.log.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    primary = jax.process_index() == 0
-    if primary:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "config.json", config)
-    run = _Run(cfg, layout, out, config, loaders, saved)
+    try:
+        run = _Run(cfg, layout, out, config, loaders, saved, program)
+    except BaseException:
+        for loader in loaders.values():
+            loader.close()
+        raise
     try:
         return run.loop(stop_after=stop_after, profile=profile)
     finally:
@@ -223,25 +229,18 @@ class _Run:
     """The state of one training run between ``train``'s checks and its end."""
 
     def __init__(self, cfg: TrainConfig, layout: Layout, out: Path, config: dict, loaders: dict,
-                 saved: SavedRun | None):
+                 saved: SavedRun | None, program: InitProgram):
         self.cfg, self.layout, self.out, self.config = cfg, layout, out, config
         self.loader, self.eval_loader = loaders["train"], loaders.get("eval")
-        model_cfg, opt_cfg = cfg.model, cfg.optimizer
-        program = init_program(lambda rngs: build_model(model_cfg, rngs=rngs),
-                               lambda model: make_optimizer(opt_cfg, model, total_steps=cfg.steps),
-                               layout, seed=cfg.seed)
         self.checkpoints = Checkpointer(out / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                                         async_save=cfg.checkpoint.async_save)
-        with layout.activate():
-            if saved is None:
-                state, self.start = program.create(), 0
-                if cfg.init_from:
-                    state = _with_weights_of(cfg, state, layout)
-            else:
-                abstract = abstract_like(jax.eval_shape(program.create), program.shardings)
-                state, position = self.checkpoints.restore(saved.step, abstract)
-                self.loader.set_state(position)
-                self.start = saved.step
+        try:
+            state = self._initial_state(program, saved)
+        except BaseException:
+            self.checkpoints.close()
+            raise
+        if jax.process_index() == 0:                # the run's config, once its state exists
+            _write_json(out / "config.json", config)
         self.ts = TrainState(program.graphdef, state, program.shardings)
         self.metrics = MetricsLog(out, enabled=jax.process_index() == 0, total_steps=cfg.steps,
                                   start_step=self.start, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
@@ -249,10 +248,23 @@ class _Run:
             self.metrics.message(f"resumed from {out / 'checkpoints'} at step {saved.step}")
         self.metrics.message(f"{cfg.model_preset}: {cfg.model.num_params():,} params | mesh {dict(layout.mesh.shape)} "
                              f"rules {layout.rules.name!r} | data: {self.loader.describe()}")
-        self.schedule = make_schedule(opt_cfg, cfg.steps)
+        self.schedule = make_schedule(cfg.optimizer, cfg.steps)
         self.guard = NonFiniteGuard(cfg.nonfinite, cfg.max_skips, self.checkpoints)
         self.preemption = Preemption()
         self.shardings = batch_sharding(layout)
+
+    def _initial_state(self, program: InitProgram, saved: SavedRun | None):
+        """The state to start from: created (with ``init_from``'s weights), or restored and resharded."""
+        with self.layout.activate():
+            if saved is None:
+                self.start = 0
+                state = program.create()
+                return _with_weights_of(self.cfg, state, self.layout) if self.cfg.init_from else state
+            abstract = abstract_like(program.abstract, program.shardings)
+            state, position = self.checkpoints.restore(saved.step, abstract)
+            self.loader.set_state(position)
+            self.start = saved.step
+            return state
 
     def _batch(self, loader=None):
         return to_global(next(loader or self.loader), self.shardings)
@@ -261,7 +273,7 @@ class _Run:
         """Ahead-of-time compile of the train and eval steps (timed and reported separately)."""
         t0 = time.perf_counter()
         step = make_train_step(self.ts, self.layout, microbatches=self.cfg.microbatches, z_loss=self.cfg.z_loss,
-                               skip_nonfinite=self.cfg.nonfinite == "skip")
+                               skip_nonfinite=self.cfg.nonfinite == NonFinite.SKIP)
         step = step.lower(self.ts.state, batch).compile()
         evaluate = (make_eval_step(self.ts, self.layout).lower(self.ts.state, batch).compile()
                     if self.cfg.log.eval_every else None)

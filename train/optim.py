@@ -18,13 +18,20 @@ import jax
 import optax
 from flax import nnx
 
-SCHEDULES = ("constant", "cosine", "wsd")
+from jaxpar.config import Choice, check_choices
+from jaxpar.errors import ConfigError
+
+
+class Schedule(Choice):
+    CONSTANT = "constant"
+    COSINE = "cosine"
+    WSD = "wsd"
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     learning_rate: float = 3e-4
-    schedule: str = "constant"          # constant | cosine | wsd
+    schedule: Schedule = Schedule.CONSTANT
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1           # cosine / wsd end at this fraction of learning_rate
     decay_fraction: float = 0.2         # wsd: share of the run spent decaying
@@ -34,19 +41,17 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     clip_norm: float | None = 1.0       # global-norm clipping; None = off
 
+    def __post_init__(self):
+        check_choices(self, "optimizer")
+
     def validate(self) -> OptimizerConfig:
-        from jaxpar.mesh import suggest
-        from jaxpar.rules import LayoutError
-        if self.schedule not in SCHEDULES:
-            raise LayoutError(f"optimizer.schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}"
-                              f"{suggest(self.schedule, SCHEDULES)}")
         checks = {"learning_rate": self.learning_rate > 0, "warmup_steps": self.warmup_steps >= 0,
                   "min_lr_ratio": 0 <= self.min_lr_ratio <= 1, "decay_fraction": 0 < self.decay_fraction <= 1,
                   "clip_norm": self.clip_norm is None or self.clip_norm > 0, "eps": self.eps > 0,
                   "b1": 0 <= self.b1 < 1, "b2": 0 <= self.b2 < 1, "weight_decay": self.weight_decay >= 0}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
-            raise LayoutError(f"optimizer.{bad[0]}={getattr(self, bad[0])} is out of range")
+            raise ConfigError(f"optimizer.{bad[0]}={getattr(self, bad[0])} is out of range")
         return self
 
 

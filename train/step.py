@@ -62,10 +62,12 @@ def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) 
 
 @dataclasses.dataclass(frozen=True)
 class InitProgram:
-    """The sharded initialisation, not yet run: ``create()`` returns the state arrays."""
+    """The sharded initialisation, not yet run: ``create()`` returns the state arrays; ``abstract`` is
+    that state's shapes and dtypes (``nnx.eval_shape``), e.g. to check a checkpoint against."""
     graphdef: Any
     shardings: Any
     create: Callable[[], Any]
+    abstract: Any
 
 
 def init_program(make_model: Callable[[nnx.Rngs], nnx.Module],
@@ -84,7 +86,7 @@ def init_program(make_model: Callable[[nnx.Rngs], nnx.Module],
     with layout.activate():
         graphdef, abstract = nnx.split(nnx.eval_shape(create))
         shardings = nnx.get_named_sharding(abstract, layout.mesh)
-    return InitProgram(graphdef, shardings, jax.jit(lambda: nnx.state(create()), out_shardings=shardings))
+    return InitProgram(graphdef, shardings, jax.jit(lambda: nnx.state(create()), out_shardings=shardings), abstract)
 
 
 def init_train_state(make_model: Callable[[nnx.Rngs], nnx.Module],

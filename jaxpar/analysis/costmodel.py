@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import numpy as np
 
-AXIS_ORDER = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+from jaxpar.mesh import AXES as AXIS_ORDER      # outermost (slowest links) to innermost
 
 
 def group_key(axes) -> str:

@@ -18,9 +18,10 @@ import math
 from jaxpar.analysis.costmodel import hbm_bytes, memory_estimate, minimum_bytes
 from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.plan import activations_of, predict
+from jaxpar.mesh import AXES
 from jaxpar.rules import LayoutError
 
-SEARCH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+SEARCH_AXES = tuple(a for a in AXES if a != "stage")      # pipelining is not searched (yet)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from flax import nnx
 from jaxpar.convert.families import FAMILIES, Family, check_fields, family_of, guess_family, sources
 from jaxpar.convert.files import ConvertError, HFFolder, ShardWriter
 from jaxpar.convert.mapping import read_shard, write_pieces
-from jaxpar.rules import LayoutError
+from jaxpar.errors import JaxparError
 
 __all__ = ["from_hf", "to_hf", "hf_config", "ConvertError", "FAMILIES"]
 
@@ -45,7 +45,7 @@ def hf_config(folder: str | os.PathLike, *, param_dtype: str = "float32", **over
     except KeyError as err:
         raise ConvertError(f"{where}: the field {err.args[0]!r} is missing ({fam.model_type} needs it)") from None
     except (TypeError, ValueError) as err:
-        if isinstance(err, LayoutError):        # already names the field (e.g. model.num_kv_heads=0)
+        if isinstance(err, JaxparError):        # already names the field (e.g. model.num_kv_heads=0)
             raise
         raise ConvertError(f"{where}: a field has a value of the wrong type ({err})") from None
     return dataclasses.replace(cfg, param_dtype=param_dtype, **overrides), fam, hf

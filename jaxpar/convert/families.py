@@ -17,9 +17,9 @@ from typing import Callable
 
 from jaxpar.convert.files import ConvertError
 from jaxpar.convert.mapping import Source
-from jaxpar.layers.mla import MLAConfig, YarnScaling
+from jaxpar.layers.mla import MLAConfig
 from jaxpar.layers.moe import MoEConfig
-from jaxpar.layers.rope import RopeScaling
+from jaxpar.layers.rope import RopeScaling, YarnScaling
 from jaxpar.models.dense import DenseConfig
 from jaxpar.models.moe import MoEModelConfig
 
@@ -205,12 +205,10 @@ DEEPSEEK_READ = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_hea
 
 def _deepseek_v3() -> Family:
     def to_ours(hf):
-        theta, scaling = _rope_in(hf, yarn=True)
         heads = hf["num_attention_heads"]
-        mla = MLAConfig(embed_dim=hf["hidden_size"], num_heads=heads, q_lora_rank=hf.get("q_lora_rank"),
-                        kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
-                        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], rope_theta=theta,
-                        rope_scaling=scaling, rope_interleave=bool(hf.get("rope_interleave", True)))
+        mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+                        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                        v_head_dim=hf["v_head_dim"], rope_interleave=bool(hf.get("rope_interleave", True)))
         moe = MoEConfig(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
                         mlp_dim=hf["moe_intermediate_size"], router="sigmoid", norm_topk=bool(hf.get("norm_topk_prob", True)),
                         num_groups=hf.get("n_group", 1), topk_groups=hf.get("topk_group", 1),
@@ -218,7 +216,7 @@ def _deepseek_v3() -> Family:
                         num_shared_experts=hf.get("n_shared_experts") or 0,
                         shared_mlp_dim=hf["moe_intermediate_size"] if hf.get("n_shared_experts") else 0,
                         aux_loss_weight=0.0, router_z_loss_weight=0.0, bias_update_rate=0.0)
-        kw = _dense_kw(hf, yarn=True) | dict(num_kv_heads=heads, head_dim=hf["v_head_dim"], rope_theta=theta, rope_scaling=None)
+        kw = _dense_kw(hf, yarn=True) | dict(num_kv_heads=heads, head_dim=hf["v_head_dim"])
         return MoEModelConfig(**kw, moe=moe, mla=mla, first_dense_layers=hf.get("first_k_dense_replace", 0))
 
     def to_hf(cfg):
@@ -229,7 +227,7 @@ def _deepseek_v3() -> Family:
                          num_experts_per_tok=m.top_k, moe_intermediate_size=m.mlp_dim,
                          first_k_dense_replace=cfg.first_dense_layers, n_group=m.num_groups, topk_group=m.topk_groups,
                          routed_scaling_factor=m.routed_scale, norm_topk_prob=m.norm_topk,
-                         rope_interleave=a.rope_interleave, **_rope_out(a.rope_theta, a.rope_scaling))
+                         rope_interleave=a.rope_interleave)
         out |= {"head_dim": a.qk_rope_head_dim, "num_key_value_heads": cfg.num_heads, "num_nextn_predict_layers": 0}
         return out
     fixed = dict(NO_EXTRAS) | {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,

@@ -18,13 +18,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxpar.rules import LayoutError
+from jaxpar.errors import ConvertError  # noqa: F401  (re-exported)
 
 INDEX = "model.safetensors.index.json"
-
-
-class ConvertError(LayoutError):
-    """A checkpoint or folder that cannot be converted; the message names the file, tensor or field."""
 
 
 def read_config(folder: Path) -> dict:

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer, abstract_like, latest
 from jaxpar.convert.files import ConvertError
+from jaxpar.identity import Entry, check_fits
 
 MODEL_JSON = "model.json"
 
@@ -39,18 +40,21 @@ def save_model(model, out: str | Path, *, source: dict) -> Path:
 
 def model_config(ckpt: str | Path):
     """(model config, step, whether ``ckpt`` is a training run) of a model checkpoint or a run folder."""
+    from jaxpar.errors import ConfigError
     from jaxpar.models import config_from_dict
 
     ckpt = Path(ckpt).resolve()
     saved = latest(ckpt / "checkpoints")
     if saved is None:
         raise ConvertError(f"{ckpt}: holds no complete checkpoint (expected {ckpt / 'checkpoints'}/<step>)")
-    model = saved.config.get("model")
+    model = saved.config.get("model") if isinstance(saved.config, dict) else None
     if not isinstance(model, dict):
         raise ConvertError(f"{ckpt}: its checkpoint config has no model section")
-    if "class" not in model:                  # a training run's config.json: infer the family
-        model = {"class": "MoEModelConfig" if model.get("moe") else "DenseConfig", **model}
-    return config_from_dict(model), saved.step, saved.config.get("format") != "jaxpar-model"
+    try:
+        cfg = config_from_dict(model)           # the family's own class (read by its fields if untagged)
+    except ConfigError as err:
+        raise ConvertError(f"{ckpt}: its model config cannot be read by this version of jaxpar ({err})") from None
+    return cfg, saved.step, saved.config.get("format") != "jaxpar-model"
 
 
 def load_model(ckpt: str | Path, layout, /):
@@ -64,6 +68,8 @@ def load_model(ckpt: str | Path, layout, /):
     with layout.activate():
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
         target = abstract_like(abstract, nnx.get_named_sharding(abstract, layout.mesh))
+    check_fits(Entry.LOAD, saved_config=None, step=step, where=Path(ckpt).resolve(),
+               checkpoints=Path(ckpt).resolve() / "checkpoints", abstract=abstract, prefix="0/" if is_run else "")
     item = {"0": target} if is_run else target                    # a run saved (model, optimizer)
     manager = ocp.CheckpointManager(Path(ckpt).resolve() / "checkpoints",
                                     options=ocp.CheckpointManagerOptions(read_only=True),

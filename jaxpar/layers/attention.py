@@ -15,9 +15,16 @@ from flax import nnx
 
 from jaxpar.layers.common import param, zeros
 from jaxpar.layers.norms import RMSNorm
-from jaxpar.layers.rope import RopeScaling, apply_rope, rope_frequencies
-from jaxpar.parallel.attention import context_attention
+from jaxpar.config import Choice, check_choices
+from jaxpar.layers.rope import RopeScaling, YarnScaling, apply_rope, rope_frequencies
+from jaxpar.parallel.attention import ContextParallel, context_attention
 from jaxpar.rules import constrain
+
+
+class AttentionImpl(Choice):
+    """``jax.nn.dot_product_attention``'s implementation (``model.attention_impl``; None: jax picks)."""
+    XLA = "xla"
+    CUDNN = "cudnn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,13 +34,16 @@ class AttentionConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None     # YaRN: MLA only
     qkv_bias: bool = False
     qk_norm: bool = False
     norm_eps: float = 1e-5
     sliding_window: int | None = None     # a token sees itself and the (window - 1) tokens before it
-    implementation: str | None = None     # jax.nn.dot_product_attention: None (auto), 'xla', 'cudnn'
-    context_parallel: str = "none"        # attention over a split sequence: none | ring | ulysses
+    implementation: AttentionImpl | None = None
+    context_parallel: ContextParallel = ContextParallel.NONE   # attention over a split sequence
+
+    def __post_init__(self):
+        check_choices(self, "model")
 
 
 class Attention(nnx.Module):

@@ -44,7 +44,9 @@ from flax import nnx
 
 from jaxpar.layers.common import param
 from jaxpar.layers.norms import RMSNorm
-from jaxpar.layers.rope import RopeScaling, apply_rope, rope_frequencies
+from jaxpar.errors import ConfigError
+from jaxpar.layers.attention import AttentionConfig
+from jaxpar.layers.rope import YarnScaling, apply_rope, rope_frequencies, yarn_frequencies
 from jaxpar.parallel.attention import context_attention
 from jaxpar.rules import constrain
 
@@ -53,61 +55,40 @@ TOKENS = ("batch", "inner_length", None)
 
 
 @dataclasses.dataclass(frozen=True)
-class YarnScaling:
-    """HF ``rope_scaling = {"type": "yarn", ...}``; the defaults are DeepSeek-V3's published config."""
-    factor: float = 40.0
-    original_max_position: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
-    attention_factor: float | None = None    # overrides the mscale ratio on cos/sin when given
-    truncate: bool = True                    # floor/ceil the correction range (HF default)
-
-
-@dataclasses.dataclass(frozen=True)
 class MLAConfig:
-    embed_dim: int
-    num_heads: int
+    """What MLA adds to the model's attention settings (width, heads, RoPE theta and scaling, kernel and
+    context-parallel strategy come from the model config, through ``AttentionConfig``)."""
     q_lora_rank: int | None                  # None: a plain q [D, N, Hq] (DeepSeek-V2-Lite)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | YarnScaling | None = None
-    norm_eps: float = 1e-6                   # HF builds both latent norms with its default eps 1e-6
-    implementation: str | None = None        # jax.nn.dot_product_attention's, via context_attention
-    context_parallel: str = "none"           # none | ring | ulysses
+    latent_norm_eps: float = 1e-6            # HF builds both latent norms with its default eps 1e-6
     rope_interleave: bool = True             # HF config field of the same name
+
+    def __post_init__(self):
+        sizes = dict(kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                     qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+        if self.q_lora_rank is not None:
+            sizes["q_lora_rank"] = self.q_lora_rank
+        for name, size in sizes.items():
+            if size < 1:
+                raise ConfigError(f"model.mla.{name}={size} must be ≥ 1")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        if not self.latent_norm_eps > 0:
+            raise ConfigError(f"model.mla.latent_norm_eps={self.latent_norm_eps} must be > 0")
 
 
 def _mscale(factor: float, m: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
-def yarn_frequencies(dim: int, *, theta: float, scaling: YarnScaling) -> np.ndarray:
-    """YaRN inverse frequencies [dim/2], float64: each frequency is kept (fast dims, many turns within the
-    original context) or divided by ``factor`` (slow dims), linearly blended over the correction range."""
-    plain = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-
-    def dim_of(turns):    # the (fractional) dim index whose wave turns `turns` times in the original context
-        return dim * math.log(scaling.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
-
-    lo, hi = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
-    if scaling.truncate:
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, dim - 1)
-    hi = hi + 0.001 if lo == hi else hi
-    interpolated = np.clip((np.arange(dim // 2) - lo) / (hi - lo), 0.0, 1.0)   # 0: keep, 1: divide by factor
-    return plain * (1 - interpolated) + plain / scaling.factor * interpolated
-
-
-def mla_scales(cfg: MLAConfig) -> tuple[float, float]:
+def mla_scales(mla: MLAConfig, rope_scaling) -> tuple[float, float]:
     """``(rope_gain, softmax_scale)``: the factor on the rotated q/k rope parts (HF multiplies cos and sin)
     and the factor on the scores."""
-    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-    s = cfg.rope_scaling
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    s = rope_scaling
     if not isinstance(s, YarnScaling):
         return 1.0, scale
     gain = s.attention_factor
@@ -119,9 +100,9 @@ def mla_scales(cfg: MLAConfig) -> tuple[float, float]:
     return float(gain), float(scale)
 
 
-def mla_param_count(cfg: MLAConfig) -> int:
+def mla_param_count(cfg: MLAConfig, *, embed_dim: int, num_heads: int) -> int:
     """Exact number of parameters of one ``MLA`` layer, norm scales included."""
-    d, n, hq = cfg.embed_dim, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    d, n, hq = embed_dim, num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
     q = d * n * hq if rq is None else d * rq + rq + rq * n * hq
     kv = d * (rkv + cfg.qk_rope_head_dim) + rkv + rkv * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
@@ -129,30 +110,31 @@ def mla_param_count(cfg: MLAConfig) -> int:
 
 
 class MLA(nnx.Module):
-    def __init__(self, cfg: MLAConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        d, n, rq, rkv = cfg.embed_dim, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    """``attn`` gives width, heads, RoPE theta and scaling, kernel and context-parallel strategy (its
+    kv-head and head-width fields are not used); ``cfg`` the latent ranks and head widths."""
+
+    def __init__(self, attn: AttentionConfig, cfg: MLAConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, n, rq, rkv = attn.embed_dim, attn.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
         hn, hr, hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        if hr % 2:
-            raise ValueError(f"qk_rope_head_dim={hr} must be even (RoPE rotates pairs)")
-        self.cfg, self.dtype = cfg, dtype
+        self.attn, self.cfg, self.dtype = attn, cfg, dtype
         if rq is None:
             self.q = param(rngs, (d, n, hn + hr), ("embed", "heads", "head_dim"), dtype=param_dtype)
         else:
             self.q_a = param(rngs, (d, rq), ("embed", "q_lora"), dtype=param_dtype)
-            self.q_a_norm = RMSNorm(rq, eps=cfg.norm_eps, name="q_lora", param_dtype=param_dtype)
+            self.q_a_norm = RMSNorm(rq, eps=cfg.latent_norm_eps, name="q_lora", param_dtype=param_dtype)
             self.q_b = param(rngs, (rq, n, hn + hr), ("q_lora", "heads", "head_dim"), dtype=param_dtype)
         self.kv_a = param(rngs, (d, rkv + hr), ("embed", None), dtype=param_dtype)
-        self.kv_a_norm = RMSNorm(rkv, eps=cfg.norm_eps, name="kv_lora", param_dtype=param_dtype)
+        self.kv_a_norm = RMSNorm(rkv, eps=cfg.latent_norm_eps, name="kv_lora", param_dtype=param_dtype)
         self.kv_b = param(rngs, (rkv, n, hn + hv), ("kv_lora", "heads", "head_dim"), dtype=param_dtype)
         self.o = param(rngs, (n, hv, d), ("heads", "head_dim", "embed"), dtype=param_dtype)
 
     @property
     def inv_freq(self) -> np.ndarray:
         """RoPE frequencies [Hr/2], from the config at trace time (never module state; see attention.py)."""
-        cfg = self.cfg
-        if isinstance(cfg.rope_scaling, YarnScaling):
-            return yarn_frequencies(cfg.qk_rope_head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-        return rope_frequencies(cfg.qk_rope_head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+        attn, dim = self.attn, self.cfg.qk_rope_head_dim
+        if isinstance(attn.rope_scaling, YarnScaling):
+            return yarn_frequencies(dim, theta=attn.rope_theta, scaling=attn.rope_scaling)
+        return rope_frequencies(dim, theta=attn.rope_theta, scaling=attn.rope_scaling)
 
     def _w(self, p: nnx.Param) -> jax.Array:
         return p[...].astype(self.dtype)
@@ -179,12 +161,12 @@ class MLA(nnx.Module):
         ckv = constrain(x @ self._w(self.kv_a), TOKENS)                                  # [B, T, Rkv + Hr]
         kv = jnp.einsum("btr,rnh->btnh", self.kv_a_norm(ckv[..., :rkv]), self._w(self.kv_b))
         kv = constrain(kv, HEADS)                                                        # [B, T, N, Hn + Hv]
-        gain, scale = mla_scales(cfg)
+        gain, scale = mla_scales(cfg, self.attn.rope_scaling)
         q_nope, q_rope = q[..., :hn], self._rope(q[..., hn:], positions, gain)
         k_nope, v = kv[..., :hn], kv[..., hn:]
         k_rope = self._rope(ckv[..., None, rkv:], positions, gain)                       # [B, T, 1, Hr]
         index = positions if index is None else index
-        if cfg.context_parallel == "none" and cfg.implementation is None:
+        if self.attn.context_parallel == "none" and self.attn.implementation is None:
             out = _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale)
         else:
             k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
@@ -200,8 +182,8 @@ class MLA(nnx.Module):
         h = max(q.shape[-1], v.shape[-1])
         pad = lambda a: a if a.shape[-1] == h else jnp.pad(a, [(0, 0)] * 3 + [(0, h - a.shape[-1])])
         q = q * jnp.asarray(scale * math.sqrt(h), q.dtype)
-        out = context_attention(pad(q), pad(k), pad(v), index, strategy=self.cfg.context_parallel, window=None,
-                                implementation=self.cfg.implementation)
+        out = context_attention(pad(q), pad(k), pad(v), index, strategy=self.attn.context_parallel, window=None,
+                                implementation=self.attn.implementation)
         return out[..., :v.shape[-1]]
 
 

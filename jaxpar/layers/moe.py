@@ -21,7 +21,8 @@ the same result on one device and under any data or expert parallel layout.
         sequence. Priority within a sequence: its T·k assignments are ranked choice-major — every token's
         1st choice, in token order, then every token's 2nd choice, and so on. An assignment's slot is the
         number of assignments of its sequence ranked before it that went to the same expert
-        (``expert_slots``); slots ≥ C are dropped and contribute 0 (the surviving weights are not
+        (``expert_slots``; token order is the original one, whatever order the layout stores the
+        sequence in); slots ≥ C are dropped and contribute 0 (the surviving weights are not
         renormalised: norm_topk acts before dropping). Tokens reach the [B, E, C, D] buffer through a
         one-hot dispatch einsum, the experts run where they live (``jaxpar.parallel.moe``: all-to-all
         over ``expert`` when it is split), and a combine einsum carries the routing weights back. The
@@ -51,9 +52,16 @@ from jaxpar.layers.common import param
 from jaxpar.layers.mlp import SwiGLU
 from jaxpar.parallel.dropless import dropless_apply
 from jaxpar.parallel.moe import experts_apply
-from jaxpar.rules import LayoutError, constrain
+from jaxpar.config import Choice, check_choices
+from jaxpar.errors import ConfigError
+from jaxpar.rules import constrain
 
-ROUTERS = ("softmax", "sigmoid", "expert_choice")
+
+
+class Router(Choice):
+    SOFTMAX = "softmax"                # Mixtral, Qwen3-MoE
+    SIGMOID = "sigmoid"                # DeepSeek-V3: group-limited, with the selection bias
+    EXPERT_CHOICE = "expert_choice"    # each expert takes its C best tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +69,7 @@ class MoEConfig:
     num_experts: int
     top_k: int
     mlp_dim: int                              # F of each routed expert
-    router: str = "softmax"                   # softmax | sigmoid | expert_choice
+    router: Router = Router.SOFTMAX
     norm_topk: bool = True                    # renormalise the k weights to sum to 1
     num_groups: int = 1                       # sigmoid: experts split into this many groups …
     topk_groups: int = 1                      # … and only this many best groups are routed to
@@ -74,32 +82,28 @@ class MoEConfig:
     router_z_loss_weight: float = 0.001       # mean over tokens of logsumexp(logits)²
 
     def __post_init__(self):
-        from jaxpar.mesh import suggest
-
+        check_choices(self, "model.moe")
         e, k, g, kg = self.num_experts, self.top_k, self.num_groups, self.topk_groups
-        if self.router not in ROUTERS:
-            raise LayoutError(f"moe.router={self.router!r} is not one of {ROUTERS}"
-                              f"{suggest(self.router, ROUTERS)}")
         if e < 1 or k < 1 or self.mlp_dim < 1:
-            raise LayoutError(f"moe.num_experts={e}, moe.top_k={k} and moe.mlp_dim={self.mlp_dim} "
-                              "must all be at least 1")
+            raise ConfigError(f"model.moe.num_experts={e}, model.moe.top_k={k} and "
+                              f"model.moe.mlp_dim={self.mlp_dim} must all be at least 1")
         if k > e:
-            raise LayoutError(f"moe.top_k={k} exceeds moe.num_experts={e}")
+            raise ConfigError(f"model.moe.top_k={k} exceeds model.moe.num_experts={e}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise LayoutError(f"moe.capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
+            raise ConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
         if self.capacity_factor is None and self.router == "expert_choice":
-            raise LayoutError("moe.capacity_factor=None: router 'expert_choice' needs a capacity; "
+            raise ConfigError("model.moe.capacity_factor=None: router 'expert_choice' needs a capacity; "
                               "dropless is for token-choice routers")
         if g < 1 or e % g:
-            raise LayoutError(f"moe.num_groups={g} does not divide moe.num_experts={e}")
+            raise ConfigError(f"model.moe.num_groups={g} does not divide model.moe.num_experts={e}")
         if not 1 <= kg <= g:
-            raise LayoutError(f"moe.topk_groups={kg} must lie in 1..moe.num_groups={g}")
+            raise ConfigError(f"model.moe.topk_groups={kg} must lie in 1..model.moe.num_groups={g}")
         if k > kg * (e // g):
-            raise LayoutError(f"moe.top_k={k} exceeds the {kg * (e // g)} experts in moe.topk_groups={kg} "
-                              f"of moe.num_groups={g} groups of {e // g}")
+            raise ConfigError(f"model.moe.top_k={k} exceeds the {kg * (e // g)} experts in "
+                              f"model.moe.topk_groups={kg} of model.moe.num_groups={g} groups of {e // g}")
         if self.num_shared_experts < 0 or (self.num_shared_experts and self.shared_mlp_dim < 1):
-            raise LayoutError(f"moe.num_shared_experts={self.num_shared_experts} needs "
-                              f"moe.shared_mlp_dim >= 1 (got {self.shared_mlp_dim})")
+            raise ConfigError(f"model.moe.num_shared_experts={self.num_shared_experts} needs "
+                              f"model.moe.shared_mlp_dim >= 1 (got {self.shared_mlp_dim})")
 
 
 def capacity(num_tokens: int, cfg: MoEConfig) -> int:
@@ -132,11 +136,17 @@ def updated_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Ar
     return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def expert_slots(idx: jax.Array, num_experts: int) -> jax.Array:
+def expert_slots(idx: jax.Array, num_experts: int, index: jax.Array | None = None) -> jax.Array:
     """idx [B, T, k] expert ids -> each assignment's slot [B, T, k] in its expert's buffer of its group
     (one sequence). The slot counts the group's assignments to the same expert ranked before it,
     choice-major: all 1st choices in token order, then all 2nd choices, ... Capacity C keeps slots < C.
-    """
+    ``index`` [B, T]: each stored token's place in the original sequence (a permutation of 0..T-1 per
+    row, e.g. zig-zag context parallelism): token order is that order, so the same assignments drop
+    however the layout stores the sequence."""
+    if index is not None:
+        natural = jnp.argsort(index, axis=1)                                          # [B, T] stored positions
+        ranked = expert_slots(jnp.take_along_axis(idx, natural[..., None], axis=1), num_experts)
+        return jnp.take_along_axis(ranked, jnp.argsort(natural, axis=1)[..., None], axis=1)
     b, t, k = idx.shape
     choice_major = jnp.swapaxes(idx, 1, 2).reshape(b, k * t)                          # [B, k·T]
     hot = jax.nn.one_hot(choice_major, num_experts, dtype=jnp.int32)                 # [B, k·T, E]
@@ -170,7 +180,9 @@ class MoE(nnx.Module):
         """Apply ``updated_bias`` with ``cfg.bias_update_rate`` in place (a no-op at rate 0)."""
         self.router_bias[...] = updated_bias(self.router_bias[...], expert_load, self.cfg.bias_update_rate)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+    def __call__(self, x: jax.Array, index: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+        """x [B, T, D]; index [B, T]: each stored token's place in the original sequence (capacity ranks
+        tokens in that order; None: the stored order is the original one)."""
         cfg = self.cfg
         x = constrain(x, ("batch", "inner_length", "act_embed"))                         # x: [B, T, D]
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])    # fp32 [B, T, E]
@@ -186,7 +198,7 @@ class MoE(nnx.Module):
             if cfg.capacity_factor is None:
                 y, dropped = self._dropless(xc, idx, weight), jnp.zeros((), jnp.float32)
             else:
-                y, dropped = self._capacity(xc, idx, weight)
+                y, dropped = self._capacity(xc, idx, weight, index)
         if self.shared is not None:
             y = y + self.shared(xc)
         y = constrain(y, ("batch", "length", "act_embed"))
@@ -227,12 +239,12 @@ class MoE(nnx.Module):
         return y, jnp.zeros((), jnp.float32), jnp.full((cfg.num_experts,), float(b * c), jnp.float32), dropped
 
     # ----------------------------------------------------------------------------------- execution
-    def _capacity(self, x: jax.Array, idx: jax.Array, weight: jax.Array):
+    def _capacity(self, x: jax.Array, idx: jax.Array, weight: jax.Array, index: jax.Array | None):
         """Capacity-limited token choice (priority rule in the module docstring); returns (y, dropped)."""
         b, t, k = idx.shape
         e = self.cfg.num_experts
         c = capacity(t, self.cfg)
-        slot = expert_slots(idx, e)                                                 # [B, T, k]
+        slot = expert_slots(idx, e, index)                                          # [B, T, k]
         kept = slot < c
         expert_hot = jax.nn.one_hot(idx, e, dtype=jnp.float32)                      # [B, T, k, E]
         slot_hot = jax.nn.one_hot(jnp.where(kept, slot, c), c, dtype=jnp.float32)  # dropped: all zeros

@@ -1,4 +1,5 @@
-"""Rotary position embedding, half-split layout (as Hugging Face Llama/Qwen/Mistral store q and k).
+"""Rotary position embedding, half-split layout (as Hugging Face Llama/Qwen/Mistral store q and k), with
+Llama 3.1 frequency scaling (``RopeScaling``) and YaRN (``YarnScaling``, used by MLA).
 
 Dimension legend: B batch, T positions, N heads, H head_dim.
 """
@@ -20,6 +21,36 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """HF ``rope_scaling = {"type": "yarn", ...}``; the defaults are DeepSeek-V3's published config."""
+    factor: float = 40.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    attention_factor: float | None = None    # overrides the mscale ratio on cos/sin when given
+    truncate: bool = True                    # floor/ceil the correction range (HF default)
+
+
+def yarn_frequencies(dim: int, *, theta: float, scaling: YarnScaling) -> np.ndarray:
+    """YaRN inverse frequencies [dim/2], float64: each frequency is kept (fast dims, many turns within the
+    original context) or divided by ``factor`` (slow dims), linearly blended over the correction range."""
+    plain = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+    def dim_of(turns):    # the (fractional) dim index whose wave turns `turns` times in the original context
+        return dim * math.log(scaling.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    interpolated = np.clip((np.arange(dim // 2) - lo) / (hi - lo), 0.0, 1.0)   # 0: keep, 1: divide by factor
+    return plain * (1 - interpolated) + plain / scaling.factor * interpolated
 
 
 def rope_frequencies(head_dim: int, *, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:

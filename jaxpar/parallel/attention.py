@@ -1,7 +1,7 @@
 """The attention core under context parallelism: where a model's attention meets the ``sequence`` axis.
 
 Models call ``context_attention`` with logical intent only (a strategy name); this module reads the
-current layout (``jaxpar.rules.current_layout``) to find which mesh axis the positions inside attention
+current layout (``jaxpar.rules.active_layout``) to find which mesh axis the positions inside attention
 (``inner_length``) are split over, and runs the matching kernel under ``jax.shard_map``:
 
     none      ``jax.nn.dot_product_attention`` on whatever GSPMD gives it (with a split sequence, XLA
@@ -22,11 +22,22 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxpar.config import Choice
 from jaxpar.parallel.common import zigzag_order
-from jaxpar.rules import LayoutError, Rules, current_layout
+from jaxpar.rules import LayoutError, Rules, active_layout
 
-STRATEGIES = ("none", "ring", "ulysses")
-ORDERS = ("zigzag", "contiguous")
+
+class ContextParallel(Choice):
+    """How attention runs when positions are split over a mesh axis (``model.context_parallel``)."""
+    NONE = "none"              # GSPMD gathers the full K/V on every device
+    RING = "ring"              # K/V blocks travel the ring
+    ULYSSES = "ulysses"        # all-to-all from sequence-split to head-split and back
+
+
+class TokenOrder(Choice):
+    """How a ring stores the sequence over its devices (``model.cp_order``)."""
+    ZIGZAG = "zigzag"          # device i holds chunks i and 2n-1-i: causal work balanced
+    CONTIGUOUS = "contiguous"  # device i holds chunk i
 
 
 def sequence_axis(rules: Rules, mesh_shape, /) -> str | None:
@@ -41,10 +52,8 @@ def sequence_axis(rules: Rules, mesh_shape, /) -> str | None:
 def check_context_parallel(strategy: str, order: str, /, *, seq: int, num_heads: int, num_kv_heads: int,
                            rules: Rules, mesh_shape) -> None:
     """Refuses, before anything compiles, a strategy the layout cannot run; names field and axis."""
-    if strategy not in STRATEGIES:
-        raise LayoutError(f"model.context_parallel={strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if order not in ORDERS:
-        raise LayoutError(f"model.cp_order={order!r} is not one of {', '.join(ORDERS)}")
+    strategy = ContextParallel.parse(strategy, field="model.context_parallel")
+    order = TokenOrder.parse(order, field="model.cp_order")
     axis = sequence_axis(rules, mesh_shape)
     if axis is None or strategy == "none":
         return
@@ -56,13 +65,16 @@ def check_context_parallel(strategy: str, order: str, /, *, seq: int, num_heads:
         from jaxpar.parallel.ulysses import ulysses_check
         heads_ways = math.prod(mesh_shape[a] for a in rules["act_heads"])
         kv_ways = math.prod(mesh_shape[a] for a in rules["act_kv_heads"])
-        ulysses_check(num_heads // heads_ways, num_kv_heads // kv_ways, n, replicate_kv=False)
+        local_kv = num_kv_heads // kv_ways
+        if heads_ways > 1 and not rules["act_kv_heads"]:     # replicated: each device keeps its group's one
+            local_kv = 1                                     # (context_attention's _own_kv_head)
+        ulysses_check(num_heads // heads_ways, local_kv, n, replicate_kv=False)
 
 
 def storage_order(length: int, strategy: str, order: str, /) -> np.ndarray | None:
     """How the model stores a sequence of ``length`` tokens under the current layout: position p holds
     token ``order[p]``; None means the natural order."""
-    layout = current_layout()
+    layout = active_layout()
     if layout is None or strategy != "ring" or order != "zigzag":
         return None
     mesh, rules = layout
@@ -74,12 +86,12 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array
                       window: int | None = None, implementation: str | None = None) -> jax.Array:
     """Causal attention: q [B, T, N, H], k/v [B, T, K, H], index int [B, T] (each stored token's place
     in the original sequence). Returns [B, T, N, H]."""
-    layout = current_layout()
+    layout = active_layout(q, k, v)
     axis = None if layout is None or strategy == "none" else sequence_axis(layout[1], layout[0].shape)
     if axis is None:
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                            implementation=implementation)
+                                            implementation=None if implementation is None else str(implementation))
     mesh, rules = layout
     batch, heads, kv_heads = rules["batch"] or None, rules["act_heads"] or None, rules["act_kv_heads"] or None
     q_spec = PartitionSpec(batch, axis, heads, None)
@@ -106,10 +118,9 @@ def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.A
 
 
 def _kernel(strategy: str):
-    if strategy == "ring":
+    strategy = ContextParallel.parse(strategy, field="model.context_parallel")
+    if strategy == ContextParallel.RING:
         from jaxpar.parallel.ring import ring_attention
         return ring_attention
-    if strategy == "ulysses":
-        from jaxpar.parallel.ulysses import ulysses_attention
-        return ulysses_attention
-    raise LayoutError(f"model.context_parallel={strategy!r} is not one of {', '.join(STRATEGIES)}")
+    from jaxpar.parallel.ulysses import ulysses_attention       # (none never gets here)
+    return ulysses_attention

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar.parallel.moe import expert_axis
-from jaxpar.rules import LayoutError, current_layout
+from jaxpar.rules import LayoutError, active_layout
 
 EXCHANGES = ("auto", "ragged", "padded")
 
@@ -114,7 +114,7 @@ def dropless_apply(x: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.A
     all-to-all where the backend has it, padded elsewhere), ragged, or padded."""
     if exchange not in EXCHANGES:
         raise LayoutError(f"exchange={exchange!r} is not one of {EXCHANGES}")
-    layout = current_layout()
+    layout = active_layout(x, gate_up, down)
     axis = None if layout is None else expert_axis(layout[1], layout[0].shape)
     if axis is None:
         return _local(x, idx, gate_up, down)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxpar.rules import LayoutError, current_layout
+from jaxpar.rules import LayoutError, active_layout
 
 
 def expert_mlp(buf: jax.Array, gate_up: jax.Array, down: jax.Array, /) -> jax.Array:
@@ -44,7 +44,7 @@ def expert_axis(rules, mesh_shape, /) -> str | None:
 def experts_apply(buf: jax.Array, gate_up: jax.Array, down: jax.Array, /) -> jax.Array:
     """``expert_mlp`` under the current layout: plain when the experts are not split, else with the
     dispatch and combine all-to-alls over the expert axis (see the module docstring)."""
-    layout = current_layout()
+    layout = active_layout(buf, gate_up, down)
     axis = None if layout is None else expert_axis(layout[1], layout[0].shape)
     if axis is None:
         return expert_mlp(buf, gate_up, down)

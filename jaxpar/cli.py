@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "prepare": "jaxpar.prepare",
     "convert": "jaxpar.convert.command",
     "plan": "jaxpar.analysis.plan_command",
+    "pipeline": "jaxpar.pipeline.command",
 }
 
 

@@ -12,7 +12,7 @@ A saved run or checkpoint fits the current config when
     checkpoint's metadata: no list of shape fields is kept by hand, and no array is read.
 
 Anything else may change: the mesh (a restore reshards), steps, the optimizer and its schedule,
-microbatches, z-loss, checkpoint and log settings. The entry points, all through ``check_fits``:
+grad_accum, z-loss, checkpoint and log settings. The entry points, all through ``check_fits``:
 
     Entry.RESUME      ``jaxpar train`` finding a checkpoint (or a config.json) in --out
     Entry.INIT_FROM   ``jaxpar train --init-from``: the checkpoint's model against the run's, weights only

@@ -17,7 +17,8 @@ first axis strides over the slowest links (DCN / InfiniBand between nodes or sli
 * ``tensor``   two all-reduces (or all-gather + reduce-scatter) per layer *inside* the matmul chain, with
                nothing to overlap them with: the most latency-sensitive, so innermost.
 
-``stage`` is reserved for pipelining and must be 1 until the pipeline kernel lands.
+``stage`` splits the stacked layers into pipeline stages (``jaxpar.pipeline``: the train step runs a
+schedule table over it).
 
 The mesh uses ``AxisType.Auto`` axes (classic GSPMD propagation): the model annotates activations with
 ``with_sharding_constraint`` through logical names and never has to spell an output sharding per einsum,
@@ -66,8 +67,6 @@ class MeshConfig:
                 raise MeshError(f"dcn.{axis}: unknown mesh axis {axis!r}; axes are {', '.join(AXES)}")
             if not isinstance(size, int) or size < 1:
                 raise MeshError(f"mesh axis dcn.{axis}={size!r}: DCN sizes must be positive integers")
-        if self.stage != 1 or self.dcn_sizes()["stage"] != 1:
-            raise MeshError(f"mesh axis stage={self.stage}: pipelining is not implemented yet; use stage=1")
 
     # ----------------------------------------------------------------------------------------- forms
     @classmethod

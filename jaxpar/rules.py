@@ -129,8 +129,21 @@ def _devices_spanned(x) -> int:
     return mesh.size
 
 
+def _in_context(mesh: jax.sharding.Mesh):
+    """``mesh``, or inside a ``shard_map`` that made some axes manual (the pipeline's ``stage``) the
+    context's abstract mesh, which says so: shardings and nested ``shard_map``s must name that one."""
+    return jax.sharding.get_abstract_mesh() if partly_manual() else mesh
+
+
+def partly_manual() -> bool:
+    """Whether this code is traced inside a ``shard_map`` that made some mesh axes manual (the pipeline)."""
+    context = jax.sharding.get_abstract_mesh()
+    return not context.empty and bool(context.manual_axes)
+
+
 def active_layout(*arrays) -> tuple[jax.sharding.Mesh, Rules] | None:
-    """``(mesh, rules)`` of the current layout, or None when the model runs on one device.
+    """``(mesh, rules)`` of the current layout, or None when the model runs on one device. Inside a
+    partly manual ``shard_map`` the mesh is the context's abstract mesh (see ``_in_context``).
 
     Never silent: with no layout active, arrays that live on a multi-device mesh (or a multi-device
     ``jax.set_mesh`` context) raise ``NoLayoutError``. Without its layout a model would compile with no
@@ -138,7 +151,7 @@ def active_layout(*arrays) -> tuple[jax.sharding.Mesh, Rules] | None:
     none of the kernels its layout asks for."""
     layout = _CURRENT.get()
     if layout is not None:
-        return layout.mesh, layout.rules
+        return _in_context(layout.mesh), layout.rules
     context = jax.sharding.get_abstract_mesh()
     spans = max([0 if context.empty else context.size] + [_devices_spanned(x) for x in arrays])
     if spans > 1:

@@ -15,6 +15,9 @@ filled from the device count, so each preset works on any device count its fixed
             model's kernel (``model.context_parallel``: ring or ulysses; GSPMD gathers K/V with none)
     fsdp_cp fsdp=2 × sequence=-1
     tp_cp   sequence=-1 × tensor=2; between blocks positions are split over sequence × tensor
+    pp      pipeline parallelism: stage=-1; the stacked ``layers`` split over ``stage``, run by a schedule
+            (``pipeline.schedule``); pp_fsdp, pp_tp, pp_3d add fsdp=-1, tensor=-1, fsdp=2 × tensor=-1
+            inside each stage (stage=2)
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ def compose_rules(name: str, axes, /) -> Rules:
         rules["experts"] = rules["act_experts"] = "expert"
     if "tensor" in axes:
         rules.update(_TENSOR)
+    if "stage" in axes:                                       # pipeline: each stage holds its layers
+        rules["layers"] = "stage"
     if "sequence" in axes:
         rules["inner_length"] = "sequence"
         rules["length"] = ("sequence", "tensor") if "tensor" in axes else "sequence"
@@ -82,6 +87,10 @@ PRESETS: dict[str, MeshPreset] = {p.name: p for p in (
     _preset("cp", "sequence=-1", "context parallel: the sequence split over every device"),
     _preset("fsdp_cp", "fsdp=2,sequence=-1", "FSDP × context parallel"),
     _preset("tp_cp", "sequence=-1,tensor=2", "context parallel × tensor parallel"),
+    _preset("pp", "stage=-1", "pipeline parallel: the layers split into stages"),
+    _preset("pp_fsdp", "stage=2,fsdp=-1", "pipeline × FSDP inside each stage"),
+    _preset("pp_tp", "stage=2,tensor=-1", "pipeline × tensor parallel inside each stage"),
+    _preset("pp_3d", "stage=2,fsdp=2,tensor=-1", "pipeline × FSDP × tensor parallel"),
 )}
 
 

@@ -201,9 +201,41 @@ class DenseLM(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"), dtype=cfg.param_dtype)
 
+    # The stacked layers a pipeline splits over `stage` (jaxpar.pipeline), by attribute name.
+    pipeline_stack = "blocks"
+
+    def run_stack(self, blocks, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
+        """``blocks`` (this model's pipelined stack, or a chunk of its layers) over x:
+        (x, weighted auxiliary loss, statistics stacked over the layers)."""
+        return scan_blocks(blocks, x, positions, index, self.cfg.remat), jnp.zeros((), jnp.float32), None
+
     def _blocks(self, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
         """The layer stack: (x, weighted auxiliary loss, statistics)."""
-        return scan_blocks(self.blocks, x, positions, index, self.cfg.remat), jnp.zeros((), jnp.float32), None
+        return self.run_stack(getattr(self, self.pipeline_stack), x, positions, index)
+
+    def inputs(self, ids: jax.Array, positions: jax.Array | None = None):
+        """What the layers see of ``ids`` [B, T]: ``(ids, positions, index, order)`` in the layout's storage
+        order (``order``: position p holds token ``order[p]``; None = natural), for ``embed``."""
+        cfg = self.cfg
+        index = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        positions = index if positions is None else positions
+        order = storage_order(ids.shape[1], cfg.context_parallel, cfg.cp_order)
+        if order is not None:                                    # zig-zag: RoPE positions follow the tokens
+            ids, positions, index = ids[:, order], positions[:, order], index[:, order]
+        return ids, positions, index, order
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: x [B, T, D] -> float32 logits [B, T, V_padded], padding masked."""
+        cfg = self.cfg
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(cfg.dtype))
+        logits = constrain(logits.astype(jnp.float32), ("batch", "inner_length", "act_vocab"))
+        if cfg.padded_vocab != cfg.vocab_size:
+            logits = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits, -1e9)
+        return logits
 
     def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """ids [B, T] int32 -> logits [B, T, V] float32, in natural order (``forward`` keeps the padded
@@ -215,19 +247,7 @@ class DenseLM(nnx.Module):
     def forward(self, ids: jax.Array, positions: jax.Array | None = None) -> ForwardOutput:
         """Logits in the order the layout stores tokens in (see ``ForwardOutput``): a loss can permute
         its targets by ``order`` instead of paying to put the logits back (zig-zag context parallelism)."""
-        cfg = self.cfg
-        index = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        positions = index if positions is None else positions
-        order = storage_order(ids.shape[1], cfg.context_parallel, cfg.cp_order)
-        if order is not None:                                    # zig-zag: RoPE positions follow the tokens
-            ids, positions, index = ids[:, order], positions[:, order], index[:, order]
+        ids, positions, index, order = self.inputs(ids, positions)
         x, aux_loss, stats = self._blocks(self.embed(ids), positions, index)        # x: [B, T, D]
-        x = self.final_norm(x)
-        if cfg.tie_embeddings:
-            logits = self.embed.attend(x)
-        else:
-            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(cfg.dtype))
-        logits = constrain(logits.astype(jnp.float32), ("batch", "inner_length", "act_vocab"))
-        if cfg.padded_vocab != cfg.vocab_size:
-            logits = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits, -1e9)
+        logits = self.head(x)
         return ForwardOutput(logits, order, aux_loss, stats)

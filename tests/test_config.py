@@ -23,7 +23,7 @@ def test_every_field_is_settable_and_parsed_by_type():
     assert cfg.optimizer.clip_norm is None and cfg.checkpoint.async_save is False
     assert cfg.data.source == "files" and cfg.model.sliding_window == 32 and cfg.mesh == "fsdp"
     paths = field_paths()
-    for must in ("model.embed_dim", "optimizer.schedule", "data.path", "log.profile_steps", "microbatches", "z_loss"):
+    for must in ("model.embed_dim", "optimizer.schedule", "data.path", "log.profile_steps", "grad_accum", "z_loss"):
         assert must in paths
     help_text = describe_fields()
     assert all(p in help_text for p in paths)
@@ -128,7 +128,7 @@ def test_error_classes_say_what_they_are():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(seq=4096), "seq=4096 is longer than model.max_seq_len=1024"),
-    (dict(batch=10, microbatches=4), "batch=10 is not divisible by microbatches=4"),
+    (dict(batch=10, grad_accum=4), "batch=10 is not divisible by grad_accum=4"),
     (dict(steps=0), "steps=0 must be"),
     (dict(z_loss=-1.0), "z_loss=-1.0"),
     (dict(optimizer=OptimizerConfig(warmup_steps=-1)), "optimizer.warmup_steps=-1"),

@@ -32,7 +32,7 @@ GOLDEN = pathlib.Path(__file__).parent / "golden"
 REGENERATE = "if intended: JAXPAR_UPDATE_GOLDEN=1 pytest -p no:xdist tests/test_golden.py"
 EXPERT_SPECS = ("data=2,expert=4", "data=2,fsdp=2,tensor=2,expert=2,sequence=2")
 MOE_LAYOUTS = ("data=2,expert=4", "fsdp=2,expert=2,tensor=2", "fsdp", "tp")
-CASES = ([(m, p) for m in ("tiny", "llama3-8b") for p in MESH_PRESETS]
+CASES = ([(m, p) for m in ("tiny", "llama3-8b") for p in MESH_PRESETS if (m, p) != ("tiny", "pp")]   # 2 layers, 8 stages
          + [(m, p) for m in ("tiny-moe", "tiny-deepseek") for p in MOE_LAYOUTS]   # MoE; MLA + shared expert
          + [("mixtral-8x7b", "fsdp=2,expert=4"), ("deepseek-v3", "expert=4,tensor=2")])
 RULES_CASES = (*MESH_PRESETS, *EXPERT_SPECS)

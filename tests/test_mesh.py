@@ -44,7 +44,6 @@ def test_hybrid_dcn_axis_is_outermost_within_its_axis():
     ("data=two", ["data", "'two'", "not an integer"]),
     ("fsdp=3,tensor=-1", ["cannot fill tensor=-1", "multiply to 3", "8 devices"]),
     ("dcn.data=3,fsdp=-1", ["dcn", "3", "8 devices"]),
-    ("stage=2,data=-1", ["stage=2", "pipelining"]),
 ])
 def test_bad_mesh_names_field_axis_and_numbers(spec, words):
     with pytest.raises(MeshError) as err:
@@ -79,3 +78,12 @@ def test_cpu_runtime_env_gives_each_simulated_device_threads(monkeypatch):
     monkeypatch.setenv("PJRT_NPROC", "4096")
     cpu_runtime_env(2)
     assert os.environ["PJRT_NPROC"] == "4096"                          # never lowered
+
+
+def test_stage_axis_builds_and_splits_the_layers_over_it():
+    """``stage`` is a mesh axis like the others (outermost); the pp presets shard ``layers`` over it."""
+    from jaxpar.meshes import get_mesh_preset
+    mesh = build_mesh(MeshConfig.parse("stage=2,data=-1"))
+    assert dict(mesh.shape) == {"stage": 2, "data": 4, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+    assert get_mesh_preset("pp_3d").rules["layers"] == ("stage",)
+    assert get_mesh_preset("3d").rules["layers"] == ()

@@ -115,14 +115,14 @@ def test_read_settings_may_change_on_resume_the_stream_may_not():
 
 
 def test_batch_not_divisible_by_data_axes():
-    with pytest.raises(Exception, match=r"batch=8 / microbatches=4 = 2 rows per microbatch is not divisible by the 4"):
-        plan_layout(_cfg("microbatches=4", mesh="3d"))
+    with pytest.raises(Exception, match=r"batch=8 / grad_accum=4 = 2 rows per slice is not divisible by the 4"):
+        plan_layout(_cfg("grad_accum=4", mesh="3d"))
     with pytest.raises(Exception, match=r"batch.*6.*fsdp"):
         plan_layout(dataclasses.replace(_cfg(), batch=6))
 
 
-def test_microbatches_give_the_same_update_as_one_big_batch():
-    """k=4 accumulated microbatches vs the whole batch: same loss, same gradient norm, same parameters
+def test_grad_accum_gives_the_same_update_as_one_big_batch():
+    """k=4 accumulated slices vs the whole batch: same loss, same gradient norm, same parameters
     after the update (AdamW eps=1e-3 so float noise in near-zero gradients is not amplified; see
     test_invariance)."""
     cfg = get_model_preset("tiny")
@@ -133,7 +133,7 @@ def test_microbatches_give_the_same_update_as_one_big_batch():
     results = {}
     for k in (1, 4):
         ts = init_train_state(lambda r: build_model(cfg, rngs=r), tx, layout)
-        state, metrics = make_train_step(ts, layout, microbatches=k, z_loss=1e-3)(ts.state, batch)
+        state, metrics = make_train_step(ts, layout, grad_accum=k, z_loss=1e-3)(ts.state, batch)
         results[k] = metrics, [np.asarray(x) for x in jax.tree.leaves(state)]
     (m1, p1), (m4, p4) = results[1], results[4]
     np.testing.assert_allclose([m4.loss, m4.grad_norm, m4.z_loss], [m1.loss, m1.grad_norm, m1.z_loss], rtol=1e-5)

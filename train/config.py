@@ -6,7 +6,7 @@
       data         DataConfig      (--set data.source=files --set data.path=tokens.bin ...)
       checkpoint   CheckpointConfig
       log          LogConfig
-      mesh, steps, batch, seq, seed, microbatches, z_loss
+      mesh, steps, batch, seq, seed, grad_accum, z_loss, pipeline
 
 ``apply_overrides(cfg, ["optimizer.learning_rate=1e-3"])`` parses each value by the field's annotated
 type (int, float, str, bool, enums, ``X | None`` where ``none`` means None) and refuses unknown paths
@@ -24,6 +24,7 @@ from jaxpar.config import Choice, check_choices, config_classes, from_dict, hint
 from jaxpar.data import DataConfig
 from jaxpar.errors import ConfigError
 from jaxpar.models import DenseConfig, get_model_preset
+from jaxpar.pipeline.schedules import Schedule
 from jaxpar.train.guard import NonFinite
 from jaxpar.train.optim import OptimizerConfig
 
@@ -46,6 +47,17 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """How the train step runs the layers when the mesh has ``stage`` > 1 (``jaxpar.pipeline``)."""
+    schedule: Schedule = Schedule.ONE_F_ONE_B     # gpipe, 1f1b, interleaved, zero_bubble
+    microbatches: int = 8                         # the batch is fed through the stages in this many pieces
+    virtual_stages: int = 1                       # model chunks per stage (interleaved only)
+
+    def __post_init__(self):
+        check_choices(self, "pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: DenseConfig
     model_preset: str = "tiny"
@@ -54,11 +66,13 @@ class TrainConfig:
     batch: int = 16                  # global batch (sequences per optimizer step)
     seq: int = 128
     seed: int = 0                    # parameter init and data order
-    microbatches: int = 1            # gradient accumulation: batch is split into this many microbatches
+    grad_accum: int = 1              # gradient accumulation: the batch is split into this many slices, one
+                                     # optimizer update (pipeline microbatches are pipeline.microbatches)
     z_loss: float = 0.0              # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
     init_from: str | None = None     # a model checkpoint (jaxpar convert) or run folder: start from its weights
     nonfinite: NonFinite = NonFinite.STOP   # a step whose loss or gradient norm is NaN/inf: stop, or skip its update
     max_skips: int = 10              # nonfinite=skip: stop anyway after this many skipped steps in a row
+    pipeline: PipelineConfig = PipelineConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=30)
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -72,11 +86,11 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Checks that need no devices; raises ``ConfigError`` naming the field."""
-        for name in ("steps", "batch", "seq", "microbatches"):
+        for name in ("steps", "batch", "seq", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be ≥ 1")
-        if self.batch % self.microbatches:
-            raise ConfigError(f"batch={self.batch} is not divisible by microbatches={self.microbatches}")
+        if self.batch % self.grad_accum:
+            raise ConfigError(f"batch={self.batch} is not divisible by grad_accum={self.grad_accum}")
         if self.seq > self.model.max_seq_len:
             raise ConfigError(f"seq={self.seq} is longer than model.max_seq_len={self.model.max_seq_len} "
                               f"of model {self.model_preset!r}")
@@ -160,6 +174,11 @@ def _replace_path(obj, parts: list[str], value):
     return dataclasses.replace(obj, **{head: _replace_path(child, rest, value)})
 
 
+# Settings that were renamed, with where they went.
+RENAMED = {"microbatches": "renamed: gradient accumulation is grad_accum (one optimizer update over k slices "
+                           "of the batch); pipeline microbatches are pipeline.microbatches"}
+
+
 def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
     """``cfg`` with each ``path=value`` applied in order."""
     paths = field_paths(cfg)
@@ -168,6 +187,8 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
         path = path.strip()
         if not sep:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. optimizer.learning_rate=1e-3")
+        if path in RENAMED:
+            raise ConfigError(f"--set {path}: {RENAMED[path]}")
         if path not in paths:
             raise ConfigError(f"--set {path}: unknown field{_closest(path, paths)}; `jaxpar train --help` lists them")
         value = parse_value(path, paths[path], text.strip())

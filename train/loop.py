@@ -44,6 +44,9 @@ from jaxpar.train.config import ConfigError, TrainConfig, to_dict
 from jaxpar.train.guard import NonFinite, NonFiniteError, NonFiniteGuard, Preemption
 from jaxpar.train.metrics import MetricsLog, throughput
 from jaxpar.train.optim import make_optimizer, make_schedule
+from jaxpar.errors import LayoutError
+from jaxpar.pipeline.executor import check_stack
+from jaxpar.pipeline.schedules import build, check_pipeline
 from jaxpar.train.step import InitProgram, TrainState, batch_sharding, init_program, make_eval_step, make_train_step
 
 
@@ -65,15 +68,39 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     """The checked layout of ``cfg`` (mesh, rules, divisibility of the batch and of every dimension)."""
     preset = resolve_mesh_arg(cfg.mesh)
     layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices)
-    micro = cfg.batch // cfg.microbatches
+    if layout.mesh.shape["stage"] > 1:
+        check_pipeline(cfg.pipeline.schedule, layout.mesh.shape["stage"], cfg.pipeline.microbatches,
+                       cfg.pipeline.virtual_stages)
+        check_stack(cfg.model, layout.mesh.shape["stage"], cfg.pipeline.virtual_stages)
+        if layout.mesh.shape["expert"] > 1 and layout.mesh.shape["tensor"] > 1:
+            raise LayoutError(f"mesh stage={layout.mesh.shape['stage']} × expert={layout.mesh.shape['expert']} × "
+                              f"tensor={layout.mesh.shape['tensor']}: expert and tensor parallelism together inside "
+                              "pipeline stages stop XLA's SPMD partitioner (a failed check, not an error); use one "
+                              "of them inside a stage")
+        if cfg.grad_accum != 1:
+            raise ConfigError(f"grad_accum={cfg.grad_accum} with mesh stage={layout.mesh.shape['stage']}: the "
+                              "pipeline's microbatches already accumulate the gradient; set pipeline.microbatches")
+        if cfg.batch % cfg.pipeline.microbatches:
+            raise ConfigError(f"batch={cfg.batch} is not divisible by pipeline.microbatches={cfg.pipeline.microbatches}")
+    micro = cfg.batch // cfg.grad_accum // (cfg.pipeline.microbatches if layout.mesh.shape["stage"] > 1 else 1)
     sharded = math.prod(layout.mesh.shape[a] for a in layout.rules["batch"])
     if micro % sharded:
-        raise ConfigError(f"batch={cfg.batch} / microbatches={cfg.microbatches} = {micro} rows per microbatch "
+        split = (f"pipeline.microbatches={cfg.pipeline.microbatches}" if layout.mesh.shape["stage"] > 1
+                 else f"grad_accum={cfg.grad_accum}")
+        raise ConfigError(f"batch={cfg.batch} / {split} = {micro} rows per slice "
                           f"is not divisible by the {sharded} devices the batch is split over "
                           f"({' × '.join(f'{a}={layout.mesh.shape[a]}' for a in layout.rules['batch'])})")
     if jax.process_count() > 1:
         check_process_rows(cfg, layout, jax.process_index(), jax.process_count(), jax.local_devices())
     return layout
+
+
+def pipeline_table(cfg: TrainConfig, layout: Layout):
+    """The schedule table the train step runs when the mesh has ``stage`` > 1, else None."""
+    stages = layout.mesh.shape["stage"]
+    if stages == 1:
+        return None
+    return build(cfg.pipeline.schedule, stages, cfg.pipeline.microbatches, cfg.pipeline.virtual_stages)
 
 
 def check_process_rows(cfg: TrainConfig, layout: Layout, p: int, n: int, local_devices) -> None:
@@ -143,14 +170,14 @@ def _with_weights_of(cfg: TrainConfig, state, layout: Layout):
     return state
 
 
-def moe_record(stats, /, *, microbatches: int) -> dict:
-    """What the logs show of MoE layers (stats stacked [L, ...], averaged over microbatches): the
+def moe_record(stats, /, *, slices: int) -> dict:
+    """What the logs show of MoE layers (stats stacked [L, ...], averaged over ``slices`` batch slices): the
     weighted balancing and router z-losses, the share of assignments capacity dropped (mean over layers;
     overflow is silent otherwise) and each expert's assignments per step, summed over layers."""
     load = np.asarray(stats.expert_load, np.float64).reshape(-1, np.shape(stats.expert_load)[-1])
     return {"moe_aux_loss": float(np.sum(stats.aux_loss)), "router_z_loss": float(np.sum(stats.router_z_loss)),
             "dropped_fraction": float(np.mean(stats.dropped_fraction)),
-            "expert_tokens": [round(x) for x in load.sum(0) * microbatches]}
+            "expert_tokens": [round(x) for x in load.sum(0) * slices]}
 
 
 def all_processes_reach(name: str, /) -> None:
@@ -272,8 +299,8 @@ class _Run:
     def _compile(self, batch):
         """Ahead-of-time compile of the train and eval steps (timed and reported separately)."""
         t0 = time.perf_counter()
-        step = make_train_step(self.ts, self.layout, microbatches=self.cfg.microbatches, z_loss=self.cfg.z_loss,
-                               skip_nonfinite=self.cfg.nonfinite == NonFinite.SKIP)
+        step = make_train_step(self.ts, self.layout, grad_accum=self.cfg.grad_accum, z_loss=self.cfg.z_loss,
+                               skip_nonfinite=self.cfg.nonfinite == NonFinite.SKIP, pipeline=pipeline_table(self.cfg, self.layout))
         step = step.lower(self.ts.state, batch).compile()
         evaluate = (make_eval_step(self.ts, self.layout).lower(self.ts.state, batch).compile()
                     if self.cfg.log.eval_every else None)
@@ -361,7 +388,8 @@ class _Run:
         if cfg.z_loss:
             record["z_loss"] = float(metrics.z_loss)
         if metrics.moe is not None:
-            record.update(moe_record(metrics.moe, microbatches=cfg.microbatches))
+            pipelined = self.layout.mesh.shape["stage"] > 1
+            record.update(moe_record(metrics.moe, slices=cfg.pipeline.microbatches if pipelined else cfg.grad_accum))
         return record
 
     def close(self) -> None:

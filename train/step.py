@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
-from jaxpar.rules import constrain
+from jaxpar.rules import constrain, partly_manual
 
 Batch = dict[str, jax.Array]          # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
 
@@ -53,11 +54,23 @@ def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) 
     Returns ``(objective, LossParts)``."""
     out = model.forward(batch["inputs"])                  # logits in the layout's storage order
     targets = batch["targets"] if out.order is None else batch["targets"][:, out.order]
-    log_z = jax.nn.logsumexp(out.logits, axis=-1)
-    target_logit = jnp.take_along_axis(out.logits, targets[..., None], axis=-1)[..., 0]
+    ce, z = token_losses(out.logits, targets, z_loss=z_loss)
+    return ce + z + out.aux_loss, LossParts(ce, z, out.moe)
+
+
+def token_losses(logits: jax.Array, targets: jax.Array, /, *, z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """(mean cross-entropy, weighted z-loss) of float32 ``logits`` [B, T, V] against ``targets`` [B, T]."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    if partly_manual():
+        # Inside the pipeline's shard_map XLA's partitioner fails on this gather when the vocabulary is
+        # split over `tensor`: take the target's logit as a masked sum (exact: one term is not zero).
+        hit = jnp.arange(logits.shape[-1]) == targets[..., None]
+        target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    else:
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     ce = jnp.mean(log_z - target_logit)
     z = z_loss * jnp.mean(jnp.square(log_z)) if z_loss else jnp.zeros((), jnp.float32)
-    return ce + z + out.aux_loss, LossParts(ce, z, out.moe)
+    return ce, z
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +115,15 @@ def batch_sharding(layout: Layout):
     return {k: layout.sharding(("batch", "length")) for k in ("inputs", "targets")}
 
 
-def _split_microbatches(batch: Batch, k: int) -> Batch:
-    """[B, T] -> [k, B/k, T], microbatch i = rows i, i+k, i+2k, ... so each one is spread over every
-    device that holds a share of the batch (a contiguous split would put microbatch 0 on the first few)."""
+def _split_slices(batch: Batch, k: int) -> Batch:
+    """[B, T] -> [k, B/k, T], slice i = rows i, i+k, i+2k, ... so each one is spread over every
+    device that holds a share of the batch (a contiguous split would put slice 0 on the first few)."""
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _accumulated_grads(model, batch: Batch, loss_fn, microbatches: int):
-    """Mean loss parts and mean gradient over ``microbatches`` equal slices of ``batch``, scanned so
-    only one microbatch's activations are alive at a time. Gradients accumulate in float32."""
+def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int):
+    """Mean loss parts and mean gradient over ``grad_accum`` equal slices of ``batch``, scanned so
+    only one slice's activations are alive at a time. Gradients accumulate in float32."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)     # rest: non-trained state (router bias)
     rest, rest_def = jax.tree.flatten(rest)     # plain arrays: the Variables are rebuilt inside the
                                                 # differentiated function, at its trace level
@@ -118,7 +131,7 @@ def _accumulated_grads(model, batch: Batch, loss_fn, microbatches: int):
         return loss_fn(nnx.merge(graphdef, params, jax.tree.unflatten(rest_def, rest)), micro)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    if microbatches == 1:
+    if grad_accum == 1:
         (_, parts), grads = grad_fn(params, rest, batch)
         return parts, grads
 
@@ -127,25 +140,53 @@ def _accumulated_grads(model, batch: Batch, loss_fn, microbatches: int):
         (_, parts), grads = grad_fn(params, rest, micro)
         return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (grads, parts)), None
 
-    micro = _split_microbatches(batch, microbatches)
+    micro = _split_slices(batch, grad_accum)
     (_, parts_shape), grads_shape = jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (grads_shape, parts_shape))
     (grads, parts), _ = jax.lax.scan(body, zeros, micro)
-    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
-    return jax.tree.map(lambda x: x / microbatches, parts), grads
+    grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, params)
+    return jax.tree.map(lambda x: x / grad_accum, parts), grads
 
 
-def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, microbatches: int = 1,
-                    z_loss: float = 0.0, skip_nonfinite: bool = False):
+def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float):
+    """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
+    from jaxpar.pipeline.executor import pipeline_grads
+
+    micro = _split_slices(batch, table.microbatches)
+    micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
+    out = pipeline_grads(model, micro["inputs"], micro["targets"], table, mesh=layout.mesh,
+                         losses=functools.partial(token_losses, z_loss=z_loss))
+    return LossParts(out.cross_entropy, out.z_loss, out.moe), out.grads
+
+
+def _check_pipeline_given(layout: Layout, pipeline) -> None:
+    """A mesh with ``stage`` > 1 trains through a schedule table, never by GSPMD alone (which would gather
+    every stage's layers onto every device: correct, but no pipeline)."""
+    stages = layout.mesh.shape["stage"]
+    if (pipeline is None) != (stages == 1) or (pipeline is not None and pipeline.stages != stages):
+        got = "none" if pipeline is None else f"a table for {pipeline.stages} stages"
+        raise ConfigError(f"mesh stage={stages} with {got}: give the train step the schedule table for the mesh's "
+                          "stages (jaxpar.pipeline.build; the train loop builds it from pipeline.*)")
+
+
+def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, grad_accum: int = 1,
+                    z_loss: float = 0.0, skip_nonfinite: bool = False, pipeline=None):
     """``step(state, batch) -> (state, StepMetrics)``, jitted with explicit shardings, state donated.
 
-    ``microbatches=k`` accumulates the gradient over k slices of the batch before one optimizer update:
+    ``grad_accum=k`` accumulates the gradient over k slices of the batch before one optimizer update:
     the same update as the whole batch at once (up to float rounding), with 1/k of the activations.
+    ``pipeline``: a schedule table (``jaxpar.pipeline.build``) for a mesh with ``stage`` > 1: the gradient
+    is the mean over its microbatches, computed by the pipeline executor (``loss_fn`` is then
+    ``next_token_loss``'s objective, and ``grad_accum`` must be 1).
     ``skip_nonfinite``: a step whose loss or gradient norm is not finite returns the state unchanged
     (parameters, moments and the optimizer's step count), so the schedule does not advance either.
     """
     graphdef = ts.graphdef
     objective = functools.partial(loss_fn, z_loss=z_loss)
+    _check_pipeline_given(layout, pipeline)
+    if pipeline is not None and (grad_accum != 1 or loss_fn is not next_token_loss):
+        raise ConfigError(f"grad_accum={grad_accum} with a pipeline: its microbatches already accumulate the "
+                          "gradient (pipeline.microbatches), and it computes next_token_loss only")
 
     def apply(state, grads, parts):
         model, opt = nnx.merge(graphdef, state)
@@ -157,7 +198,10 @@ def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_los
     def step(state, batch):
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
-            parts, grads = _accumulated_grads(model, batch, objective, microbatches)
+            if pipeline is None:
+                parts, grads = _accumulated_grads(model, batch, objective, grad_accum)
+            else:
+                parts, grads = _pipelined_grads(model, batch, pipeline, layout, z_loss)
             metrics = StepMetrics(loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss,
                                   moe=parts.moe)
             if not skip_nonfinite:
@@ -181,14 +225,19 @@ def make_eval_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss
     return jax.jit(evaluate, in_shardings=(ts.shardings, batch_sharding(layout)), out_shardings=layout.sharding(()))
 
 
-def make_grad_fn(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss):
-    """``grads(state, batch) -> (loss, grads)`` with gradients in their parameters' shardings."""
+def make_grad_fn(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, grad_accum: int = 1, pipeline=None):
+    """``grads(state, batch) -> (loss, grads)`` with gradients in their parameters' shardings, computed as
+    the train step computes them (``grad_accum``, ``pipeline``: see ``make_train_step``)."""
     graphdef = ts.graphdef
+    _check_pipeline_given(layout, pipeline)
 
     def grads(state, batch):
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
-            parts, g = _accumulated_grads(model, batch, loss_fn, 1)
+            if pipeline is None:
+                parts, g = _accumulated_grads(model, batch, loss_fn, grad_accum)
+            else:
+                parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0)
             return parts.cross_entropy, g
 
     return jax.jit(grads, in_shardings=(ts.shardings, batch_sharding(layout)))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.layers.common import param
-from jaxpar.rules import constrain
+from jaxpar.rules import constrain, partly_manual
 
 
 class Embed(nnx.Module):
@@ -15,7 +15,10 @@ class Embed(nnx.Module):
         self.embedding = param(rngs, (vocab, dim), ("vocab", "embed"), dtype=param_dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)            # [B, T, D]
+        table = self.embedding[...]
+        if partly_manual():       # inside the pipeline's shard_map XLA cannot split this gather over the
+            table = constrain(table, ("vocab", None))           # weights' embed axis (fsdp): gather it first
+        x = jnp.take(table, ids, axis=0).astype(self.dtype)            # [B, T, D]
         return constrain(x, ("batch", "length", "act_embed"))
 
     def attend(self, x: jax.Array) -> jax.Array:

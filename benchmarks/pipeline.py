@@ -1,0 +1,113 @@
+"""Pipeline schedules on simulated CPU devices: step time of each schedule beside fsdp without a
+pipeline, compile time and compiled temp memory against the number of microbatches, and each table's
+bubble.
+
+    python benchmarks/pipeline.py > benchmarks/results/pipeline_cpu8.json
+
+Prints one JSON object with, per model (``--models``, each with ``--layers`` layers so 4 stages × 2
+virtual stages divide them):
+
+(a) ``step``: for each schedule at p = ``--stages``, m = ``--microbatches`` (interleaved with v = 2)
+    and for ``fsdp=8`` without a pipeline: compile seconds, the median of ``--repeats`` step times after
+    one warm-up step, and the table's ideal and lockstep bubble (F = 1, B = 2; B = W = 1 when split).
+(b) ``by_microbatches``: for 1f1b and gpipe at m ∈ {p, 2p, 4p} with a fixed microbatch of ``--rows``
+    sequences (the batch grows with m): compile seconds and ``memory_analysis().temp_size_in_bytes``.
+
+All simulated devices share the host's cores, so absolute times mean little; the ratios between
+schedules, the memory and the compile-time trend are the result.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--models", default="tiny,llama-100m")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def _setup(name, layers, mesh, batch, seq, table, devices):
+    import jax
+    import numpy as np
+    from jaxpar.layout import make_layout
+    from jaxpar.meshes import resolve_mesh_arg
+    from jaxpar.models import build_model, get_model_preset
+    from jaxpar.train.optim import OptimizerConfig, make_optimizer
+    from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
+
+    cfg = dataclasses.replace(get_model_preset(name), num_layers=layers)
+    layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=batch, seq=seq, devices=jax.devices()[:devices])
+    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
+                          layout)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq), dtype=np.int32)
+    data = {k: jax.device_put(tokens, s) for k, s in batch_sharding(layout).items()}
+    t0 = time.perf_counter()
+    step = make_train_step(ts, layout, pipeline=table).lower(ts.state, data).compile()
+    return ts, data, step, time.perf_counter() - t0
+
+
+def _timed(name, layers, mesh, batch, seq, table, devices, repeats):
+    import jax
+    ts, data, step, compile_s = _setup(name, layers, mesh, batch, seq, table, devices)
+    state, times = ts.state, []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        state, metrics = step(state, data)
+        jax.block_until_ready(metrics.loss)
+        times.append(time.perf_counter() - t0)
+    out = {"mesh": mesh, "compile_s": round(compile_s, 2), "step_s": round(statistics.median(times[1:]), 4)}
+    if table is not None:
+        out |= {"bubble": round(table.bubble_fraction(), 4), "lockstep_bubble": round(table.lockstep_bubble_fraction(), 4),
+                "peak_in_flight": table.peak_in_flight.tolist()}
+    return out
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    import jax
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    from jaxpar.pipeline import build
+
+    p, m = args.stages, args.microbatches
+    batch = args.rows * m
+    result = {"host": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "devices": args.devices,
+              "stages": p, "microbatches": m, "rows": args.rows, "seq": args.seq, "models": {}}
+    rest = f"data={args.devices // p}"
+    for name in args.models.split(","):
+        steps = {"fsdp": _timed(name, args.layers, f"fsdp={args.devices}", batch, args.seq, None, args.devices,
+                                args.repeats)}
+        for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
+            table = build(schedule, p, m, 2 if schedule == "interleaved" else 1)
+            steps[schedule] = _timed(name, args.layers, f"stage={p},{rest}", batch, args.seq, table, args.devices,
+                                     args.repeats)
+        by_m = {}
+        for schedule in ("gpipe", "1f1b"):
+            for mm in (p, 2 * p, 4 * p):
+                _, _, step, compile_s = _setup(name, args.layers, f"stage={p}", args.rows * mm, args.seq,
+                                               build(schedule, p, mm), p)
+                by_m[f"{schedule}/m={mm}"] = {"compile_s": round(compile_s, 2),
+                                              "temp_bytes": step.memory_analysis().temp_size_in_bytes}
+        result["models"][name] = {"step": steps, "by_microbatches": by_m}
+        print(json.dumps({name: result["models"][name]}), file=sys.stderr)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -69,20 +69,8 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     preset = resolve_mesh_arg(cfg.mesh)
     layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices)
     if layout.mesh.shape["stage"] > 1:
-        check_pipeline(cfg.pipeline.schedule, layout.mesh.shape["stage"], cfg.pipeline.microbatches,
-                       cfg.pipeline.virtual_stages)
-        check_stack(cfg.model, layout.mesh.shape["stage"], cfg.pipeline.virtual_stages)
-        if layout.mesh.shape["expert"] > 1 and layout.mesh.shape["tensor"] > 1:
-            raise LayoutError(f"mesh stage={layout.mesh.shape['stage']} × expert={layout.mesh.shape['expert']} × "
-                              f"tensor={layout.mesh.shape['tensor']}: expert and tensor parallelism together inside "
-                              "pipeline stages stop XLA's SPMD partitioner (a failed check, not an error); use one "
-                              "of them inside a stage")
-        if cfg.grad_accum != 1:
-            raise ConfigError(f"grad_accum={cfg.grad_accum} with mesh stage={layout.mesh.shape['stage']}: the "
-                              "pipeline's microbatches already accumulate the gradient; set pipeline.microbatches")
-        if cfg.batch % cfg.pipeline.microbatches:
-            raise ConfigError(f"batch={cfg.batch} is not divisible by pipeline.microbatches={cfg.pipeline.microbatches}")
-    micro = cfg.batch // cfg.grad_accum // (cfg.pipeline.microbatches if layout.mesh.shape["stage"] > 1 else 1)
+        _check_pipelined(cfg, layout.mesh.shape)
+    micro = cfg.batch // batch_slices(cfg, layout)
     sharded = math.prod(layout.mesh.shape[a] for a in layout.rules["batch"])
     if micro % sharded:
         split = (f"pipeline.microbatches={cfg.pipeline.microbatches}" if layout.mesh.shape["stage"] > 1
@@ -93,6 +81,27 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     if jax.process_count() > 1:
         check_process_rows(cfg, layout, jax.process_index(), jax.process_count(), jax.local_devices())
     return layout
+
+
+def _check_pipelined(cfg: TrainConfig, shape) -> None:
+    """A mesh with ``stage`` > 1: the schedule, the model's stack and the batch fit the pipeline."""
+    stages = shape["stage"]
+    check_pipeline(cfg.pipeline.schedule, stages, cfg.pipeline.microbatches, cfg.pipeline.virtual_stages)
+    check_stack(cfg.model, stages, cfg.pipeline.virtual_stages)
+    if shape["expert"] > 1 and shape["tensor"] > 1:
+        raise LayoutError(f"mesh stage={stages} × expert={shape['expert']} × tensor={shape['tensor']}: expert and "
+                          "tensor parallelism together inside pipeline stages stop XLA's SPMD partitioner (a failed "
+                          "check, not an error); use one of them inside a stage")
+    if cfg.grad_accum != 1:
+        raise ConfigError(f"grad_accum={cfg.grad_accum} with mesh stage={stages}: the pipeline's microbatches "
+                          "already accumulate the gradient; set pipeline.microbatches")
+    if cfg.batch % cfg.pipeline.microbatches:
+        raise ConfigError(f"batch={cfg.batch} is not divisible by pipeline.microbatches={cfg.pipeline.microbatches}")
+
+
+def batch_slices(cfg: TrainConfig, layout: Layout) -> int:
+    """How many slices one step splits its batch into: the pipeline's microbatches, or ``grad_accum``."""
+    return cfg.pipeline.microbatches if layout.mesh.shape["stage"] > 1 else cfg.grad_accum
 
 
 def pipeline_table(cfg: TrainConfig, layout: Layout):
@@ -388,8 +397,7 @@ class _Run:
         if cfg.z_loss:
             record["z_loss"] = float(metrics.z_loss)
         if metrics.moe is not None:
-            pipelined = self.layout.mesh.shape["stage"] > 1
-            record.update(moe_record(metrics.moe, slices=cfg.pipeline.microbatches if pipelined else cfg.grad_accum))
+            record.update(moe_record(metrics.moe, slices=batch_slices(cfg, self.layout)))
         return record
 
     def close(self) -> None:

@@ -151,20 +151,26 @@ def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callab
     def body(sp, op, sr, orest, ids, targets):
         s = jax.lax.axis_index(AXIS)
 
-        def objective(sp_c, op_, x_in, k):
-            """Chunk ``k["j"]`` from x_in (or microbatch i's embedding on model chunk 0), and the loss on
-            the last model chunk: ((x_out, objective), (cross_entropy, z_loss, MoE statistics))."""
+        def forward(sp_c, op_, x_in, k):
+            """Chunk ``k["j"]`` from x_in (or microbatch i's embedding on model chunk 0):
+            (model, x_out, weighted auxiliary loss, MoE statistics, storage order)."""
             model = nnx.merge(graphdef, *_here((sp_c, op_, _rows(sr, k["j"], n), orest)))
             ids_i, positions, index, order = model.inputs(ids[k["i"]])
             x = constrain(jnp.where(k["first"], model.embed(ids_i), x_in), ("batch", "length", "act_embed"))
             x, aux, stats = model.run_stack(getattr(model, stack_name), x, positions, index)
+            return model, x, aux, stats, order
+
+        def objective(sp_c, op_, x_in, k):
+            """``forward`` and the loss on the last model chunk:
+            ((x_out, objective), (cross_entropy, z_loss, MoE statistics))."""
+            model, x, aux, stats, order = forward(sp_c, op_, x_in, k)
             targets_i = targets[k["i"]] if order is None else targets[k["i"]][:, order]
             ce, z = losses(model.head(x), targets_i)
             ce, z = jnp.where(k["last"], ce, 0.0), jnp.where(k["last"], z, 0.0)
             return (x, ce + z + aux), (ce, z, stats)
 
         def f_section(c, k):
-            (x, _), (_, _, stats) = objective(_rows(sp, k["j"], n), op, c["acts"][k["act"]], k)
+            _, x, _, stats, _ = forward(_rows(sp, k["j"], n), op, c["acts"][k["act"]], k)
             if stats is not None:
                 c = c | {"stats": _add_rows(c["stats"], stats, k["j"], n, k["op"] == F)}
             return c, x
@@ -189,7 +195,7 @@ def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callab
             keep = k["op"] == W
             return c | {"dsp": _add_rows(c["dsp"], dw, k["j"], n, keep), "dop": _add(c["dop"], do, keep)}, None
 
-        def _cotangent(c, k):
+        def _cotangent(c, k):             # the last chunk's output goes nowhere: its loss is the seed
             return jnp.where(k["last"], jnp.zeros_like(c["grads"][0]), c["grads"][k["grad"]])
 
         def tick(c, row):

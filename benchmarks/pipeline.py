@@ -9,7 +9,8 @@ virtual stages divide them):
 
 (a) ``step``: for each schedule at p = ``--stages``, m = ``--microbatches`` (interleaved with v = 2)
     and for ``fsdp=8`` without a pipeline: compile seconds, the median of ``--repeats`` step times after
-    one warm-up step, and the table's ideal and lockstep bubble (F = 1, B = 2; B = W = 1 when split).
+    one warm-up step, and the table's ideal, lockstep and executor bubble (F = 1, B = 2; B = W = 1 when
+    split, where the executor's full vjp section costs B + W = 2).
 (b) ``by_microbatches``: for 1f1b and gpipe at m ∈ {p, 2p, 4p} with a fixed microbatch of ``--rows``
     sequences (the batch grows with m): compile seconds and ``memory_analysis().temp_size_in_bytes``.
 
@@ -73,7 +74,10 @@ def _timed(name, layers, mesh, batch, seq, table, devices, repeats):
         times.append(time.perf_counter() - t0)
     out = {"mesh": mesh, "compile_s": round(compile_s, 2), "step_s": round(statistics.median(times[1:]), 4)}
     if table is not None:
+        from jaxpar.pipeline.executor import executor_bubble_fraction
+        vjp = (1.0, 1.0, 2.0) if table.split_backward else (1.0, 2.0)            # the full vjp is B + W
         out |= {"bubble": round(table.bubble_fraction(), 4), "lockstep_bubble": round(table.lockstep_bubble_fraction(), 4),
+                "executor_bubble": round(executor_bubble_fraction(table, *vjp), 4),
                 "peak_in_flight": table.peak_in_flight.tolist()}
     return out
 

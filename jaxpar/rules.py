@@ -9,7 +9,10 @@ Parameter names:
     embed      model width D on the weight side
     heads      query heads N              kv_heads   key/value heads K (GQA/MQA: K < N)
     head_dim   per-head width H           mlp        feed-forward width F
-    layers     the stacked-layer axis L   norm       scale vectors of norms over D
+    layers     the stacked-layer axis L of the stack a pipeline splits over ``stage``
+    prefix_layers  the stacked axis of layers that run before that stack (DeepSeek's first dense
+               layers: the pipeline runs them before its schedule, see ``jaxpar.pipeline.executor``)
+    norm       scale vectors of norms over D
     experts    the expert axis E of MoE expert weights
     q_lora / kv_lora   the low-rank latent widths of Multi-head Latent Attention (DeepSeek)
 Activation names:
@@ -35,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import LayoutError, NoLayoutError  # noqa: F401  (LayoutError: re-exported)
 
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts",
-              "q_lora", "kv_lora")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "prefix_layers", "norm",
+              "experts", "q_lora", "kv_lora")
 ACTIVATION_AXES = ("batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads",
                    "act_mlp", "act_vocab", "act_experts")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES

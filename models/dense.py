@@ -165,11 +165,11 @@ class ForwardOutput:
     moe: object = None
 
 
-def stacked(n: int, make, rngs: nnx.Rngs):
+def stacked(n: int, make, rngs: nnx.Rngs, axis: str = "layers"):
     """``n`` blocks made by ``make(rngs)``, created once with ``nnx.vmap``: every parameter gains a
-    leading ``layers`` axis, and ``nnx.scan`` runs them."""
+    leading stacked axis (logical name ``axis``), and ``nnx.scan`` runs them."""
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make_blocks(rngs):
         return make(rngs)
 
@@ -203,26 +203,37 @@ class DenseLM(nnx.Module):
 
     # The stacked layers a pipeline splits over `stage` (jaxpar.pipeline), by attribute name.
     pipeline_stack = "blocks"
+    prefix_stack = None                  # the stacked layers ``prefix`` runs, by attribute name (or None)
 
     def run_stack(self, blocks, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
         """``blocks`` (this model's pipelined stack, or a chunk of its layers) over x:
         (x, weighted auxiliary loss, statistics stacked over the layers)."""
         return scan_blocks(blocks, x, positions, index, self.cfg.remat), jnp.zeros((), jnp.float32), None
 
+    def prefix(self, x, positions, index) -> jax.Array:
+        """The layers before the pipelined stack (none here; see ``MoELM``)."""
+        return x
+
     def _blocks(self, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
-        """The layer stack: (x, weighted auxiliary loss, statistics)."""
+        """The layers: (x, weighted auxiliary loss, statistics)."""
+        x = self.prefix(x, positions, index)
         return self.run_stack(getattr(self, self.pipeline_stack), x, positions, index)
 
-    def inputs(self, ids: jax.Array, positions: jax.Array | None = None):
+    def storage_order(self, length: int) -> np.ndarray | None:
+        """How the current layout stores a sequence: position p holds token ``order[p]`` (None: natural)."""
+        return storage_order(length, self.cfg.context_parallel, self.cfg.cp_order)
+
+    def inputs(self, ids: jax.Array, positions: jax.Array | None = None, *, stored: bool = False):
         """What the layers see of ``ids`` [B, T]: ``(ids, positions, index, order)`` in the layout's storage
-        order (``order``: position p holds token ``order[p]``; None = natural), for ``embed``."""
-        cfg = self.cfg
-        index = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        positions = index if positions is None else positions
-        order = storage_order(ids.shape[1], cfg.context_parallel, cfg.cp_order)
-        if order is not None:                                    # zig-zag: RoPE positions follow the tokens
-            ids, positions, index = ids[:, order], positions[:, order], index[:, order]
-        return ids, positions, index, order
+        order (``order``: position p holds token ``order[p]``; None = natural), for ``embed``. ``stored``:
+        ``ids`` are in storage order already (the pipeline permutes them once, outside its stages)."""
+        order = self.storage_order(ids.shape[1])
+        natural = np.arange(ids.shape[1], dtype=np.int32) if order is None else order.astype(np.int32)
+        index = jnp.broadcast_to(jnp.asarray(natural), ids.shape)    # zig-zag: RoPE positions follow the tokens
+        if order is not None and not stored:
+            ids = ids[:, order]
+            positions = None if positions is None else positions[:, order]
+        return ids, index if positions is None else positions, index, order
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: x [B, T, D] -> float32 logits [B, T, V_padded], padding masked."""

@@ -73,9 +73,9 @@ class MoEModelConfig(DenseConfig):
         if self.moe.num_shared_experts:
             widths["model.moe.shared experts' width"] = self.moe.num_shared_experts * self.moe.shared_mlp_dim
         mlp = Dim(math.gcd(*widths.values()), " / ".join(widths) + (" (gcd)" if len(widths) > 1 else ""))
-        if self.first_dense_layers:                              # two stacks, each split over `layers`' axes
-            dims["layers"] = Dim(math.gcd(self.first_dense_layers, self.num_moe_layers),
-                                 "model.first_dense_layers / model.num_layers - first_dense_layers (gcd)")
+        if self.first_dense_layers:                              # the dense prefix, then the MoE stack
+            dims["layers"] = Dim(self.num_moe_layers, "model.num_layers - first_dense_layers")
+            dims["prefix_layers"] = Dim(self.first_dense_layers, "model.first_dense_layers")
         return dims | dict(mlp=mlp, act_mlp=mlp)
 
     def num_params(self, *, padded: bool = False) -> int:
@@ -124,19 +124,24 @@ class MoELM(DenseLM):
         self.cfg = cfg
         self._init_io(cfg, rngs)
         if cfg.first_dense_layers:
-            self.dense_blocks = stacked(cfg.first_dense_layers, lambda r: Block(cfg, rngs=r), rngs)
+            self.dense_blocks = stacked(cfg.first_dense_layers, lambda r: Block(cfg, rngs=r), rngs, "prefix_layers")
         self.moe_blocks = stacked(cfg.num_moe_layers, lambda r: MoEBlock(cfg, rngs=r), rngs)
 
     pipeline_stack = "moe_blocks"
+
+    @property
+    def prefix_stack(self):
+        return "dense_blocks" if self.cfg.first_dense_layers else None
 
     def run_stack(self, blocks, x, positions, index):
         x, stats = scan_blocks(blocks, x, positions, index, self.cfg.remat, per_layer_outputs=True)
         return x, jnp.sum(stats.aux_loss) + jnp.sum(stats.router_z_loss), stats
 
-    def _blocks(self, x, positions, index):
-        if self.cfg.first_dense_layers:
-            x = scan_blocks(self.dense_blocks, x, positions, index, self.cfg.remat)
-        return self.run_stack(self.moe_blocks, x, positions, index)
+    def prefix(self, x, positions, index):
+        """DeepSeek's first dense layers (the pipeline runs them before its schedule)."""
+        if not self.cfg.first_dense_layers:
+            return x
+        return scan_blocks(self.dense_blocks, x, positions, index, self.cfg.remat)
 
     def update_router_bias(self, expert_load: jax.Array) -> None:
         """DeepSeek's auxiliary-loss-free balancing for every MoE layer ([L, E] loads); no-op at rate 0."""

@@ -1,5 +1,6 @@
 """Hugging Face conversion: for every family, our logits equal ``transformers``' (fp32, 1e-4) on one
-device and under fsdp=4 × tensor=2; HF → jaxpar → HF gives the same tensors and a folder transformers
+device, under fsdp=4 × tensor=2 and into a pipeline layout (stage=2 × fsdp=2 × tensor=2, each stage
+holding its half of the layer stack); HF → jaxpar → HF gives the same tensors and a folder transformers
 loads with the same logits; bad folders are refused with the file, tensor or field named."""
 import json
 import struct
@@ -7,6 +8,7 @@ import struct
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import hf_models
 from jaxpar.convert import ConvertError, from_hf, to_hf
@@ -28,7 +30,7 @@ def folders(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mesh", [None, "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("mesh", [None, "fsdp=4,tensor=2", "stage=2,fsdp=2,tensor=2"])
 def test_logits_match_transformers(folders, family, mesh):
     folder, want = folders[family]
     model = from_hf(folder, mesh=mesh)
@@ -39,6 +41,9 @@ def test_logits_match_transformers(folders, family, mesh):
     if mesh:
         embed = model.embed.embedding[...]
         assert len(embed.sharding.device_set) == 8 and embed.addressable_shards[0].data.size < embed.size
+    if mesh and "stage" in mesh:                 # each stage holds its layers: the stack's leading axis split
+        for leaf in jax.tree.leaves(nnx.state(getattr(model, model.pipeline_stack), nnx.Param)):
+            assert leaf.sharding.spec[0] == "stage", leaf.sharding.spec
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,10 +1,16 @@
-"""The full 5D layout: data=2 × fsdp=2 × tensor=2 × expert=2 × sequence=2 on 32 simulated CPU devices,
-tiny-moe with ring attention over ``sequence`` and all-to-all dispatch over ``expert``, trains 3 steps
-with the losses, routing and every parameter's gradients of one device.
+"""All the axes at once on 32 simulated CPU devices: tiny-moe with ring attention over ``sequence`` and
+all-to-all dispatch over ``expert`` trains 3 steps with the losses, routing and every parameter's
+gradients of one device, under
 
-The suite's process has 8 devices, so this runs in a child process started with 32. It prints the
-losses and loads and saves each step's gradients (``invariance.train_steps``) to an npz file, which the
-test compares parameter by parameter (``invariance.assert_same_gradients``: max |a − b| ≤ 1e-5 · max |b|).
+* the 5D layout data=2 × fsdp=2 × tensor=2 × expert=2 × sequence=2 (no pipeline), and
+* the 6D layout stage=2 × fsdp=2 × tensor=2 × expert=2 × sequence=2: a 1F1B pipeline over m=2
+  microbatches, against one device accumulating the gradient over the same 2 microbatches
+  (``grad_accum=2``; capacity and balancing statistics are per microbatch in both).
+
+The suite's process has 8 devices, so each layout runs in a child process started with 32. It prints
+the losses and loads and saves each step's gradients (``invariance.train_steps``) to an npz file, which
+the test compares parameter by parameter (``invariance.assert_same_gradients``: max |a − b| ≤ 1e-5 ·
+max |b|).
 """
 import json
 import os
@@ -14,10 +20,14 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from invariance import assert_same_gradients
 
-MESH = "data=2,fsdp=2,tensor=2,expert=2,sequence=2"
+LAYOUTS = {                  # name: (mesh, pipeline schedule and microbatches, or None)
+    "5d": ("data=2,fsdp=2,tensor=2,expert=2,sequence=2", None),
+    "6d": ("stage=2,fsdp=2,tensor=2,expert=2,sequence=2", ("1f1b", 2)),
+}
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -28,12 +38,16 @@ SCRIPT = textwrap.dedent("""
     from invariance import one_device, train_steps
     from jaxpar.meshes import resolve_mesh_arg
     from jaxpar.models import get_model_preset
+    from jaxpar.pipeline import build
 
     B, T, STEPS = 8, 32, 3
+    schedule, m = (sys.argv[4], int(sys.argv[5])) if len(sys.argv) > 4 else (None, 1)
     batch = np.random.default_rng(0).integers(0, 256, (B, T + 1), dtype=np.int32)
     tokens = np.broadcast_to(batch, (STEPS, B, T + 1))                     # one batch, 3 times
     cfg = get_model_preset("tiny-moe", context_parallel="ring", remat="none")
-    runs = dict(one=one_device(cfg, tokens), five=train_steps(cfg, resolve_mesh_arg(sys.argv[1]), tokens))
+    table = None if schedule is None else build(schedule, 2, m)
+    runs = dict(one=one_device(cfg, tokens, grad_accum=m),
+                many=train_steps(cfg, resolve_mesh_arg(sys.argv[1]), tokens, pipeline=table))
     np.savez(sys.argv[2], **{f"{name}/{step}/{path}": g for name, run in runs.items()
                              for step, grads in enumerate(run.grads) for path, g in grads.items()})
     print(json.dumps({name: dict(mesh=run.mesh, losses=run.losses, loads=[m.expert_load.tolist() for m in run.moe])
@@ -51,17 +65,21 @@ def _load_grads(path: Path) -> dict[str, list[dict[str, np.ndarray]]]:
     return {name: [steps[i] for i in sorted(steps)] for name, steps in grads.items()}
 
 
-def test_five_axis_layout_matches_one_device(tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_all_axes_match_one_device(layout, tmp_path):
+    mesh, pipeline = LAYOUTS[layout]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     grads_file = tmp_path / "grads.npz"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, MESH, str(grads_file), str(Path(__file__).parent)],
+    extra = [] if pipeline is None else [pipeline[0], str(pipeline[1])]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mesh, str(grads_file), str(Path(__file__).parent), *extra],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["five"]["mesh"] == dict(data=2, fsdp=2, tensor=2, expert=2, sequence=2)
-    np.testing.assert_allclose(out["five"]["losses"], out["one"]["losses"], rtol=1e-5)
-    np.testing.assert_array_equal(out["five"]["loads"], out["one"]["loads"])
+    assert out["many"]["mesh"] == {a: int(n) for a, n in (part.split("=") for part in mesh.split(","))}
+    np.testing.assert_allclose(out["many"]["losses"], out["one"]["losses"], rtol=1e-5)
+    np.testing.assert_array_equal(out["many"]["loads"], out["one"]["loads"])       # routing is exact
     assert np.all(np.diff(out["one"]["losses"]) < -1e-2)                    # it trains (same batch each step)
     grads = _load_grads(grads_file)
     assert len(grads["one"]) == 3 and any("gate_up" in p for p in grads["one"][0])     # the experts' too
-    assert_same_gradients(grads["five"], grads["one"], MESH)
+    assert_same_gradients(grads["many"], grads["one"], mesh)
+    print(layout, "losses", out["many"]["losses"], "one device", out["one"]["losses"])

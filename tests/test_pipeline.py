@@ -1,11 +1,7 @@
 """Pipeline parallelism over ``stage``: the executor runs every schedule's table inside the train step and
-gives the one-device losses and per-parameter gradients, alone and mixed with data, fsdp, tensor and
-expert parallelism on 8 simulated devices.
-
-The reference is one device accumulating the gradient over the same m microbatches (``grad_accum=m``,
-rows i, i+m, ... as the pipeline splits them). For a dense model that equals the whole batch; for an
-MoE model it is the definition: capacity and balancing statistics are per microbatch in both.
-Tolerances: losses rtol 1e-5, gradients 1e-5 of each parameter's largest entry (``tests/invariance.py``).
+gives the one-device losses and per-parameter gradients (``pipeline_cases``), alone and mixed with
+data, fsdp, tensor and sequence (ring and Ulysses) on 8 simulated devices; refusals; 1F1B's flat memory;
+the stage sends; checkpoints across layouts. The MoE families: ``tests/test_pipeline_moe.py``.
 """
 from __future__ import annotations
 
@@ -15,22 +11,17 @@ import jax
 import numpy as np
 import pytest
 
-from invariance import assert_same_gradients, one_device, train_steps
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import get_model_preset
 from jaxpar.pipeline import build
 from jaxpar.train.config import apply_overrides, default_config
 from jaxpar.train.loop import plan_layout
+from pipeline_cases import case_id, check_case
+from pipeline_cases import model as _model
 
-STEPS, BATCH, SEQ = 3, 16, 16
-MODELS = {
-    "tiny": dict(num_layers=8),
-    "tiny-moe": dict(num_layers=4),
-    "tiny-deepseek": dict(num_layers=4, first_dense_layers=0),
-}
 # (model, schedule, stages, microbatches, virtual stages, mesh): every schedule at p ∈ {2, 4} and
-# m ∈ {p, 2p}, alone and mixed with the other axes; the MoE families under expert parallelism.
+# m ∈ {p, 2p}, alone and mixed with the other axes.
 CASES = [
     ("tiny", "gpipe", 2, 2, 1, "stage=2"),
     ("tiny", "gpipe", 2, 4, 1, "stage=2,fsdp=2,tensor=2"),
@@ -48,46 +39,14 @@ CASES = [
     ("tiny", "zero_bubble", 2, 4, 1, "stage=2"),
     ("tiny", "zero_bubble", 4, 4, 1, "stage=4"),
     ("tiny", "zero_bubble", 4, 8, 1, "stage=4,data=2"),
-    ("tiny-moe", "gpipe", 2, 2, 1, "stage=2,data=2,expert=2"),
-    ("tiny-moe", "1f1b", 2, 4, 1, "stage=2,expert=4"),
-    ("tiny-moe", "interleaved", 2, 2, 2, "stage=2,expert=4"),
-    ("tiny-moe", "zero_bubble", 2, 4, 1, "stage=2,fsdp=2,expert=2"),
-    ("tiny-deepseek", "1f1b", 2, 2, 1, "stage=2,tensor=2"),
-    ("tiny-deepseek", "zero_bubble", 2, 4, 1, "stage=2,data=2,expert=2"),
+    ("tiny-ring", "interleaved", 2, 2, 2, "stage=2,fsdp=2,sequence=2"),
+    ("tiny-ulysses", "1f1b", 2, 2, 1, "stage=2,data=2,sequence=2"),
 ]
-_REFERENCES: dict = {}
 
 
-def _model(name: str):
-    return dataclasses.replace(get_model_preset(name), **MODELS[name])
-
-
-def _tokens(name: str) -> np.ndarray:
-    cfg = _model(name)
-    return np.random.default_rng(7).integers(0, cfg.vocab_size, (STEPS, BATCH, SEQ + 1), dtype=np.int32)
-
-
-def _reference(name: str, m: int):
-    """One device, gradient accumulated over the same m microbatches (built once per model and m)."""
-    if (name, m) not in _REFERENCES:
-        _REFERENCES[name, m] = one_device(_model(name), _tokens(name), grad_accum=m)
-    return _REFERENCES[name, m]
-
-
-@pytest.mark.parametrize("name,schedule,p,m,v,mesh", CASES, ids=[f"{c[0]}-{c[1]}-p{c[2]}-m{c[3]}-{c[5]}" for c in CASES])
+@pytest.mark.parametrize("name,schedule,p,m,v,mesh", CASES, ids=[case_id(c) for c in CASES])
 def test_pipeline_equals_one_device(name, schedule, p, m, v, mesh):
-    preset = resolve_mesh_arg(mesh)
-    devices = jax.devices()[:int(np.prod([n for n in dataclasses.astuple(preset.mesh)[:6]]))]
-    table = build(schedule, p, m, v)
-    got = train_steps(_model(name), preset, _tokens(name), devices=devices, pipeline=table)
-    want = _reference(name, m)
-    label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}"
-    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5, err_msg=label)
-    assert_same_gradients(got.grads, want.grads, label)
-    for g, w in zip(got.moe, want.moe):                    # routing statistics pass through the pipeline
-        np.testing.assert_allclose(g.expert_load, w.expert_load, atol=1e-6, err_msg=label)
-        np.testing.assert_allclose(g.aux_loss, w.aux_loss, rtol=1e-5, atol=1e-7, err_msg=label)
-    assert len(got.moe) == len(want.moe) == (STEPS if name != "tiny" else 0)
+    check_case(name, schedule, p, m, v, mesh)
 
 
 def _plan(*overrides: str, model: str = "tiny", mesh: str = "stage=2,tensor=4"):
@@ -106,11 +65,11 @@ def _plan(*overrides: str, model: str = "tiny", mesh: str = "stage=2,tensor=4"):
      r"batch=16 / pipeline\.microbatches=16 = 1 rows per slice is not divisible by the 4 devices"),
     (("pipeline.virtual_stages=2",), "tiny", "stage=2,tensor=4", r"pipeline\.virtual_stages=2 needs pipeline\.schedule=interleaved"),
     (("grad_accum=2",), "tiny", "stage=2,tensor=4", r"grad_accum=2 with mesh stage=2"),
-    ((), "tiny-moe", "stage=2,expert=2,tensor=2", r"mesh stage=2 × expert=2 × tensor=2: expert and tensor parallelism"),
-    ((), "tiny-deepseek", "stage=2,expert=4", r"model\.first_dense_layers / model\.num_layers - first_dense_layers "
-                                               r"\(gcd\)=1 \(logical axis 'layers'\) is not divisible by mesh axes stage=2"),
-    (("model.num_layers=4", "model.first_dense_layers=2"), "tiny-deepseek", "stage=2,expert=4",
-     r"model\.first_dense_layers=2: a stack of dense layers before the MoE layers is not pipelined yet"),
+    ((), "tiny-deepseek", "stage=4,expert=2", r"model\.num_layers - first_dense_layers=2 \(logical axis 'layers'\) "
+                                               r"is not divisible by mesh axes stage=4"),
+    (("model.num_layers=6", "model.first_dense_layers=2", "pipeline.microbatches=6"), "tiny-deepseek",
+     "stage=4,expert=2", r"model\.first_dense_layers=2: the dense prefix runs before the schedule with the "
+                         r"microbatches split over the stages, so pipeline\.microbatches=6 must be divisible by mesh stage=4"),
 ])
 def test_refusals_before_any_work(overrides, model, mesh, message):
     with pytest.raises(JaxparError, match=message):

@@ -1,5 +1,6 @@
 """The layout lab: analytic minimum bytes on hand-worked cases, measured bytes against the minimum on
-small models for dp, fsdp, tp, ring and ep, the HLO reading against a direct count, bad input."""
+small models for dp, fsdp, tp, ring and ep, the HLO reading against a direct count, bad input, and
+pipeline parallelism over ``stage`` (sends, bubble, step time, search)."""
 import math
 import re
 import types
@@ -8,7 +9,7 @@ import pytest
 
 from jaxpar.analysis.costmodel import Activations, activation_bytes, weight_bytes
 from jaxpar.analysis.hardware import HARDWARE
-from jaxpar.analysis.plan import link_of, plan
+from jaxpar.analysis.plan import link_of, plan, predict
 from jaxpar.cli import main
 from jaxpar.meshes import compose_rules
 
@@ -102,6 +103,9 @@ def test_hlo_reading_equals_a_direct_count():
     (["--devices", "4096"], "--devices=4096: this machine simulates 1..2048"),
     (["--mesh", "expert=8", "--model", "tiny-moe"], "model.moe.num_experts=4 (logical axis 'experts') is not "
                                                      "divisible by mesh axes expert=8"),
+    (["--mesh", "stage=2,fsdp=4", "--microbatches", "3"], "batch=8 / pipeline.microbatches=3 = 2.66667 rows"),
+    (["--mesh", "stage=2,fsdp=4", "--schedule", "interleaved"], "pipeline.schedule=interleaved needs "
+                                                                 "pipeline.virtual_stages >= 2"),
 ])
 def test_bad_input(argv, message, capsys):
     base = dict(zip(["--model", "--mesh", "--batch", "--seq", "--hardware", "--devices"],
@@ -119,12 +123,134 @@ def test_search_ranks_a_hand_made_case(tmp_path, capsys):
 
     assert len(factorizations(8, ("data", "fsdp", "tensor"))) == 10
     ranked, refused = search("llama3-8b", 8, batch=8, seq=2048, hardware="tpu-v6e")
-    assert len(ranked) + len(refused) == len(factorizations(8, ("data", "fsdp", "sequence", "tensor")))
+    assert len(ranked) + len(refused) == len(factorizations(8, ("stage", "data", "fsdp", "sequence", "tensor")))
     fitting = [c for c in ranked if c.fits]
-    assert fitting and all(c.mesh.get("fsdp", 1) * c.mesh.get("tensor", 1) == 8 for c in fitting)
+    ways = lambda c, axes: math.prod(c.mesh.get(a, 1) for a in axes)
+    assert fitting and all(ways(c, ("fsdp", "tensor")) == 8 for c in fitting if "stage" not in c.mesh)
+    # under a pipeline the layers split stage × fsdp × tensor ways, but every stage holds the embedding and
+    # head (2 × 525M parameters) whole: stage=8 keeps 16 B × (6.98e9 / 8 + 1.05e9) = 30.8 GB and does not fit
+    assert {tuple(c.mesh.items()) for c in fitting if "stage" in c.mesh} >= {(("stage", 2), ("fsdp", 4))}
+    assert all(ways(c, ("stage", "fsdp", "tensor")) == 8 and c.mesh["stage"] < 8 for c in fitting if "stage" in c.mesh)
     assert ranked[:len(fitting)] == fitting
     assert [c.predicted_step_s for c in fitting] == sorted(c.predicted_step_s for c in fitting)
     assert main(["plan", "--search", "--model", "llama3-8b", "--devices", "8", "--batch", "8", "--seq", "2048",
                  "--hardware", "tpu-v6e", "--plot", str(tmp_path / "search.png")]) == 0
     out = capsys.readouterr().out
     assert "fitting ones first" in out and (tmp_path / "search.png").stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------------------------- pipelines (stage)
+def test_stage_sends_and_bubble_of_a_compiled_pipeline():
+    """tiny (bf16, full remat) on stage=2 × fsdp=4, 1F1B over m=4 microbatches of 16 × 32 tokens. One send
+    is a microbatch's stage input on one device: 4 rows / fsdp 4 = 1 row × 32 × 64 × 2 B = 4096 B, read
+    from the compiled collective-permutes. 2·m·(p·v − 1) = 8 sends over the ring, 16,384 B per device; the
+    stage total adds the embedding, head and norm gradients' all-reduce over stage (and, measured only,
+    the 18 float32 scalars of the losses XLA combines into it: 72 B of 49,480, the 2e-3). Durations in
+    chunk forwards: head h = 2·256·64 / ((540,672/3 − 32,768)/2) = 4/9, B = 3 + 1 + 3h = 16/3; the table
+    has 2 forward-only ticks and 8 with a B (the executor runs one vjp section on both stages there), so
+    the executor's bubble is 1 − 4·(1 + 16/3) / (2 + 8·16/3): the lockstep one (slowest op per tick)."""
+    from jaxpar.pipeline import build
+
+    p = plan("tiny", "stage=2,fsdp=4", batch=16, seq=32, hardware="h100", schedule="1f1b", microbatches=4)
+    pipe = p.pipeline
+    assert pipe["stage_send_bytes"] == pipe["stage_send_bytes_analytic"] == 1 * 32 * 64 * 2
+    assert pipe["sends"] == 2 * 4 * (2 * 1 - 1) and pipe["stage_bytes_per_device"] == 8 * 4096 / 2
+    assert pipe["send_ticks"] == 8 and pipe["stage_critical_path_bytes"] == 8 * 4096
+    assert abs(p.ratio_by_axis["stage"] - 1) < 2e-3, (p.bytes_by_axis, p.analytic_min_bytes_by_axis)
+    all_reduce = 2 * 1 / 2 * 4 * (256 * 64 / 4 + 64 * 256 / 4 + 64)            # embed, head on fsdp; norm whole
+    assert p.analytic_min_bytes_by_axis["stage"] == pytest.approx(8 * 4096 / 2 + all_reduce)
+    assert p.link_by_axis["stage"] == "fast"                                  # 8 devices: one NVLink domain
+    t_b = 3 + 1 + 3 * 4 / 9
+    assert pipe["durations"] == pytest.approx({"F": 1.0, "B": t_b})
+    table = build("1f1b", 2, 4)
+    assert pipe["lockstep_bubble_fraction"] == pytest.approx(table.lockstep_bubble_fraction(1.0, t_b), abs=1e-12)
+    assert pipe["bubble_fraction"] == pytest.approx(1 / 5)                   # (p−1)/(m+p−1), any durations
+    assert pipe["executor_bubble_fraction"] == pytest.approx(1 - 4 * (1 + t_b) / (2 + 8 * t_b))
+    assert pipe["executor_bubble_fraction"] == pytest.approx(pipe["lockstep_bubble_fraction"])
+    assert pipe["peak_in_flight"] == 2 and pipe["memory"]["stage_buffers"] == (2 + 1 + 2) * 32 * 64 * 2
+    t = p.times
+    assert t["bubble_fraction"] == pipe["executor_bubble_fraction"]
+    assert p.predicted_step_s == pytest.approx(max(t["compute_s"], t["memory_s"]) / (1 - t["bubble_fraction"])
+                                               + t["exposed_communication_s"])
+    assert p.flops_per_device == pytest.approx(4 * (1 + t_b) * (540_672 / 3 - 32_768) / 2 * 32)
+
+
+def test_predict_stretches_compute_by_the_bubble_and_exposes_stage():
+    """compute 0.1 s, memory 0.05 s, bubble 1/4: busy 0.1 / 0.75 = 0.133 s. fsdp traffic of 0.1 s on NVLink
+    hides behind 0.8 × 0.133 s (the executor's masked sections compute too; unstretched, 0.08 s would
+    leave 0.02 s exposed); the stage sends are exposed in full, counted on the critical path (0.03 s),
+    not at their mean per device (0.01 s, what the step takes without ``stage_bytes``). On 16 devices the
+    stage group spans two NVLink domains: its sends cross InfiniBand."""
+    h100 = HARDWARE["h100"]
+    mesh = dict(stage=2, data=1, fsdp=4, expert=1, sequence=1, tensor=1)
+    measured = {"fsdp": 0.1 * h100.fast_link, "stage": 0.01 * h100.fast_link}
+    t = predict(measured, flops=0.1 * 0.6 * h100.peak_bf16_flops, bytes_accessed=0.05 * h100.hbm_bandwidth,
+                mesh=mesh, hw=h100, efficiency=0.6, overlap=0.8, bubble=0.25, stage_bytes=0.03 * h100.fast_link)
+    assert t["pipelined_s"] == pytest.approx(0.1 / 0.75)
+    assert t["exposed_communication_s"] == pytest.approx(0.03)
+    assert t["step_s"] == pytest.approx(0.1 / 0.75 + 0.03)
+    plain = predict(measured, flops=0.1 * 0.6 * h100.peak_bf16_flops, bytes_accessed=0.0, mesh=mesh, hw=h100)
+    assert plain["step_s"] == pytest.approx(0.1 + (0.1 - 0.08) + 0.01)
+    sixteen = dict(mesh, fsdp=8)
+    assert link_of("stage", sixteen, h100)[0] == "slow" and link_of("fsdp", sixteen, h100)[0] == "fast"
+
+
+def test_stage_minimum_by_hand():
+    """stage=2 × tensor=2 × data=2, 1F1B, m=4, B=16, T=32, D=64, bf16: a send is 16/4 rows / data 2 ×
+    32 positions / tensor 2 (the buffer's length is split like the residual stream) × 64 × 2 B = 4096 B;
+    2·4·1 sends over the ring, 16,384 B per device. Tensor's per-layer traffic counts the L/p layers a
+    device runs: (4·2 + 2)/2 all-reduce equivalents of 2·1/2 · 8·32·64·2 B."""
+    a = Activations(batch=16, seq=32, embed_dim=64, num_layers=2, kv_heads=2, head_dim=8, num_heads=8,
+                    act_bytes=2, schedule="1f1b", microbatches=4)
+    mesh = dict(stage=2, data=2, fsdp=1, expert=1, sequence=1, tensor=2)
+    rules = compose_rules("s", {"stage", "data", "tensor"})
+    assert activation_bytes(a, mesh, rules) == pytest.approx({"stage": 16_384, "tensor": 5 * 8 * 32 * 64 * 2})
+    held = _param((2, 64, 64), ("stage", None, "tensor"), names=("layers", "embed", "mlp"))
+    whole = _param((64,), (None,))
+    assert weight_bytes(types.SimpleNamespace(params=[held, whole]), mesh, {"data"}) == pytest.approx(
+        {"data": 2 * 0.5 * 4 * 8192 / 4 + 2 * 0.5 * 4 * 64, "stage": 2 * 0.5 * 4 * 64})
+
+
+def test_search_lists_pipelines_and_refuses_indivisible_stacks(capsys):
+    """tiny with 4 layers on 8 devices: stage=2 and stage=4 layouts are candidates (1F1B, m the largest
+    ≤ 4·p that cuts each data group's rows), every stage=8 one is refused by the layout check naming the
+    layers and stage. stage=2 × data=4: m = 4 (16 rows / data 4); stage bytes per device: 8 sends of
+    1 row × 32 × 64 × 2 B over 2 stages, plus the 32,832 stage-replicated parameters' gradients
+    all-reduced (2·1/2 · 4 B each)."""
+    from jaxpar.analysis.search import search
+
+    ranked, refused = search("tiny", 8, batch=16, seq=32, hardware="h100", num_layers=4)
+    stages = {c.mesh.get("stage", 1) for c in ranked}
+    assert {2, 4} <= stages and 8 not in stages
+    eight = [reason for mesh, reason in refused if mesh["stage"] == 8]
+    assert eight and all("model.num_layers=4" in r and "stage=8" in r for r in eight), eight
+    (c,) = [c for c in ranked if c.mesh == {"stage": 2, "data": 4}]
+    assert c.pipeline["schedule"] == "1f1b" and c.pipeline["microbatches"] == 4
+    assert c.bytes_by_axis["stage"] == pytest.approx(8 * 32 * 64 * 2 / 2 + 2 * 0.5 * 4 * 32_832)
+    ranked3, refused3 = search("tiny", 8, batch=16, seq=32, hardware="h100", num_layers=4, microbatches=3)
+    assert all("stage" not in c.mesh for c in ranked3)
+    assert any("pipeline.microbatches=3" in r for _, r in refused3)
+    assert main(["plan", "--search", "--model", "tiny", "--devices", "8", "--batch", "16", "--seq", "32",
+                 "--hardware", "h100", "--set", "num_layers=4"]) == 0
+    assert re.search(r"stage=2,data=4 .* 1f1b m=4, bubble \d+%", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("mesh", ["stage=2,expert=4", "data=2,fsdp=2,tensor=2", "sequence=2,tensor=4",
+                                  "stage=2,fsdp=2,expert=2", "fsdp=8"])
+def test_search_reshards_as_an_abstract_build_does(mesh):
+    """The search builds the model once and maps its parameters' logical names through each candidate's
+    rules; that equals ``param_shardings`` building it under the candidate's layout."""
+    from jaxpar.analysis.search import _abstract_mesh, base_report, resharded
+    from jaxpar.layout import Layout
+    from jaxpar.mesh import MeshConfig
+    from jaxpar.models import get_model_preset
+    from jaxpar.rules import Dim, check_layout
+    from jaxpar.shardings import param_shardings
+
+    cfg = get_model_preset("tiny-moe")
+    shape = MeshConfig.parse(mesh).resolve(8).shape()
+    rules = compose_rules(mesh, {a for a, n in shape.items() if n > 1})
+    dims = dict(cfg.logical_dims()) | dict(batch=Dim(16, "batch"), length=Dim(32, "seq"), inner_length=Dim(32, "seq"))
+    rules = check_layout(dims, rules, shape)
+    assert resharded(base_report(cfg), rules, shape).params == param_shardings(
+        cfg, Layout(_abstract_mesh(shape), rules)).params

@@ -87,11 +87,7 @@ def _check_pipelined(cfg: TrainConfig, shape) -> None:
     """A mesh with ``stage`` > 1: the schedule, the model's stack and the batch fit the pipeline."""
     stages = shape["stage"]
     check_pipeline(cfg.pipeline.schedule, stages, cfg.pipeline.microbatches, cfg.pipeline.virtual_stages)
-    check_stack(cfg.model, stages, cfg.pipeline.virtual_stages)
-    if shape["expert"] > 1 and shape["tensor"] > 1:
-        raise LayoutError(f"mesh stage={stages} × expert={shape['expert']} × tensor={shape['tensor']}: expert and "
-                          "tensor parallelism together inside pipeline stages stop XLA's SPMD partitioner (a failed "
-                          "check, not an error); use one of them inside a stage")
+    check_stack(cfg.model, stages, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches)
     if cfg.grad_accum != 1:
         raise ConfigError(f"grad_accum={cfg.grad_accum} with mesh stage={stages}: the pipeline's microbatches "
                           "already accumulate the gradient; set pipeline.microbatches")

@@ -20,12 +20,21 @@ Activations (b_a: compute dtype bytes; T_g = B·L / |A| tokens per device group)
               Ulysses: 4 all-to-alls of the local q, k, v, o forward and backward)
     expert    dispatch and combine forward and backward: 4·(e−1)/e · T·k·cf·D·b_a per MoE layer
               (T tokens per device; cf the effective capacity factor; dropless: cf = 1)
+    stage     pipeline (p stages, m microbatches, v virtual stages): per microbatch one stage input
+              [B/m, T, D] forward and its gradient back over each of the p·v − 1 chunk boundaries,
+              2·m·(p·v − 1) sends of R = (B/m)·T·D·b_a / (the axes splitting the executor's buffer:
+              batch, length) over the whole ring; per device (the mean over the p stages, the same
+              count the lab reads from the compiled program): 2·m·(p·v − 1)/p · R. Plus the gradient
+              of every parameter not split over stage (embedding, final norm, head: each stage holds
+              them whole) all-reduced over stage, as for the token axes: 2(p−1)/p · b_g · |p| / |S|.
+              A device holds L/p of the layers, so the per-layer terms above count L/p layers.
 Remat recomputation, optimizer work and scalar reductions are not part of the minimum: a measured ratio
 above 1 names what the configuration adds (with full remat: 6 tensor all-reduces per layer, not 4).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 
@@ -47,6 +56,7 @@ def weight_bytes(report, mesh: dict, token_axes: set[str], *, grad_bytes: int = 
     ``jaxpar.shardings.ShardingReport`` of the model under the layout."""
     out: dict[str, float] = defaultdict(float)
     size = lambda axes: math.prod(mesh[a] for a in axes)
+    stages = mesh.get("stage", 1)
     for p in report.params:
         held_by = {a for e in p.spec for a in _axes(e) if mesh[a] > 1}
         experts = {a for e, name in zip(p.spec, p.names) if name == "experts" for a in _axes(e)}
@@ -59,6 +69,8 @@ def weight_bytes(report, mesh: dict, token_axes: set[str], *, grad_bytes: int = 
         if reduce:
             n = size(reduce)
             out[group_key(reduce)] += 2 * (n - 1) / n * grad_bytes * p.size / size(held_by)
+        if stages > 1 and "stage" not in held_by:       # held whole by every stage: gradient all-reduced
+            out["stage"] += 2 * (stages - 1) / stages * grad_bytes * p.size / size(held_by)
     return dict(out)
 
 
@@ -77,6 +89,9 @@ class Activations:
     moe_layers: int = 0
     top_k: int = 0
     capacity_slots: int | None = None      # per sequence, all experts (None: dropless)
+    schedule: str | None = None            # the pipeline's (mesh stage > 1; jaxpar.pipeline.Schedule)
+    microbatches: int = 1                  # pipeline microbatches per step
+    virtual_stages: int = 1                # model chunks per stage
 
 
 def activation_bytes(a: Activations, mesh: dict, rules) -> dict[str, float]:
@@ -85,9 +100,9 @@ def activation_bytes(a: Activations, mesh: dict, rules) -> dict[str, float]:
     seq_axes = [x for x in rules["inner_length"] if mesh[x] > 1]
     tokens_per_group = a.batch * a.seq / (size(batch_axes) * size(seq_axes))
     out = {}
-    t = mesh.get("tensor", 1)
-    if t > 1:
-        out["tensor"] = (4 * a.num_layers + 2) * 2 * (t - 1) / t * tokens_per_group * a.embed_dim * a.act_bytes
+    t, p = mesh.get("tensor", 1), mesh.get("stage", 1)        # a device runs L/p layers (and 1/p of the
+    if t > 1:                                                  # embeddings and heads, on average)
+        out["tensor"] = (4 * a.num_layers + 2) / p * 2 * (t - 1) / t * tokens_per_group * a.embed_dim * a.act_bytes
     s = size(seq_axes)
     if s > 1:
         kv_heads = a.kv_heads / t if a.kv_heads % t == 0 else a.kv_heads
@@ -98,12 +113,27 @@ def activation_bytes(a: Activations, mesh: dict, rules) -> dict[str, float]:
             per_layer = 2 * (s - 1) / s * local * (2 * a.num_heads + 2 * a.kv_heads) / t
         else:
             per_layer = kv * (3 if a.context_parallel == "ring" else 2)
-        out[group_key(seq_axes)] = a.num_layers * per_layer
+        out[group_key(seq_axes)] = a.num_layers / p * per_layer
     e = mesh.get("expert", 1)
     if e > 1 and a.moe_layers:
         per_device_rows = (a.batch / size(batch_axes)) * (a.capacity_slots or a.seq * a.top_k) / s
-        out["expert"] = a.moe_layers * 4 * (e - 1) / e * per_device_rows * a.embed_dim * a.act_bytes
+        out["expert"] = a.moe_layers / p * 4 * (e - 1) / e * per_device_rows * a.embed_dim * a.act_bytes
+    if p > 1:
+        out["stage"] = stage_sends(a, p) / p * stage_input_bytes(a, mesh, rules)
     return out
+
+
+def stage_sends(a: Activations, stages: int) -> int:
+    """Stage inputs sent over the whole ring per step: per microbatch, one activation forward and one
+    gradient back over each of the p·v − 1 chunk boundaries."""
+    return 2 * a.microbatches * (stages * a.virtual_stages - 1)
+
+
+def stage_input_bytes(a: Activations, mesh: dict, rules) -> float:
+    """One send on one device: a microbatch's stage input [B/m, T, D] as the executor's buffers split it
+    (over the axes of ``batch``, ``length`` and ``act_embed``)."""
+    axes = {x for name in ("batch", "length", "act_embed") for x in rules[name] if mesh[x] > 1}
+    return a.batch / a.microbatches * a.seq * a.embed_dim * a.act_bytes / math.prod(mesh[x] for x in axes)
 
 
 def minimum_bytes(report, activations: Activations, mesh: dict, rules) -> dict[str, float]:
@@ -119,7 +149,7 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
     """HBM traffic of one step per device, estimated: the weights a device computes with (gathered over
     the token axes, float32) read 3 times (forward, remat recompute, backward), the optimizer reading and
     writing its shard (parameter, gradient, two moments: 28 bytes per element), and about 20 reads or
-    writes of a [tokens, D] activation per layer."""
+    writes of a [tokens, D] activation per layer it runs (L/p of them under a pipeline)."""
     size = lambda axes: math.prod(mesh[x] for x in axes)
     used = local = 0.0
     for p in report.params:
@@ -127,21 +157,93 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
         used += p.size / size(held_by - token_axes) * np.dtype(p.dtype).itemsize
         local += math.prod(p.shard_shape)
     tokens = a.batch * a.seq / size(token_axes)
-    return 3 * used + 28 * local + 20 * a.num_layers * tokens * a.embed_dim * a.act_bytes
+    layers = a.num_layers / mesh.get("stage", 1)
+    return 3 * used + 28 * local + 20 * layers * tokens * a.embed_dim * a.act_bytes
+
+
+def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> dict[str, float]:
+    """Bytes per device: ``state``, 16 per local parameter element (float32 parameter, gradient, two Adam
+    moments; under a pipeline a stage holds L/p of the layers and the embedding, norm and head whole);
+    ``activations``: the layer inputs kept under remat (layers × tokens × D × b_a, split by tensor's
+    sequence parallelism), one layer's working set (16 × tokens × max(D, F/t) × b_a), and float32
+    logits with their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are
+    one microbatch's, the layers one chunk's, plus the executor's stage-input buffers."""
+    local = sum(math.prod(p.shard_shape) for p in report.params)
+    t, stages = mesh.get("tensor", 1), mesh.get("stage", 1)
+    tokens = acts.batch * acts.seq / math.prod(mesh[a] for a in token_axes)
+    layers, buffers = acts.num_layers, 0.0
+    if stages > 1:
+        layers, buffers, tokens = pipeline_memory(acts, stages, tokens, t)
+    width = max(cfg.embed_dim, cfg.mlp_dim / t)
+    working = (layers * tokens * cfg.embed_dim * acts.act_bytes / t
+               + 16 * tokens * width * acts.act_bytes + 8 * tokens * cfg.padded_vocab / t)
+    return dict(state=16 * local, activations=buffers + working, stage_buffers=buffers)
 
 
 def memory_estimate(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> float:
-    """Bytes per device: 16 per local parameter element (float32 parameter, gradient, two Adam moments),
-    the layer inputs kept under remat (layers × tokens × D × b_a, split by tensor's sequence
-    parallelism), one layer's working set (16 × tokens × max(D, F/t) × b_a), and float32 logits with
-    their gradient (8 × tokens × V/t)."""
-    local = sum(math.prod(p.shard_shape) for p in report.params)
-    t = mesh.get("tensor", 1)
-    tokens = acts.batch * acts.seq / math.prod(mesh[a] for a in token_axes)
-    width = max(cfg.embed_dim, cfg.mlp_dim / t)
-    activations = (acts.num_layers * tokens * cfg.embed_dim * acts.act_bytes / t
-                   + 16 * tokens * width * acts.act_bytes + 8 * tokens * cfg.padded_vocab / t)
-    return 16 * local + activations
+    """Bytes per device (``memory_parts``: state and activations)."""
+    parts = memory_parts(cfg, report, acts, mesh, token_axes)
+    return parts["state"] + parts["activations"]
+
+
+# ---------------------------------------------------------------------------------------- pipeline
+@functools.lru_cache(maxsize=512)
+def schedule_table(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1):
+    """``jaxpar.pipeline.build``'s table (cached: the search asks for the same few many times)."""
+    from jaxpar.pipeline.schedules import build
+    return build(schedule, stages, microbatches, virtual_stages)
+
+
+def pipeline_memory(a: Activations, stages: int, tokens: float, t: int) -> tuple[float, float, float]:
+    """(layers of one chunk, bytes of the executor's stage-input buffers, tokens of one microbatch) per
+    device: the executor keeps ``act_slots`` + ``grad_slots`` microbatch inputs and cotangents [b, T, D]
+    (each with one spare slot), at least the table's peak in flight; it runs one chunk at a time."""
+    table = schedule_table(a.schedule, stages, a.microbatches, a.virtual_stages)
+    micro = tokens / a.microbatches
+    slots = table.act_slots + table.grad_slots + 2
+    return a.num_layers / (stages * a.virtual_stages), slots * micro * a.embed_dim * a.act_bytes / t, micro
+
+
+def executor_durations(split: bool, head: float, remat_full: bool) -> tuple[float, float, float | None]:
+    """(F, B, W) of jaxpar's executor in forwards of one model chunk (W None without a split backward).
+    F runs the chunk. B recomputes the chunk's forward from its stage input (remat at stage granularity),
+    under full remat each layer's forward once more, then the backward (2 forwards; 1 when it is the
+    input gradient alone), and the LM head's forward and backward on every stage (masked; ``head`` = its
+    forward over the chunk's): 3 + r + 3h, split 2 + r + 2h. W: 1 + r + 2 (the weight gradient still
+    needs the input gradient inside the chunk) + 3h."""
+    r = 1.0 if remat_full else 0.0
+    if split:
+        return 1.0, 2 + r + 2 * head, 3 + r + 3 * head
+    return 1.0, 3 + r + 3 * head, None
+
+
+def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict:
+    """The schedule's measures for ``Plan.pipeline``, in jaxpar's executor's durations. Bubbles (idle
+    share of stage time): ``bubble_fraction`` as the schedule's papers draw it (every op starts when its
+    inputs are there), ``lockstep_bubble_fraction`` when every tick lasts as long as its slowest op, and
+    ``executor_bubble_fraction``, what jaxpar's executor runs: every stage runs one section per tick, the
+    one its most expensive action needs (forward, input-gradient vjp, full vjp; module docstring of
+    ``jaxpar.pipeline.executor``). ``flops_per_device``: the work the stages do (recomputation and the
+    head included), without the masked sections; the step's compute is that over 1 − executor bubble."""
+    from jaxpar.pipeline.executor import executor_bubble_fraction
+
+    p, m, v, n = mesh["stage"], a.microbatches, a.virtual_stages, math.prod(mesh.values())
+    table = schedule_table(a.schedule, p, m, v)
+    head = 2.0 * cfg.padded_vocab * cfg.embed_dim                          # forward FLOPs per token
+    chunk = (cfg.flops_per_token(a.seq) / 3 - head) / (p * v)
+    t_f, t_b, t_w = executor_durations(table.split_backward, head / chunk, remat_full)
+    busy = table.busy_time(t_f, t_b, t_w)
+    fwd, bwd = table.fwd_recv_slot >= 0, table.bwd_recv_slot >= 0
+    return dict(schedule=str(table.schedule), stages=p, microbatches=m, virtual_stages=v, ticks=table.ticks,
+                durations=dict(F=t_f, B=t_b) | ({} if t_w is None else dict(W=t_w)),
+                bubble_fraction=table.bubble_fraction(t_f, t_b, t_w),
+                lockstep_bubble_fraction=table.lockstep_bubble_fraction(t_f, t_b, t_w),
+                executor_bubble_fraction=executor_bubble_fraction(table, t_f, t_b, t_w),
+                bubble_used="executor_bubble_fraction",
+                peak_in_flight=int(table.peak_in_flight.max()), act_slots=table.act_slots,
+                grad_slots=table.grad_slots, sends=int(fwd.sum() + bwd.sum()),
+                send_ticks=int(fwd.any(axis=1).sum() + bwd.any(axis=1).sum()),
+                flops_per_device=busy / p * chunk * a.batch * a.seq / m / (n / p))
 
 
 ACTIVATION_AXES = {"tensor", "sequence", "expert"}

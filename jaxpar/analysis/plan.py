@@ -20,13 +20,33 @@ What the CPU compile cannot say as such (so the lab corrects it, and says so):
 Roofline (stated assumptions, every one a parameter of ``predict``):
     compute   training FLOPs per device at ``efficiency`` × peak
     memory    estimated HBM bytes per device at the HBM bandwidth
+    bubble    with ``stage`` > 1 (``pipeline_costs``): the stages' busy time max(compute, memory) is
+              stretched by 1/(1 − bubble). The bubble is jaxpar's executor's, not the papers': every stage
+              runs one section per tick, the one the tick's most expensive action needs (forward, input-
+              gradient vjp, full vjp; masked where the action is another), so a tick lasts that section;
+              the ideal (event-driven) and lockstep (slowest op per tick) bubbles are reported next to it
+              (lockstep equals the executor's except in zero_bubble's W ticks). Durations are the
+              executor's: B recomputes its chunk's forward, every B and W runs the LM head (masked) too
+              (``costmodel.executor_durations``); the FLOPs per device count that work.
     links     each axis group's measured bytes over its link: the fast link when the group's devices fit in
-              one fast domain (axes are laid out innermost-last: tensor, sequence, expert, fsdp, data), else
-              the slow link
-    overlap   weight and gradient traffic (groups of data/fsdp/stage axes) hides behind compute up to
-              ``overlap`` × compute; activation traffic (tensor, sequence, expert) sits between dependent
-              matmuls and is exposed in full
-    step      max(compute, memory) + exposed communication
+              one fast domain (axes are laid out innermost-last: tensor, sequence, expert, fsdp, data,
+              stage), else the slow link. ``stage`` is outermost: its group spans the whole mesh, so on
+              more devices than one fast domain its sends cross the slow link (where pipelines belong)
+    overlap   weight and gradient traffic (groups of data/fsdp axes) hides behind compute up to
+              ``overlap`` × compute (stretched by the bubble: the executor's masked sections compute);
+              activation traffic (tensor, sequence, expert) sits between dependent matmuls and is exposed
+              in full. So is ``stage``: the executor sends a tick's outputs after its sections and the next
+              tick reads them (a loop-carried dependency XLA does not overlap; real pipelines overlap the
+              next microbatch's send with compute, this one does not), and its gradient all-reduce of the
+              stage-replicated parameters runs after the last tick. A tick's sends run on every stage at
+              once, so the stage time is the sends on the critical path: (ticks with a forward send +
+              ticks with a backward send) × one stage input, not the mean bytes per device
+    step      max(compute, memory) / (1 − bubble) + exposed communication
+
+Stage bytes read from the program: each send's size (one microbatch's stage input on one device) is read
+from the compiled collective-permutes on ``stage``; how many run per step comes from the table, since
+the executor picks each tick's sends by a conditional whose branches the HLO reading counts once per tick
+each (``jaxpar.analysis.loops``). Measured per device = sends over the ring × send size / p.
 """
 from __future__ import annotations
 
@@ -34,11 +54,11 @@ import dataclasses
 import functools
 import math
 
-from jaxpar.analysis.costmodel import (AXIS_ORDER, Activations, hbm_bytes, measured_bytes, memory_estimate,
-                                      minimum_bytes)
+from jaxpar.analysis.costmodel import (AXIS_ORDER, Activations, hbm_bytes, measured_bytes, memory_parts,
+                                      minimum_bytes, pipeline_costs, schedule_table, stage_input_bytes)
 from jaxpar.analysis.hardware import Hardware
 
-WEIGHT_AXES = {"data", "fsdp", "stage"}
+WEIGHT_AXES = {"data", "fsdp"}
 FLAG_RATIO = 1.2
 
 
@@ -67,13 +87,15 @@ class Plan:
     predicted_mfu: float
     times: dict
     assumptions: dict
+    pipeline: dict | None = None      # mesh stage > 1: the schedule, its bubbles, stage sends and memory
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def compile_step(cfg, layout, *, batch: int, seq: int):
-    """The train step compiled for ``layout`` from abstract state and batch (nothing allocated)."""
+def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
+    """The train step compiled for ``layout`` from abstract state and batch (nothing allocated);
+    ``pipeline``: the schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``)."""
     import jax
     import numpy as np
 
@@ -85,12 +107,13 @@ def compile_step(cfg, layout, *, batch: int, seq: int):
                            layout)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          jax.eval_shape(program.create), program.shardings)
-    step = make_train_step(TrainState(program.graphdef, state, program.shardings), layout)
+    step = make_train_step(TrainState(program.graphdef, state, program.shardings), layout, pipeline=pipeline)
     data = {k: jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     return step.lower(state, data).compile()
 
 
-def activations_of(cfg, *, batch: int, seq: int) -> Activations:
+def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) -> Activations:
+    """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1."""
     import numpy as np
 
     moe, mla = getattr(cfg, "moe", None), getattr(cfg, "mla", None)
@@ -102,7 +125,31 @@ def activations_of(cfg, *, batch: int, seq: int) -> Activations:
                        head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) if mla else cfg.head_dim,
                        num_heads=cfg.num_heads, act_bytes=np.dtype(cfg.dtype).itemsize,
                        context_parallel=cfg.context_parallel, moe_layers=getattr(cfg, "num_moe_layers", 0),
-                       top_k=moe.top_k if moe else 0, capacity_slots=slots)
+                       top_k=moe.top_k if moe else 0, capacity_slots=slots,
+                       **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}))
+
+
+def check_microbatches(batch: int, microbatches: int, ways: int, split: str) -> None:
+    """Refuses a batch the pipeline's microbatches, split ``ways`` ways (``split`` names the axes), cannot cut."""
+    from jaxpar.errors import ConfigError
+    if batch % microbatches or batch // microbatches % ways:
+        raise ConfigError(f"batch={batch} / pipeline.microbatches={microbatches} = {batch / microbatches:g} rows "
+                          f"per microbatch: must be a whole number divisible by the {ways} devices the batch is "
+                          f"split over ({split or 'none'})")
+
+
+def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatches: int, virtual_stages: int):
+    """The table a mesh with ``stage`` > 1 runs (None without), refused as the train loop refuses it."""
+    from jaxpar.pipeline.executor import check_stack
+    p = mesh.get("stage", 1)
+    if p == 1:
+        return None
+    table = schedule_table(str(schedule), p, microbatches, virtual_stages)
+    check_stack(cfg, p, virtual_stages, microbatches)
+    axes = [a for a in rules["batch"] if mesh[a] > 1]
+    check_microbatches(batch, microbatches, math.prod(mesh[a] for a in axes),
+                       " × ".join(f"{a}={mesh[a]}" for a in axes))
+    return table
 
 
 def link_of(key: str, mesh: dict, hw: Hardware) -> tuple[str, float]:
@@ -115,21 +162,53 @@ def link_of(key: str, mesh: dict, hw: Hardware) -> tuple[str, float]:
 
 
 def predict(measured: dict, *, flops: float, bytes_accessed: float, mesh: dict, hw: Hardware,
-            efficiency: float = 0.6, overlap: float = 0.8) -> dict:
+            efficiency: float = 0.6, overlap: float = 0.8, bubble: float = 0.0,
+            stage_bytes: float | None = None) -> dict:
+    """The step time (module docstring). ``bubble``: the pipeline's idle share of stage time;
+    ``stage_bytes``: the stage traffic on the step's critical path (default ``measured["stage"]``)."""
     compute = flops / (hw.peak_bf16_flops * efficiency)
     memory = bytes_accessed / hw.hbm_bandwidth
-    comm = {key: value / link_of(key, mesh, hw)[1] for key, value in measured.items()}
+    busy = max(compute, memory) / (1 - bubble)
+    traffic = dict(measured) | ({} if stage_bytes is None else {"stage": stage_bytes})
+    comm = {key: value / link_of(key, mesh, hw)[1] for key, value in traffic.items()}
     hidden = sum(t for k, t in comm.items() if set(k.split("+")) <= WEIGHT_AXES)
-    exposed = max(0.0, hidden - overlap * compute) + sum(t for k, t in comm.items()
-                                                         if not set(k.split("+")) <= WEIGHT_AXES)
-    return dict(compute_s=compute, memory_s=memory, communication_s=comm, exposed_communication_s=exposed,
-                step_s=max(compute, memory) + exposed)
+    exposed = max(0.0, hidden - overlap * compute / (1 - bubble)) + sum(
+        t for k, t in comm.items() if not set(k.split("+")) <= WEIGHT_AXES)
+    return dict(compute_s=compute, memory_s=memory, bubble_fraction=bubble, pipelined_s=busy, communication_s=comm,
+                exposed_communication_s=exposed, step_s=busy + exposed)
+
+
+def stage_sends_measured(ops, costs: dict, *, act_bytes: int) -> tuple[list, dict]:
+    """(the collectives but the stage sends, what the sends cost): ``send_bytes``, one send on one device
+    as compiled (counted at the compute dtype's width: XLA:CPU sends bf16 as f32), ``per_device`` (the
+    mean over the devices: sends over the ring × send bytes / p) and ``critical_path`` (ticks with
+    sends × send bytes). See the module docstring for why the count comes from the table."""
+    sends = [op for op in ops if op.kind == "collective-permute" and op.axes == ("stage",)]
+    size = float(max((min(op.bytes, act_bytes * math.prod(op.shapes[0])) for op in sends), default=0))
+    return [op for op in ops if op not in sends], dict(
+        send_bytes=size, per_device=costs["sends"] * size / costs["stages"], critical_path=costs["send_ticks"] * size)
+
+
+def _pipeline_traffic(report, costs, acts, shape, rules, act_scale):
+    """Measured bytes per axis group with the stage sends counted per the table, and the stage bytes on
+    the critical path (None without a pipeline)."""
+    if costs is None:
+        return measured_bytes(report.ops, activation_scale=act_scale), None
+    ops, sends = stage_sends_measured(report.ops, costs, act_bytes=acts.act_bytes)
+    measured = measured_bytes(ops, activation_scale=act_scale)
+    others = measured.get("stage", 0.0)
+    measured["stage"] = others + sends["per_device"]
+    costs.update(stage_send_bytes=sends["send_bytes"], stage_send_bytes_analytic=stage_input_bytes(acts, shape, rules),
+                 stage_bytes_per_device=sends["per_device"], stage_critical_path_bytes=sends["critical_path"])
+    return measured, others + sends["critical_path"]
 
 
 def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices: int | None = None,
-         efficiency: float = 0.6, overlap: float = 0.8, **model_overrides) -> Plan:
+         efficiency: float = 0.6, overlap: float = 0.8, schedule: str | None = None, microbatches: int | None = None,
+         virtual_stages: int | None = None, **model_overrides) -> Plan:
     """Compile and analyse ``model`` under ``mesh`` on the simulated devices JAX has (or the first
-    ``devices``) and predict it on ``hardware`` (see the module docstring)."""
+    ``devices``) and predict it on ``hardware`` (see the module docstring). With ``stage`` > 1 the step
+    runs ``schedule`` over ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s)."""
     import jax
     import numpy as np
 
@@ -139,32 +218,48 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
     from jaxpar.meshes import resolve_mesh_arg
     from jaxpar.models import get_model_preset
     from jaxpar.shardings import param_shardings
+    from jaxpar.train.config import PipelineConfig
 
     hw = get_hardware(hardware)
     cfg = get_model_preset(model, **({"dtype": "bfloat16"} | model_overrides))
     layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=batch, seq=seq,
                          devices=None if devices is None else jax.devices()[:devices])
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
-    report = analyze_compiled(compile_step(cfg, layout, batch=batch, seq=seq), mesh=layout.mesh)
-    act_scale = np.dtype(cfg.dtype).itemsize / 4
-    measured = measured_bytes(report.ops, activation_scale=act_scale)
-    shardings, acts = param_shardings(cfg, layout), activations_of(cfg, batch=batch, seq=seq)
+    default = PipelineConfig()
+    pipe = (schedule or str(default.schedule), microbatches or default.microbatches,
+            virtual_stages or default.virtual_stages)
+    table = pipeline_for(cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1],
+                         virtual_stages=pipe[2])
+    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=pipe if table else None)
+    report = analyze_compiled(compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table), mesh=layout.mesh)
+    remat_full = cfg.remat.value == "full"
+    costs = pipeline_costs(cfg, acts, shape, remat_full=remat_full) if table else None
+    measured, stage_path = _pipeline_traffic(report, costs, acts, shape, layout.rules, acts.act_bytes / 4)
+    shardings = param_shardings(cfg, layout)
     minimum = minimum_bytes(shardings, acts, shape, layout.rules)
     token_axes = {x for x in (*layout.rules["batch"], *layout.rules["inner_length"]) if shape[x] > 1}
-    ratio = {k: measured.get(k, 0.0) / v for k, v in minimum.items() if v}
     mem = report.memory
     per_device = mem.get("argument_size_in_bytes", 0) + mem.get("temp_size_in_bytes", 0) + mem.get(
         "output_size_in_bytes", 0) - mem.get("alias_size_in_bytes", 0)
-    n = layout.mesh.size
-    model_flops = cfg.flops_per_token(seq) * batch * seq / n
-    train_flops = model_flops * (4 / 3 if cfg.remat.value == "full" else 1.0)
+    model_flops = cfg.flops_per_token(seq) * batch * seq / layout.mesh.size
+    train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if remat_full else 1.0)
     hbm = hbm_bytes(shardings, acts, shape, token_axes)
-    estimate_bytes = memory_estimate(cfg, shardings, acts, shape, token_axes)
+    memory = memory_parts(cfg, shardings, acts, shape, token_axes)
+    if costs:
+        costs["memory"] = memory
     times = predict(measured, flops=train_flops, bytes_accessed=hbm, mesh=shape, hw=hw, efficiency=efficiency,
-                    overlap=overlap)
+                    overlap=overlap, bubble=costs["executor_bubble_fraction"] if costs else 0.0, stage_bytes=stage_path)
+    return _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, per_device, train_flops,
+                      model_flops, hbm, times, costs, cfg, efficiency, overlap)
+
+
+def _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, per_device, train_flops, model_flops,
+               hbm, times, costs, cfg, efficiency, overlap) -> Plan:
+    ratio = {k: measured.get(k, 0.0) / v for k, v in minimum.items() if v}
+    estimate = memory["state"] + memory["activations"]
     return Plan(model=model, mesh={a: v for a, v in shape.items() if v > 1}, batch=batch, seq=seq, hardware=hw.name,
-                per_device_memory_bytes=int(per_device), estimated_memory_bytes=estimate_bytes,
-                fits=estimate_bytes <= hw.hbm_bytes, fits_compiled=per_device <= hw.hbm_bytes,
+                per_device_memory_bytes=int(per_device), estimated_memory_bytes=estimate,
+                fits=estimate <= hw.hbm_bytes, fits_compiled=per_device <= hw.hbm_bytes,
                 flops_per_device=train_flops, model_flops_per_device=model_flops,
                 bytes_accessed_per_device=hbm, collectives=report.collectives.to_json()["by_kind"],
                 bytes_by_axis=measured, analytic_min_bytes_by_axis=minimum, ratio_by_axis=ratio,
@@ -173,4 +268,4 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
                 predicted_step_s=times["step_s"], predicted_tokens_per_s=batch * seq / times["step_s"],
                 predicted_mfu=model_flops / (times["step_s"] * hw.peak_bf16_flops), times=times,
                 assumptions=dict(efficiency=efficiency, overlap=overlap, compute_dtype=cfg.dtype,
-                                 remat=cfg.remat.value))
+                                 remat=cfg.remat.value), pipeline=costs)

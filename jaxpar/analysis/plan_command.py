@@ -2,6 +2,7 @@
 
     jaxpar plan --model llama3-70b --mesh fsdp=32,tensor=8 --batch 256 --seq 4096 --hardware h100 --devices 256
     jaxpar plan ... --json            # one JSON object (see ``jaxpar.analysis.plan.Plan``)
+    jaxpar plan --model llama3-8b --mesh stage=4,fsdp=8 --schedule 1f1b --microbatches 16 ...   # a pipeline
 
 The train step is compiled on ``--devices`` simulated CPU devices from abstract inputs; nothing the size
 of the model is allocated.
@@ -31,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument("--efficiency", type=float, default=0.6, help="share of peak FLOP/s reached (default 0.6)")
     parser.add_argument("--overlap", type=float, default=0.8, help="share of compute time that hides "
                         "weight/gradient traffic (default 0.8)")
+    parser.add_argument("--schedule", default=None, help="pipeline schedule when the mesh has stage > 1: gpipe, "
+                        "1f1b, interleaved or zero_bubble (default 1f1b, as pipeline.schedule)")
+    parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default 8, as "
+                        "pipeline.microbatches; --search: the largest m ≤ 4 × stages giving every device "
+                        "whole rows)")
+    parser.add_argument("--virtual-stages", type=int, default=None, help="model chunks per stage (interleaved; "
+                        "default 1, as pipeline.virtual_stages; --search with interleaved: 2)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="model config field, e.g. remat=dots or context_parallel=ring")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -62,7 +70,8 @@ def run(args: argparse.Namespace, /) -> int:
         return _search(args)
     from jaxpar.analysis.plan import plan
     result = plan(args.model, args.mesh, batch=args.batch, seq=args.seq, hardware=args.hardware,
-                  efficiency=args.efficiency, overlap=args.overlap, **_overrides(args.overrides))
+                  efficiency=args.efficiency, overlap=args.overlap, schedule=args.schedule,
+                  microbatches=args.microbatches, virtual_stages=args.virtual_stages, **_overrides(args.overrides))
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
@@ -73,6 +82,8 @@ def run(args: argparse.Namespace, /) -> int:
 def _search(args) -> int:
     from jaxpar.analysis.search import search
     ranked, refused = search(args.model, args.devices, batch=args.batch, seq=args.seq, hardware=args.hardware,
+                             efficiency=args.efficiency, overlap=args.overlap, schedule=args.schedule,
+                             microbatches=args.microbatches, virtual_stages=args.virtual_stages,
                              **_overrides(args.overrides))
     if args.json:
         print(json.dumps({"candidates": [c.__dict__ for c in ranked],
@@ -80,11 +91,14 @@ def _search(args) -> int:
     else:
         print(f"{args.model}: {len(ranked)} layouts of {args.devices} devices ({len(refused)} cannot divide the "
               f"model), batch {args.batch} × seq {args.seq} on {args.hardware}; fitting ones first, fastest first")
-        print(f"{'rank':>4}  {'mesh':<40}{'memory GB':>10}{'fits':>6}{'step ms':>10}{'MFU':>7}")
+        print(f"{'rank':>4}  {'mesh':<40}{'memory GB':>10}{'fits':>6}{'step ms':>10}{'MFU':>7}  pipeline")
         for i, c in enumerate(ranked, 1):
             mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items()) or "one device"
+            pipe = "" if c.pipeline is None else (f"{c.pipeline['schedule']} m={c.pipeline['microbatches']}"
+                                                 f"{f' v={v}' if (v := c.pipeline['virtual_stages']) > 1 else ''}"
+                                                 f", bubble {c.pipeline['executor_bubble_fraction']:.0%}")
             print(f"{i:>4}  {mesh:<40}{c.memory_bytes / 1e9:>10.1f}{'yes' if c.fits else 'no':>6}"
-                  f"{c.predicted_step_s * 1e3:>10.1f}{c.predicted_mfu:>7.1%}")
+                  f"{c.predicted_step_s * 1e3:>10.1f}{c.predicted_mfu:>7.1%}  {pipe}".rstrip())
     if args.plot:
         plot_candidates(ranked, args.plot, title=f"{args.model}, {args.devices} × {args.hardware}")
     return 0
@@ -96,7 +110,8 @@ def plot_candidates(ranked, path: str, *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [",".join(f"{a[0]}{n}" for a, n in c.mesh.items()) or "1" for c in ranked]
+    short = {"stage": "p"}                                    # s is sequence
+    labels = [",".join(f"{short.get(a, a[0])}{n}" for a, n in c.mesh.items()) or "1" for c in ranked]
     groups = sorted({k for c in ranked for k in c.bytes_by_axis})
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, len(ranked) * 0.45), 7), sharex=True)
     top.bar(labels, [c.memory_bytes / 1e9 for c in ranked], color=["tab:green" if c.fits else "tab:red" for c in ranked])
@@ -128,7 +143,24 @@ def format_plan(p) -> str:
         lines.append(f"{key:<22}{p.link_by_axis.get(key, ''):<6}{got / gb:>13.3f}{want / gb:>12.3f}{ratio:>8}{flag}")
     t = p.times
     lines += ["", f"compute {t['compute_s'] * 1e3:.1f} ms, memory {t['memory_s'] * 1e3:.1f} ms, exposed "
-              f"communication {t['exposed_communication_s'] * 1e3:.1f} ms",
-              f"predicted step {p.predicted_step_s * 1e3:.1f} ms: {p.predicted_tokens_per_s:,.0f} tokens/s, "
+              f"communication {t['exposed_communication_s'] * 1e3:.1f} ms", *_pipeline_lines(p.pipeline, t)]
+    lines += [f"predicted step {p.predicted_step_s * 1e3:.1f} ms: {p.predicted_tokens_per_s:,.0f} tokens/s, "
               f"MFU {p.predicted_mfu:.1%} (efficiency {p.assumptions['efficiency']}, overlap {p.assumptions['overlap']})"]
     return "\n".join(lines)
+
+
+def _pipeline_lines(pipe, t) -> list[str]:
+    if pipe is None:
+        return []
+    d, mem = pipe["durations"], pipe["memory"]
+    return [f"pipeline {pipe['schedule']}: {pipe['stages']} stages × {pipe['microbatches']} microbatches"
+            f"{f' × {v} virtual stages' if (v := pipe['virtual_stages']) > 1 else ''}, {pipe['ticks']} ticks "
+            f"(F {d['F']:.2f}, B {d['B']:.2f}{f', W {w:.2f}' if (w := d.get('W')) else ''} chunk forwards)",
+            f"  bubble: executor {pipe['executor_bubble_fraction']:.1%} (used: stretches compute to "
+            f"{t['pipelined_s'] * 1e3:.1f} ms), lockstep {pipe['lockstep_bubble_fraction']:.1%}, ideal "
+            f"{pipe['bubble_fraction']:.1%}; peak in flight {pipe['peak_in_flight']}",
+            f"  stage sends: {pipe['sends']} per step of {pipe['stage_send_bytes'] / 1e6:.3f} MB "
+            f"(analytic {pipe['stage_send_bytes_analytic'] / 1e6:.3f} MB), {pipe['send_ticks']} ticks on the "
+            f"critical path: {pipe['stage_critical_path_bytes'] / 1e9:.3f} GB, exposed",
+            f"  memory per device: state {mem['state'] / 1e9:.2f} GB, activations {mem['activations'] / 1e9:.2f} GB "
+            f"(stage buffers {mem['stage_buffers'] / 1e9:.2f} GB)"]

@@ -9,19 +9,32 @@ Estimates per device (the same roofline as ``jaxpar.analysis.plan``, with analyt
              and float32 logits with their gradient (2 × 4 × tokens × V/t)
     traffic  the analytic minimum bytes per axis group (``costmodel.minimum_bytes``)
     compute  model FLOPs × 4/3 under full remat
+    pipeline candidates with ``stage`` > 1 (the layers must split evenly: the layout check refuses
+             the rest, naming ``model.num_layers`` and ``stage``): ``schedule`` (1f1b) over m microbatches
+             (default the largest m ≤ 4·p that cuts the batch into whole rows per device); compute and
+             memory the executor's (``costmodel.pipeline_costs``: stage-granular recompute, the LM head
+             on every stage), stretched by 1/(1 − the executor's bubble); stage sends exposed, counted on
+             the critical path (``jaxpar.analysis.plan``). The minimum traffic of the other axes ignores
+             what the executor adds to it: it gathers FSDP weights and reduces data/fsdp gradients once per
+             section rather than once per step (``jaxpar plan`` measures it and flags those groups), so
+             pipelines combined with fsdp or data rank optimistically here.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
-from jaxpar.analysis.costmodel import hbm_bytes, memory_estimate, minimum_bytes
+import numpy as np
+
+from jaxpar.analysis.costmodel import (hbm_bytes, memory_estimate, minimum_bytes, pipeline_costs, stage_input_bytes,
+                                      stage_sends)
 from jaxpar.analysis.hardware import get_hardware
-from jaxpar.analysis.plan import activations_of, predict
+from jaxpar.analysis.plan import activations_of, pipeline_for, predict
+from jaxpar.errors import JaxparError
 from jaxpar.mesh import AXES
-from jaxpar.rules import LayoutError
 
-SEARCH_AXES = tuple(a for a in AXES if a != "stage")      # pipelining is not searched (yet)
+SEARCH_AXES = AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +45,7 @@ class Candidate:
     predicted_step_s: float
     predicted_mfu: float
     bytes_by_axis: dict
+    pipeline: dict | None = None          # stage > 1: schedule, microbatches, virtual stages, bubbles
 
 
 def factorizations(n: int, axes: tuple[str, ...]) -> list[dict]:
@@ -41,33 +55,86 @@ def factorizations(n: int, axes: tuple[str, ...]) -> list[dict]:
     return [{axes[0]: d} | rest for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, axes[1:])]
 
 
-def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency=0.6, overlap=0.8):
-    """One candidate's ``Candidate`` (raises ``LayoutError`` when the layout cannot divide the model)."""
-    from jaxpar.layout import Layout
+def default_microbatches(stages: int, rows: int, schedule: str) -> int:
+    """The largest m ≤ 4·stages dividing the ``rows`` each batch-splitting device group gets (a multiple of
+    stages for interleaved); 4·stages when none does (then refused by the checks, with the numbers)."""
+    fits = [m for m in range(1, 4 * stages + 1) if rows % m == 0 and (schedule != "interleaved" or m % stages == 0)]
+    return max(fits) if rows >= 1 and fits else 4 * stages
+
+
+def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency=0.6, overlap=0.8,
+             schedule: str = "1f1b", microbatches: int | None = None, virtual_stages: int | None = None, base=None):
+    """One candidate's ``Candidate`` (raises ``LayoutError``/``ConfigError`` when the layout cannot divide
+    the model, or the pipeline the batch). ``base``: ``base_report(cfg)``, built once for many candidates."""
     from jaxpar.meshes import compose_rules
     from jaxpar.rules import Dim, check_layout
-    from jaxpar.shardings import param_shardings
 
     hw = get_hardware(hardware)
-    full = {a: mesh.get(a, 1) for a in ("stage", *SEARCH_AXES)}
+    full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
     spec = ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
     rules = compose_rules(spec, {a for a, n in mesh.items() if n > 1})
     dims = dict(cfg.logical_dims())
     dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
     rules = check_layout(dims, rules, full)
-    layout = Layout(_abstract_mesh(full), rules)
-    report = param_shardings(cfg, layout)
-    acts = activations_of(cfg, batch=batch, seq=seq)
+    acts, costs = _pipeline(cfg, full, rules, batch=batch, seq=seq, schedule=schedule, microbatches=microbatches,
+                            virtual_stages=virtual_stages)
+    report = resharded(base or base_report(cfg), rules, full)
     token_axes = {a for a in (*rules["batch"], *rules["inner_length"]) if full[a] > 1}
     traffic = minimum_bytes(report, acts, full, rules)
-    train_flops = cfg.flops_per_token(seq) * batch * seq / math.prod(full.values()) * (
-        4 / 3 if cfg.remat.value == "full" else 1.0)
+    n = math.prod(full.values())
+    model_flops = cfg.flops_per_token(seq) * batch * seq / n
+    train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if cfg.remat.value == "full" else 1.0)
+    stage_path = None
+    if costs:                             # the sends on the critical path, not their mean per device
+        send = stage_input_bytes(acts, full, rules)
+        mean = stage_sends(acts, full["stage"]) / full["stage"] * send
+        stage_path = traffic["stage"] - mean + costs["send_ticks"] * send
     times = predict(traffic, flops=train_flops, bytes_accessed=hbm_bytes(report, acts, full, token_axes), mesh=full,
-                    hw=hw, efficiency=efficiency, overlap=overlap)
+                    hw=hw, efficiency=efficiency, overlap=overlap,
+                    bubble=costs["executor_bubble_fraction"] if costs else 0.0, stage_bytes=stage_path)
     memory = memory_estimate(cfg, report, acts, full, token_axes)
-    mfu = cfg.flops_per_token(seq) * batch * seq / math.prod(full.values()) / (times["step_s"] * hw.peak_bf16_flops)
+    mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
     return Candidate({a: n for a, n in mesh.items() if n > 1}, memory <= hw.hbm_bytes, memory, times["step_s"], mfu,
-                     traffic)
+                     traffic, costs and {k: costs[k] for k in ("schedule", "microbatches", "virtual_stages", "ticks",
+                                                               "executor_bubble_fraction", "lockstep_bubble_fraction",
+                                                               "bubble_fraction", "peak_in_flight")})
+
+
+def _pipeline(cfg, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages):
+    """(Activations, ``pipeline_costs``) of a candidate; costs None without stage."""
+    p = mesh["stage"]
+    if p == 1:
+        return activations_of(cfg, batch=batch, seq=seq), None
+    v = virtual_stages or (2 if schedule == "interleaved" else 1)
+    ways = math.prod(mesh[a] for a in rules["batch"])
+    m = microbatches or default_microbatches(p, batch // ways if batch % ways == 0 else 0, schedule)
+    pipeline_for(cfg, mesh, rules, batch=batch, schedule=schedule, microbatches=m, virtual_stages=v)
+    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=(schedule, m, v))
+    return acts, pipeline_costs(cfg, acts, mesh, remat_full=cfg.remat.value == "full")
+
+
+def base_report(cfg):
+    """The model's parameters (paths, shapes, logical names) from one abstract build on one device."""
+    from jaxpar.layout import Layout
+    from jaxpar.meshes import compose_rules
+    from jaxpar.shardings import param_shardings
+    return param_shardings(cfg, Layout(_abstract_mesh({}), compose_rules("data=1", set())))
+
+
+def resharded(base, rules, mesh: dict) -> types.SimpleNamespace:
+    """``base``'s parameters with the specs and shard shapes ``rules`` give them on ``mesh``: what
+    ``jaxpar.shardings.param_shardings`` reports for that layout (names and shapes do not depend on it;
+    tests/test_plan.py checks the two agree), without building the model again for every candidate."""
+    from jaxpar.shardings import normalize_spec
+
+    params = []
+    for p in base.params:
+        spec = tuple(normalize_spec(rules.spec(p.names), len(p.shape)))
+        ways = [math.prod(mesh[a] for a in ((e,) if isinstance(e, str) else e or ())) for e in spec]
+        shard = tuple(n // w for n, w in zip(p.shape, ways))
+        params.append(dataclasses.replace(p, spec=spec, shard_shape=shard,
+                                          bytes_per_device=math.prod(shard) * np.dtype(p.dtype).itemsize))
+    return types.SimpleNamespace(params=tuple(params))
 
 
 def _abstract_mesh(shape: dict):
@@ -84,18 +151,25 @@ def _abstract_mesh(shape: dict):
     return jax.sharding.AbstractMesh(sizes, AXES)
 
 
-def search(model: str, devices: int, *, batch: int, seq: int, hardware: str, **overrides) -> tuple[list, list]:
+def search(model: str, devices: int, *, batch: int, seq: int, hardware: str, efficiency: float = 0.6,
+           overlap: float = 0.8, schedule: str | None = None, microbatches: int | None = None,
+           virtual_stages: int | None = None, **overrides) -> tuple[list, list]:
     """(ranked candidates: fitting ones by predicted step time, then the rest by memory; refused
-    factorizations with their reasons)."""
+    factorizations with their reasons). ``schedule``, ``microbatches``, ``virtual_stages``: the pipeline of
+    candidates with ``stage`` > 1 (defaults: 1f1b, ``default_microbatches``, 1)."""
     from jaxpar.models import get_model_preset
+    from jaxpar.pipeline.schedules import Schedule
 
     cfg = get_model_preset(model, **({"dtype": "bfloat16"} | overrides))
+    schedule = Schedule.parse(schedule or "1f1b", field="--schedule")
     axes = SEARCH_AXES if getattr(cfg, "moe", None) is not None else tuple(a for a in SEARCH_AXES if a != "expert")
-    ranked, refused = [], []
+    ranked, refused, base = [], [], base_report(cfg)
     for mesh in factorizations(devices, axes):
         try:
-            ranked.append(estimate(cfg, mesh, batch=batch, seq=seq, hardware=hardware))
-        except LayoutError as err:
+            ranked.append(estimate(cfg, mesh, batch=batch, seq=seq, hardware=hardware, efficiency=efficiency,
+                                   overlap=overlap, schedule=str(schedule), microbatches=microbatches,
+                                   virtual_stages=virtual_stages, base=base))
+        except JaxparError as err:
             refused.append((mesh, str(err)))
     ranked.sort(key=lambda c: (not c.fits, c.predicted_step_s if c.fits else c.memory_bytes))
     return ranked, refused

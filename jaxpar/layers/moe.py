@@ -144,9 +144,10 @@ def expert_slots(idx: jax.Array, num_experts: int, index: jax.Array | None = Non
     row, e.g. zig-zag context parallelism): token order is that order, so the same assignments drop
     however the layout stores the sequence."""
     if index is not None:
-        natural = jnp.argsort(index, axis=1)                                          # [B, T] stored positions
-        ranked = expert_slots(jnp.take_along_axis(idx, natural[..., None], axis=1), num_experts)
-        return jnp.take_along_axis(ranked, jnp.argsort(natural, axis=1)[..., None], axis=1)
+        by_place = jnp.broadcast_to(index[..., None], idx.shape)
+        ranked = expert_slots(jax.lax.sort((by_place, idx), dimension=1, num_keys=1)[1], num_experts)
+        by_store = jnp.broadcast_to(jnp.argsort(index, axis=1)[..., None], idx.shape)
+        return jax.lax.sort((by_store, ranked), dimension=1, num_keys=1)[1]
     b, t, k = idx.shape
     choice_major = jnp.swapaxes(idx, 1, 2).reshape(b, k * t)                          # [B, k·T]
     hot = jax.nn.one_hot(choice_major, num_experts, dtype=jnp.int32)                 # [B, k·T, E]

@@ -52,8 +52,10 @@ def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_
 
 
 def ragged_exchange_available(mesh) -> bool:
-    """Whether the mesh's backend runs ``ragged_all_to_all`` (GPU and TPU do, XLA:CPU does not)."""
-    return mesh.devices.flat[0].platform != "cpu"
+    """Whether the mesh's backend runs ``ragged_all_to_all`` (GPU and TPU do, XLA:CPU does not). An
+    abstract mesh (inside the pipeline's ``shard_map``) runs on the default backend."""
+    concrete = isinstance(mesh, jax.sharding.Mesh)
+    return (mesh.devices.flat[0].platform if concrete else jax.default_backend()) != "cpu"
 
 
 def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:

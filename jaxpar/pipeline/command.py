@@ -5,7 +5,8 @@
     jaxpar pipeline --stages 4 --microbatches 8 --schedule zero_bubble --times 1,1,0.5 --json
 
 The bubble is measured twice: ``ideal``, every op starting as soon as its inputs are there (the papers'
-pictures), and ``lockstep``, every tick lasting as long as its slowest op (an SPMD executor). Numpy only.
+pictures), and ``lockstep``, every tick lasting as long as its slowest op (an SPMD executor; jaxpar's is
+that, except that its zero_bubble W ticks cost B + W: ``executor_bubble_fraction``). Numpy only.
 """
 from __future__ import annotations
 

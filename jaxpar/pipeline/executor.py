@@ -7,12 +7,14 @@ arrives as each stage's own layers; everything else (embedding, final norm, LM h
 non-trained state) is replicated over ``stage``.
 
 A ``lax.scan`` runs the table's ticks, so compile time does not grow with the number of microbatches.
-A tick has up to three sections: F (forward), B (backward: the input gradient, and the weight gradient
-too unless the schedule splits it off) and W (weight gradient). A section runs when *any* stage has that
-action in the tick, and then on *every* stage; a stage keeps the result only when the action is its own.
-The reason: an automatic axis's collective (an FSDP gather, a tensor all-reduce) is one operation over
-all stages' groups, so a branch that some stages skip would leave the others waiting for ever (XLA:CPU
-hangs in its rendezvous). A section's predicate depends on the tick only, so every device branches alike.
+A tick runs one section on *every* stage, chosen by the tick alone (``tick_sections``): forward only
+when the tick has F actions and no backward one; otherwise one ``vjp`` of each stage's chunk from its
+own input, from which an F stage keeps the output, a B stage the input gradient (and the weight gradient
+unless the schedule splits it off) and a W stage the weight gradient; the rest is masked away. (Split
+schedules run the input-gradient-only vjp in ticks without W.) So a tick costs its most expensive action,
+never the sum of F and B. The reason for one section everywhere: an automatic axis's collective (an FSDP
+gather, a tensor all-reduce) is one operation over all stages' groups, so a branch that some stages skip
+would leave the others waiting for ever (XLA:CPU hangs in its rendezvous).
 After the sections each stage sends its forward output to the next stage and its input gradient to the
 previous one (``ppermute``) and files what arrives in the buffer slot the table names. Only the pairs
 whose message is used at that tick send (one ``ppermute`` per distinct pair list, chosen by a switch on
@@ -22,9 +24,12 @@ chunk boundary.
 What a stage keeps per microbatch in flight is its chunk's *input* (``acts``, as many slots as the table
 needs: O(p) for 1F1B-like schedules, m for GPipe) and the cotangent that came back (``grads``). B and W
 recompute the chunk's forward from the input (remat at stage granularity; the model's remat policy still
-applies inside), so no residuals outlive a tick. The embedding runs in the F and B of model chunk 0 and
-the final norm, LM head and loss in those of the last chunk: on every stage (masked), since they hold
-collectives of the automatic axes. Weight gradients accumulate in float32.
+applies inside), so no residuals outlive a tick; that recomputed forward is also the F stages' forward in
+a mixed tick. The embedding runs with model chunk 0 and the final norm, LM head and loss with the last
+chunk: in every vjp section on every stage (masked), since they hold collectives of the automatic axes.
+Weight gradients accumulate in float32. Layers before the pipelined stack (DeepSeek's dense prefix) run
+before the schedule with the embedding, each stage taking m/p of the microbatches (``_prologue``); model
+chunk 0 starts from their output, and its input gradients flow back through them after the schedule.
 """
 from __future__ import annotations
 
@@ -53,18 +58,20 @@ class PipelineResult:
     grads: nnx.State             # mean over microbatches, in the parameters' dtypes
 
 
-def check_stack(model_cfg, stages: int, virtual: int) -> None:
+def check_stack(model_cfg, stages: int, virtual: int, microbatches: int | None = None) -> None:
     """Refuses, naming the fields, a model whose pipelined stack does not split into stages × virtual
-    stages equal chunks, or whose layers are not one stack."""
-    if getattr(model_cfg, "first_dense_layers", 0):
-        raise ConfigError(f"model.first_dense_layers={model_cfg.first_dense_layers}: a stack of dense layers before "
-                          f"the MoE layers is not pipelined yet (mesh stage={stages}); set "
-                          "model.first_dense_layers=0 or use a mesh without stage")
-    layers = getattr(model_cfg, "num_moe_layers", model_cfg.num_layers)
+    stages equal chunks, or (with a dense prefix) whose microbatches do not split over the stages."""
+    prefix = getattr(model_cfg, "first_dense_layers", 0)
+    layers = model_cfg.num_layers - prefix
     if layers % (stages * virtual):
-        raise ConfigError(f"model.num_layers={model_cfg.num_layers} is not divisible by mesh stage={stages} × "
+        field = "model.num_layers - first_dense_layers" if prefix else "model.num_layers"
+        raise ConfigError(f"{field}={layers} is not divisible by mesh stage={stages} × "
                           f"pipeline.virtual_stages={virtual} = {stages * virtual}: every model chunk needs the "
                           "same number of layers")
+    if prefix and microbatches is not None and microbatches % stages:
+        raise ConfigError(f"model.first_dense_layers={prefix}: the dense prefix runs before the schedule with the "
+                          f"microbatches split over the stages, so pipeline.microbatches={microbatches} must be "
+                          f"divisible by mesh stage={stages}")
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
@@ -81,7 +88,27 @@ def _table_arrays(table) -> dict:
                 chunk=np.maximum(table.chunk, 0).astype(np.int32),
                 act=clamp(table.act_slot, table.act_slots), grad=clamp(table.grad_slot, table.grad_slots),
                 frecv=clamp(table.fwd_recv_slot, table.act_slots), brecv=clamp(table.bwd_recv_slot, table.grad_slots),
-                any_f=(table.op == F).any(1), any_b=(table.op == B).any(1), any_w=(table.op == W).any(1))
+                section=tick_sections(table))
+
+
+def tick_sections(table) -> np.ndarray:
+    """[ticks]: the one section each tick runs on every stage, as an index into the executor's list
+    (idle, forward, [input-gradient vjp when the table splits the backward,] full vjp): the cheapest that
+    covers every stage's op in the tick."""
+    op = table.op
+    any_f, any_b, any_w = ((op == o).any(1) for o in (F, B, W))
+    full = 3 if table.split_backward else 2
+    if table.split_backward:
+        return np.where(any_w, full, np.where(any_b, 2, np.where(any_f, 1, 0))).astype(np.int32)
+    return np.where(any_b, full, np.where(any_f, 1, 0)).astype(np.int32)
+
+
+def executor_bubble_fraction(table, t_f: float, t_b: float, t_w: float | None = None) -> float:
+    """The idle share of stage time when this executor runs ``table``: a tick lasts as long as its
+    section (``tick_sections``): ``t_f`` the forward, ``t_b`` the vjp (in split tables the input-gradient
+    one, and ``t_w`` the full one, which W actions need). Each action's own time is its useful work."""
+    cost = np.array([0.0, t_f, t_b] + ([t_w] if table.split_backward else []))[tick_sections(table)]
+    return float(1 - table.busy_time(t_f, t_b, t_w) / (table.stages * cost.sum()))
 
 
 def pipeline_grads(model: nnx.Module, ids: jax.Array, targets: jax.Array, table, /, *, mesh,
@@ -98,11 +125,20 @@ def pipeline_grads(model: nnx.Module, ids: jax.Array, targets: jax.Array, table,
     order = layer_order(num_layers, p, v)
     if v > 1:                                     # interleaved: stage s's chunks side by side
         sp, sr = jax.tree.map(lambda a: jnp.take(a, order, axis=0), (sp, sr))
-    body = _stage_body(graphdef, model.pipeline_stack, table, num_layers // (p * v), losses)
-    run = jax.shard_map(body, mesh=mesh, axis_names={AXIS}, check_vma=False,
-                        in_specs=(P(AXIS), P(), P(AXIS), P(), P(), P()),
-                        out_specs=(P(AXIS), P(), P(), P(), P(AXIS)))
-    dsp, dop, ce, z, stats = run(sp, op, sr, orest, ids, targets)
+    stored = model.storage_order(ids.shape[-1])
+    if stored is not None:               # zig-zag: tokens and targets in storage order, once, outside the stages
+        ids, targets = ids[..., stored], targets[..., stored]
+    prefixed = model.prefix_stack is not None
+    body = _stage_body(graphdef, model.pipeline_stack, table, num_layers // (p * v), losses, prefixed)
+    specs = (P(AXIS), P(), P(AXIS), P(), P(), P())
+    run = jax.shard_map(body, mesh=mesh, axis_names={AXIS}, check_vma=False, in_specs=specs + (P(),) * prefixed,
+                        out_specs=(P(AXIS), P(), P(), P(), P(AXIS)) + (P(AXIS),) * prefixed)
+    if prefixed:                       # the embedding and the dense prefix, before the schedule
+        start, prologue_vjp = jax.vjp(lambda o: _prologue(graphdef, sp, o, sr, orest, ids, mesh=mesh), op)
+        dsp, dop, ce, z, stats, dstart = run(sp, op, sr, orest, ids, targets, start)
+        dop = jax.tree.map(jnp.add, dop, prologue_vjp(dstart[0])[0])
+    else:
+        dsp, dop, ce, z, stats = run(sp, op, sr, orest, ids, targets)
     if v > 1:
         inverse = np.argsort(order)
         dsp, stats = jax.tree.map(lambda a: jnp.take(a, inverse, axis=0), (dsp, stats))
@@ -110,6 +146,20 @@ def pipeline_grads(model: nnx.Module, ids: jax.Array, targets: jax.Array, table,
     grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, nnx.merge_state(sp, op))   # seeded with 1/m
     stats = None if stats is None else jax.tree.map(lambda a: a / m, stats)
     return PipelineResult(ce / m, z / m, stats, grads)
+
+
+def _prologue(graphdef, sp, op, sr, orest, ids, *, mesh):
+    """What enters model chunk 0 for every microbatch, ids [m, b, T] -> [m, b, T, D]: the embedding and
+    the layers before the pipelined stack. Each stage runs m/p of the microbatches (the stage axis is a
+    batch axis here); the result is gathered for stage 0."""
+    def local(sp, op, sr, orest, ids):
+        def one(ids_i):
+            model = nnx.merge(graphdef, *_here((sp, op, sr, orest)))
+            ids_i, positions, index, _ = model.inputs(ids_i, stored=True)
+            return model.prefix(model.embed(ids_i), positions, index)
+        return jax.lax.map(one, ids)
+    return jax.shard_map(local, mesh=mesh, axis_names={AXIS}, check_vma=False,
+                         in_specs=(P(AXIS), P(), P(AXIS), P(), P(AXIS)), out_specs=P(AXIS))(sp, op, sr, orest, ids)
 
 
 def _here(tree):
@@ -139,8 +189,9 @@ def _zeros_f32(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
-def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callable):
-    """The per-stage program (inside ``shard_map``, manual over ``stage``)."""
+def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callable, prefixed: bool):
+    """The per-stage program (inside ``shard_map``, manual over ``stage``). ``prefixed``: model chunk 0
+    starts from ``start`` [m, b, T, D] (``_prologue``), and the program also returns its gradient."""
     p, v, m = table.stages, table.virtual_stages, table.microbatches
     last_chunk, split = p * v - 1, table.split_backward
     xs = _table_arrays(table)
@@ -148,73 +199,85 @@ def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callab
     bwd_sends, xs["send_b"] = send_patterns(table.bwd_recv_slot, +1)
     n = per_chunk
 
-    def body(sp, op, sr, orest, ids, targets):
+    def body(sp, op, sr, orest, ids, targets, start=None):
         s = jax.lax.axis_index(AXIS)
+
+        def chunk_input(c, k):
+            x = c["acts"][k["act"]]
+            return jnp.where(k["first"], start[k["i"]], x) if prefixed else x
 
         def forward(sp_c, op_, x_in, k):
             """Chunk ``k["j"]`` from x_in (or microbatch i's embedding on model chunk 0):
-            (model, x_out, weighted auxiliary loss, MoE statistics, storage order)."""
+            (model, x_out, weighted auxiliary loss, MoE statistics); ids and targets are in storage order."""
             model = nnx.merge(graphdef, *_here((sp_c, op_, _rows(sr, k["j"], n), orest)))
-            ids_i, positions, index, order = model.inputs(ids[k["i"]])
-            x = constrain(jnp.where(k["first"], model.embed(ids_i), x_in), ("batch", "length", "act_embed"))
+            ids_i, positions, index, _ = model.inputs(ids[k["i"]], stored=True)
+            x = x_in if prefixed else jnp.where(k["first"], model.embed(ids_i), x_in)
+            x = constrain(x, ("batch", "length", "act_embed"))
             x, aux, stats = model.run_stack(getattr(model, stack_name), x, positions, index)
-            return model, x, aux, stats, order
+            return model, x, aux, stats
 
         def objective(sp_c, op_, x_in, k):
             """``forward`` and the loss on the last model chunk:
             ((x_out, objective), (cross_entropy, z_loss, MoE statistics))."""
-            model, x, aux, stats, order = forward(sp_c, op_, x_in, k)
-            targets_i = targets[k["i"]] if order is None else targets[k["i"]][:, order]
-            ce, z = losses(model.head(x), targets_i)
+            model, x, aux, stats = forward(sp_c, op_, x_in, k)
+            ce, z = losses(model.head(x), targets[k["i"]])
             ce, z = jnp.where(k["last"], ce, 0.0), jnp.where(k["last"], z, 0.0)
             return (x, ce + z + aux), (ce, z, stats)
 
         def f_section(c, k):
-            _, x, _, stats, _ = forward(_rows(sp, k["j"], n), op, c["acts"][k["act"]], k)
-            if stats is not None:
-                c = c | {"stats": _add_rows(c["stats"], stats, k["j"], n, k["op"] == F)}
-            return c, x
+            _, x, _, stats = forward(_rows(sp, k["j"], n), op, chunk_input(c, k), k)
+            return _kept_stats(c, k, stats), x, jnp.zeros_like(x)
 
-        def b_section(c, k):
-            x_in, dy = c["acts"][k["act"]], _cotangent(c, k)
-            keep = k["op"] == B
-            if split:                             # input gradient only: the weights are constants here
-                _, vjp, (ce, z, _) = jax.vjp(lambda x: objective(_rows(sp, k["j"], n), op, x, k), x_in, has_aux=True)
-                (dx,) = vjp((dy, jnp.float32(1 / m)))
-            else:
-                _, vjp, (ce, z, _) = jax.vjp(lambda w, o, x: objective(w, o, x, k), _rows(sp, k["j"], n), op, x_in,
-                                             has_aux=True)
+        def vjp_section(c, k, weights: bool):
+            """Every stage's chunk forward and backward from its own input: F keeps the output, B the input
+            gradient (and the weight gradient unless the schedule splits it off), W the weight gradient."""
+            x_in, dy, w = chunk_input(c, k), _cotangent(c, k), _rows(sp, k["j"], n)
+            if weights:
+                (x, _), vjp, (ce, z, stats) = jax.vjp(lambda w, o, x: objective(w, o, x, k), w, op, x_in,
+                                                      has_aux=True)
                 dw, do, dx = vjp((dy, jnp.float32(1 / m)))
+                keep = k["op"] == (W if split else B)
                 c = c | {"dsp": _add_rows(c["dsp"], dw, k["j"], n, keep), "dop": _add(c["dop"], do, keep)}
-            return c | {"ce": c["ce"] + jnp.where(keep, ce, 0.0), "z": c["z"] + jnp.where(keep, z, 0.0)}, dx
+            else:                                 # input gradients only: the weights are constants here
+                (x, _), vjp, (ce, z, stats) = jax.vjp(lambda x: objective(w, op, x, k), x_in, has_aux=True)
+                (dx,) = vjp((dy, jnp.float32(1 / m)))
+            keep = k["op"] == B
+            if prefixed:
+                c = c | {"dstart": c["dstart"].at[k["i"]].add(jnp.where(keep & k["first"], dx, 0))}
+            c = c | {"ce": c["ce"] + jnp.where(keep, ce, 0.0), "z": c["z"] + jnp.where(keep, z, 0.0)}
+            return _kept_stats(c, k, stats), x, dx
 
-        def w_section(c, k):
-            x_in, dy = c["acts"][k["act"]], _cotangent(c, k)
-            _, vjp, _ = jax.vjp(lambda w, o: objective(w, o, x_in, k), _rows(sp, k["j"], n), op, has_aux=True)
-            dw, do = vjp((dy, jnp.float32(1 / m)))
-            keep = k["op"] == W
-            return c | {"dsp": _add_rows(c["dsp"], dw, k["j"], n, keep), "dop": _add(c["dop"], do, keep)}, None
+        def _kept_stats(c, k, stats):      # MoE statistics count at the microbatch's forward
+            if stats is None:
+                return c
+            return c | {"stats": _add_rows(c["stats"], stats, k["j"], n, k["op"] == F)}
 
         def _cotangent(c, k):             # the last chunk's output goes nowhere: its loss is the seed
             return jnp.where(k["last"], jnp.zeros_like(c["grads"][0]), c["grads"][k["grad"]])
+
+        def idle(c, k):
+            zero = jnp.zeros_like(c["grads"][0])
+            return c, zero, zero
+
+        sections = [idle, f_section] + [lambda c, k: vjp_section(c, k, False)] * split + [
+            lambda c, k: vjp_section(c, k, True)]
 
         def tick(c, row):
             k = {name: row[name][s] for name in ("op", "mb", "chunk", "act", "grad")}
             g = k["chunk"] * p + s
             k |= {"i": k["mb"], "j": k["chunk"], "first": g == 0, "last": g == last_chunk}
-            zero = jnp.zeros_like(c["grads"][0])
-            c, send_f = _section(row["any_f"], f_section, c, k, zero)
-            c, send_b = _section(row["any_b"], b_section, c, k, zero)
-            if split:
-                c, _ = _section(row["any_w"], w_section, c, k, None)
+            c, send_f, send_b = jax.lax.switch(row["section"], sections, c, k)
             fwd, bwd = _send(row["send_f"], fwd_sends, send_f), _send(row["send_b"], bwd_sends, send_b)
             return c | {"acts": c["acts"].at[row["frecv"][s]].set(fwd),
                         "grads": c["grads"].at[row["brecv"][s]].set(bwd)}, None
 
         carry = _initial_carry(graphdef, stack_name, sp, op, sr, orest, ids, table, n)
+        if prefixed:
+            carry["dstart"] = jnp.zeros_like(start)
         carry, _ = jax.lax.scan(tick, carry, {k: jnp.asarray(a) for k, a in xs.items()})
         psum = lambda x: jax.lax.psum(x, AXIS)
-        return carry["dsp"], psum(carry["dop"]), psum(carry["ce"]), psum(carry["z"]), carry["stats"]
+        out = carry["dsp"], psum(carry["dop"]), psum(carry["ce"]), psum(carry["z"]), carry["stats"]
+        return out + ((carry["dstart"][None],) if prefixed else ())
     return body
 
 
@@ -234,13 +297,6 @@ def _send(which, patterns: list[tuple], x):
     depends on the tick only, so every device takes the same branch."""
     branches = [jnp.zeros_like] + [lambda x, pairs=pairs: jax.lax.ppermute(x, AXIS, list(pairs)) for pairs in patterns]
     return jax.lax.switch(which, branches, x)
-
-
-def _section(run, fn, c, k, zero):
-    """``fn(c, k)`` on every stage when ``run`` (the same on all devices), else ``(c, zero)``."""
-    if zero is None:
-        return jax.lax.cond(run, lambda c: (fn(c, k)[0], None), lambda c: (c, None), c)
-    return jax.lax.cond(run, lambda c: fn(c, k), lambda c: (c, zero), c)
 
 
 def _initial_carry(graphdef, stack_name, sp, op, sr, orest, ids, table, n: int) -> dict:

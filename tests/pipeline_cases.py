@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from invariance import assert_same_gradients, one_device, train_steps
 from jaxpar.meshes import resolve_mesh_arg
@@ -49,6 +50,15 @@ def reference(name: str, m: int):
     if (name, m) not in _REFERENCES:
         _REFERENCES[name, m] = one_device(model(name), tokens(name), grad_accum=m)
     return _REFERENCES[name, m]
+
+
+def invariance_test(cases):
+    """The parametrized test of ``cases`` [(model, schedule, p, m, v, mesh)], for a test module to bind
+    as ``test_pipeline_equals_one_device``."""
+    @pytest.mark.parametrize("name,schedule,p,m,v,mesh", cases, ids=[case_id(c) for c in cases])
+    def test(name, schedule, p, m, v, mesh):
+        check_case(name, schedule, p, m, v, mesh)
+    return test
 
 
 def check_case(name: str, schedule: str, p: int, m: int, v: int, mesh: str) -> None:

@@ -17,7 +17,7 @@ from jaxpar.models import get_model_preset
 from jaxpar.pipeline import build
 from jaxpar.train.config import apply_overrides, default_config
 from jaxpar.train.loop import plan_layout
-from pipeline_cases import case_id, check_case
+from pipeline_cases import invariance_test
 from pipeline_cases import model as _model
 
 # (model, schedule, stages, microbatches, virtual stages, mesh): every schedule at p ∈ {2, 4} and
@@ -43,10 +43,7 @@ CASES = [
     ("tiny-ulysses", "1f1b", 2, 2, 1, "stage=2,data=2,sequence=2"),
 ]
 
-
-@pytest.mark.parametrize("name,schedule,p,m,v,mesh", CASES, ids=[case_id(c) for c in CASES])
-def test_pipeline_equals_one_device(name, schedule, p, m, v, mesh):
-    check_case(name, schedule, p, m, v, mesh)
+test_pipeline_equals_one_device = invariance_test(CASES)
 
 
 def _plan(*overrides: str, model: str = "tiny", mesh: str = "stage=2,tensor=4"):

@@ -7,9 +7,7 @@ Tolerance: gradients 1e-5 of each parameter's largest entry, except tiny-deepsee
 gradient is summed over the 4 stages' microbatches in another order than one device's running sum, and
 Adam turns that rounding into a small difference of the step-3 weights.
 """
-import pytest
-
-from pipeline_cases import case_id, check_case
+from pipeline_cases import invariance_test
 
 CASES = [
     ("tiny-moe", "gpipe", 2, 2, 1, "stage=2,data=2,expert=2"),
@@ -24,7 +22,4 @@ CASES = [
     ("tiny-deepseek", "gpipe", 4, 4, 1, "stage=4,fsdp=2"),
 ]
 
-
-@pytest.mark.parametrize("name,schedule,p,m,v,mesh", CASES, ids=[case_id(c) for c in CASES])
-def test_pipeline_equals_one_device(name, schedule, p, m, v, mesh):
-    check_case(name, schedule, p, m, v, mesh)
+test_pipeline_equals_one_device = invariance_test(CASES)

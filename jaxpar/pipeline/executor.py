@@ -189,6 +189,29 @@ def _zeros_f32(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
+def _chunk_programs(graphdef, stack_name: str, sr, orest, ids, targets, losses: Callable, n: int, prefixed: bool):
+    """(forward, objective) of one model chunk on this stage, for the action ``k`` (a dict of the tick's
+    microbatch i, local chunk j and whether the chunk is the model's first or last)."""
+    def forward(sp_c, op_, x_in, k):
+        """Chunk ``k["j"]`` from x_in (or microbatch i's embedding on model chunk 0):
+        (model, x_out, weighted auxiliary loss, MoE statistics); ids and targets are in storage order."""
+        model = nnx.merge(graphdef, *_here((sp_c, op_, _rows(sr, k["j"], n), orest)))
+        ids_i, positions, index, _ = model.inputs(ids[k["i"]], stored=True)
+        x = x_in if prefixed else jnp.where(k["first"], model.embed(ids_i), x_in)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        x, aux, stats = model.run_stack(getattr(model, stack_name), x, positions, index)
+        return model, x, aux, stats
+
+    def objective(sp_c, op_, x_in, k):
+        """``forward`` and the loss on the last model chunk:
+        ((x_out, objective), (cross_entropy, z_loss, MoE statistics))."""
+        model, x, aux, stats = forward(sp_c, op_, x_in, k)
+        ce, z = losses(model.head(x), targets[k["i"]])
+        ce, z = jnp.where(k["last"], ce, 0.0), jnp.where(k["last"], z, 0.0)
+        return (x, ce + z + aux), (ce, z, stats)
+    return forward, objective
+
+
 def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callable, prefixed: bool):
     """The per-stage program (inside ``shard_map``, manual over ``stage``). ``prefixed``: model chunk 0
     starts from ``start`` [m, b, T, D] (``_prologue``), and the program also returns its gradient."""
@@ -206,23 +229,7 @@ def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callab
             x = c["acts"][k["act"]]
             return jnp.where(k["first"], start[k["i"]], x) if prefixed else x
 
-        def forward(sp_c, op_, x_in, k):
-            """Chunk ``k["j"]`` from x_in (or microbatch i's embedding on model chunk 0):
-            (model, x_out, weighted auxiliary loss, MoE statistics); ids and targets are in storage order."""
-            model = nnx.merge(graphdef, *_here((sp_c, op_, _rows(sr, k["j"], n), orest)))
-            ids_i, positions, index, _ = model.inputs(ids[k["i"]], stored=True)
-            x = x_in if prefixed else jnp.where(k["first"], model.embed(ids_i), x_in)
-            x = constrain(x, ("batch", "length", "act_embed"))
-            x, aux, stats = model.run_stack(getattr(model, stack_name), x, positions, index)
-            return model, x, aux, stats
-
-        def objective(sp_c, op_, x_in, k):
-            """``forward`` and the loss on the last model chunk:
-            ((x_out, objective), (cross_entropy, z_loss, MoE statistics))."""
-            model, x, aux, stats = forward(sp_c, op_, x_in, k)
-            ce, z = losses(model.head(x), targets[k["i"]])
-            ce, z = jnp.where(k["last"], ce, 0.0), jnp.where(k["last"], z, 0.0)
-            return (x, ce + z + aux), (ce, z, stats)
+        forward, objective = _chunk_programs(graphdef, stack_name, sr, orest, ids, targets, losses, n, prefixed)
 
         def f_section(c, k):
             _, x, _, stats = forward(_rows(sp, k["j"], n), op, chunk_input(c, k), k)

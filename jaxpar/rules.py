@@ -23,6 +23,9 @@ Activation names:
     act_embed    D of activations         act_heads / act_kv_heads   N / K of activations
     act_mlp      F of activations         act_vocab  V of logits
     act_experts  E of MoE dispatch buffers [E, C, D] (tokens gathered per expert)
+KV-cache names (generation, ``jaxpar.inference``):
+    cache_batch     sequences of the cache       cache_length   its slots (positions)
+    cache_kv_heads  K of a GQA cache (an MLA cache, one latent per token, has none)
 ``None`` in a names tuple means "never sharded".
 """
 from __future__ import annotations
@@ -42,7 +45,8 @@ PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers"
               "experts", "q_lora", "kv_lora")
 ACTIVATION_AXES = ("batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads",
                    "act_mlp", "act_vocab", "act_experts")
-LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
+CACHE_AXES = ("cache_batch", "cache_length", "cache_kv_heads")
+LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES + CACHE_AXES
 
 
 

@@ -15,9 +15,10 @@ import dataclasses
 import json
 import math
 
-from jaxpar.rules import ACTIVATION_AXES, LOGICAL_AXES, PARAM_AXES, Dim, Rules
+from jaxpar.rules import ACTIVATION_AXES, CACHE_AXES, LOGICAL_AXES, PARAM_AXES, Dim, Rules
 
-GROUPS = (("params", "parameters", PARAM_AXES), ("activations", "activations", ACTIVATION_AXES))
+GROUPS = (("params", "parameters", PARAM_AXES), ("activations", "activations", ACTIVATION_AXES),
+          ("cache", "KV cache", CACHE_AXES))
 
 
 def axes_text(axes: tuple[str, ...], /) -> str:

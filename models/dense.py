@@ -24,6 +24,7 @@ from jaxpar.config import Choice, DType, check_choices
 from jaxpar.errors import ConfigError
 from jaxpar.layers import Attention, AttentionConfig, AttentionImpl, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
 from jaxpar.layers.common import param
+from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, Step
 from jaxpar.parallel.attention import ContextParallel, TokenOrder, storage_order
 from jaxpar.parallel.common import inverse_order
 from jaxpar.rules import Dim, constrain
@@ -144,13 +145,23 @@ class Block(nnx.Module):
         """The block's second half (families with another feed-forward override this)."""
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
 
-    def _attend(self, x: jax.Array, positions: jax.Array, index: jax.Array) -> jax.Array:
-        return x + checkpoint_name(self.attn(self.attn_norm(x), positions, index), "attn_out")
+    def _attend(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None):
+        """x plus attention; (x, cache) with a KV cache (generation)."""
+        h = self.attn(self.attn_norm(x), positions, index, cache=cache, step=step)
+        if cache is not None:
+            h, cache = h
+        return x + checkpoint_name(h, "attn_out"), cache
 
-    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array) -> jax.Array:
-        x = self._attend(x, positions, index)
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "length", "act_embed"))
+    def _feed_forward(self, x: jax.Array, index: jax.Array):
+        """x plus the feed-forward half: what the block returns (MoE blocks add their statistics)."""
+        return constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "length", "act_embed"))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None):
+        """x [B, T, D] -> the block's output; with a KV ``cache`` (``jaxpar.layers.kvcache``) the pair
+        (output, updated cache)."""
+        x, cache = self._attend(x, positions, index, cache, step)
+        out = self._feed_forward(x, index)
+        return out if cache is None else (out, cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +197,18 @@ def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs:
         body = nnx.remat(body, policy=remat.policy(), prevent_cse=False)
     out_axes = (nnx.Carry, 0) if per_layer_outputs else nnx.Carry
     return nnx.scan(body, in_axes=(nnx.Carry, 0, None, None), out_axes=out_axes)(x, blocks, positions, index)
+
+
+def scan_cached(blocks, x, positions, cache, step: Step):
+    """Runs stacked ``blocks`` over x with their stacked KV ``cache`` (a leading layers axis):
+    (x, updated cache). Positions are the tokens' own (no storage order in generation)."""
+    def body(x, block, cache, positions, lengths):
+        out, cache = block(x, positions, positions, cache, Step(step.mode, lengths))
+        return (out[0] if isinstance(out, tuple) else out), cache     # MoE blocks: (x, stats)
+
+    lengths = jnp.zeros(x.shape[:1], jnp.int32) if step.lengths is None else step.lengths
+    return nnx.scan(body, in_axes=(nnx.Carry, 0, 0, None, None), out_axes=(nnx.Carry, 0))(
+        x, blocks, cache, positions, lengths)
 
 
 class DenseLM(nnx.Module):
@@ -262,3 +285,48 @@ class DenseLM(nnx.Module):
         x, aux_loss, stats = self._blocks(self.embed(ids), positions, index)        # x: [B, T, D]
         logits = self.head(x)
         return ForwardOutput(logits, order, aux_loss, stats)
+
+    # ------------------------------------------------------------------------------------ generation
+    def cache_stacks(self) -> tuple[str, ...]:
+        """The stacked layers that keep a KV cache, by attribute name, in the order they run."""
+        return tuple(n for n in (self.prefix_stack, self.pipeline_stack) if n)
+
+    def empty_cache(self, batch: int, slots: int) -> dict:
+        """A zero KV cache for ``batch`` sequences: {stack: KVCache or LatentCache with a leading layers
+        axis}. ``slots`` is the longest sequence; a sliding window keeps at most the window."""
+        cfg = self.cfg
+        s = min(slots, cfg.sliding_window or slots)
+        out = {}
+        for name in self.cache_stacks():
+            prefix = getattr(cfg, "first_dense_layers", 0)
+            n = prefix if name == self.prefix_stack else cfg.num_layers - prefix
+            if cfg.uses_mla:
+                mla = cfg.mla
+                out[name] = LatentCache(jnp.zeros((n, batch, s, mla.kv_lora_rank), cfg.dtype),
+                                        jnp.zeros((n, batch, s, mla.qk_rope_head_dim), cfg.dtype))
+            else:
+                shape = (n, batch, s, cfg.num_kv_heads, cfg.head_dim)
+                out[name] = KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+        return out
+
+    def _cached(self, ids: jax.Array, positions: jax.Array, cache: dict, step: Step):
+        """Embedding and every stack with its cache: (x [B, T, D], updated cache)."""
+        x, new = self.embed(ids), {}
+        for name in self.cache_stacks():
+            x, new[name] = scan_cached(getattr(self, name), x, positions, cache[name], step)
+        return x, new
+
+    def prefill(self, ids: jax.Array, lengths: jax.Array, cache: dict):
+        """Prompts ids [B, T] right-padded (row b's are the first lengths[b]) -> (float32 logits [B, V] of
+        each prompt's last token, the cache holding the prompts). No storage order: positions are natural."""
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        x, cache = self._cached(ids, positions, cache, Step(PREFILL, lengths))
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)             # [B, 1, D]
+        return self.head(last)[:, 0, :self.cfg.vocab_size], cache
+
+    def decode(self, ids: jax.Array, positions: jax.Array, cache: dict):
+        """New tokens ids [B, T] at positions [B, T] (T = 1 when decoding) -> (float32 logits [B, T, V],
+        the cache with them appended)."""
+        x, cache = self._cached(ids, positions, cache, Step(DECODE))
+        return self.head(x)[..., :self.cfg.vocab_size], cache
+

@@ -113,8 +113,7 @@ class MoEBlock(Block):
     def _init_feed_forward(self, cfg: MoEModelConfig, rngs: nnx.Rngs, kw: dict) -> None:
         self.moe = MoE(cfg.embed_dim, cfg.moe, rngs=rngs, **kw)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array):
-        x = self._attend(x, positions, index)
+    def _feed_forward(self, x: jax.Array, index: jax.Array):
         y, stats = self.moe(self.mlp_norm(x), index)
         return constrain(x + y, ("batch", "length", "act_embed")), stats
 

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.layers.common import param, zeros
+from jaxpar.layers.kvcache import DECODE, KVCache, Step, filled, gqa_decode
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.config import Choice, check_choices
 from jaxpar.layers.rope import RopeScaling, YarnScaling, apply_rope, rope_frequencies
@@ -79,16 +80,28 @@ class Attention(nnx.Module):
             y = getattr(self, f"{name}_norm")(y)
         return constrain(y, ("batch", "inner_length", heads_axis, None))
 
-    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array | None = None, *,
+                 cache: KVCache | None = None, step: Step | None = None):
         """x [B, T, D]; positions [B, T] for RoPE; index [B, T]: each stored token's place in the
-        original sequence (differs from the storage order under zig-zag context parallelism)."""
+        original sequence (differs from the storage order under zig-zag context parallelism).
+        With a ``cache`` (generation, see ``jaxpar.layers.kvcache``) returns (y, the updated cache)."""
         x = constrain(x, ("batch", "inner_length", "act_embed"))                    # x: [B, T, D]
         q = apply_rope(self._project(x, "q", "act_heads"), positions, self.inv_freq)      # [B, T, N, H]
         k = apply_rope(self._project(x, "k", "act_kv_heads"), positions, self.inv_freq)   # [B, T, K, H]
         v = self._project(x, "v", "act_kv_heads")                                         # [B, T, K, H]
         index = positions if index is None else index
-        out = context_attention(q, k, v, index, strategy=self.cfg.context_parallel, window=self.cfg.sliding_window,
-                                implementation=self.cfg.implementation)
+        window = self.cfg.sliding_window
+        if cache is not None and step.mode == DECODE:
+            out, cache = gqa_decode(q, k, v, cache, positions, window=window)
+        else:
+            out = context_attention(q, k, v, index, strategy=self.cfg.context_parallel, window=window,
+                                    implementation=self.cfg.implementation)
+            if cache is not None:                                                  # prefill
+                slots = cache.k.shape[1]
+                heads = ("batch", "inner_length", "act_kv_heads", None)
+                cache = KVCache(*(constrain(filled(constrain(a, heads), step.lengths, slots), KVCache.NAMES)
+                                  for a in (k, v)))
         out = constrain(out, ("batch", "inner_length", "act_heads", None))          # [B, T, N, H]
         y = jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(self.dtype))
-        return constrain(y, ("batch", "length", "act_embed"))
+        y = constrain(y, ("batch", "length", "act_embed"))
+        return y if cache is None else (y, cache)

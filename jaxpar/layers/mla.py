@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.layers.common import param
+from jaxpar.layers.kvcache import DECODE, LatentCache, Step, filled, mla_decode
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.errors import ConfigError
 from jaxpar.layers.attention import AttentionConfig
@@ -146,9 +147,11 @@ class MLA(nnx.Module):
         y = apply_rope(x, positions, self.inv_freq)
         return y if gain == 1.0 else y * jnp.asarray(gain, y.dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array | None = None, *,
+                 cache: LatentCache | None = None, step: Step | None = None):
         """x [B, T, D]; positions [B, T] for RoPE; index [B, T]: each stored token's place in the original
-        sequence (the causal mask; differs from storage order under zig-zag context parallelism)."""
+        sequence (the causal mask; differs from storage order under zig-zag context parallelism). With a
+        ``cache`` (generation, see ``jaxpar.layers.kvcache``) returns (y, the updated cache)."""
         cfg = self.cfg
         hn, rkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         x = constrain(x, ("batch", "inner_length", "act_embed"))                       # [B, T, D]
@@ -159,23 +162,43 @@ class MLA(nnx.Module):
             q = jnp.einsum("btr,rnh->btnh", cq, self._w(self.q_b))
         q = constrain(q, HEADS)                                                          # [B, T, N, Hq]
         ckv = constrain(x @ self._w(self.kv_a), TOKENS)                                  # [B, T, Rkv + Hr]
-        kv = jnp.einsum("btr,rnh->btnh", self.kv_a_norm(ckv[..., :rkv]), self._w(self.kv_b))
-        kv = constrain(kv, HEADS)                                                        # [B, T, N, Hn + Hv]
+        latent = self.kv_a_norm(ckv[..., :rkv])                                          # [B, T, Rkv]
         gain, scale = mla_scales(cfg, self.attn.rope_scaling)
         q_nope, q_rope = q[..., :hn], self._rope(q[..., hn:], positions, gain)
-        k_nope, v = kv[..., :hn], kv[..., hn:]
         k_rope = self._rope(ckv[..., None, rkv:], positions, gain)                       # [B, T, 1, Hr]
-        index = positions if index is None else index
-        if self.attn.context_parallel == "none" and self.attn.implementation is None:
-            out = _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale)
+        if cache is not None and step.mode == DECODE:
+            out, cache = self._decode(q_nope, q_rope, latent, k_rope[:, :, 0], cache, positions, scale)
         else:
-            k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
-            q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), HEADS)
-            k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), HEADS)
-            out = self._padded_attention(q, k, v, index, scale)
+            out = self._attention(q_nope, q_rope, latent, k_rope, positions if index is None else index, scale)
+            if cache is not None:                                                       # prefill
+                slots = cache.latent.shape[1]
+                cache = LatentCache(*(constrain(filled(a, step.lengths, slots), LatentCache.NAMES)
+                                      for a in (latent, k_rope[:, :, 0])))
         out = constrain(out, HEADS)                                                      # [B, T, N, Hv]
         y = jnp.einsum("btnh,nhd->btd", out, self._w(self.o))
-        return constrain(y, ("batch", "length", "act_embed"))
+        y = constrain(y, ("batch", "length", "act_embed"))
+        return y if cache is None else (y, cache)
+
+    def _attention(self, q_nope, q_rope, latent, k_rope, index, scale: float) -> jax.Array:
+        """Training and prefill: per-head keys and values from the latent, then causal attention."""
+        hn = self.cfg.qk_nope_head_dim
+        kv = constrain(jnp.einsum("btr,rnh->btnh", latent, self._w(self.kv_b)), HEADS)  # [B, T, N, Hn + Hv]
+        k_nope, v = kv[..., :hn], kv[..., hn:]
+        if self.attn.context_parallel == "none" and self.attn.implementation is None:
+            return _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale)
+        k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
+        q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), HEADS)
+        k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), HEADS)
+        return self._padded_attention(q, k, v, index, scale)
+
+    def _decode(self, q_nope, q_rope, latent, rope_key, cache: LatentCache, positions, scale: float):
+        """Decoding over the latent cache with kv_b absorbed: keys through the query (q_nope · W_k),
+        values through the output (weights · latents) · W_v."""
+        w = self._w(self.kv_b)                                                            # [Rkv, N, Hn + Hv]
+        hn = self.cfg.qk_nope_head_dim
+        q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, w[..., :hn])                      # [B, T, N, Rkv]
+        mixed, cache = mla_decode(q_latent, q_rope, latent, rope_key, cache, positions, scale=scale)
+        return jnp.einsum("btnr,rnh->btnh", mixed, w[..., hn:]), cache
 
     def _padded_attention(self, q, k, v, index, scale: float) -> jax.Array:
         """``context_attention`` with q/k [B, T, N, Hq] and v [B, T, N, Hv] zero-padded to one width H."""

@@ -1,0 +1,1 @@
+"""Generation: KV cache, prefill/decode, samplers."""

@@ -55,7 +55,7 @@ def softmax_combine(scores: jax.Array, valid: jax.Array, values: jax.Array, spec
     slots are split. scores float32 [..., S_local]; valid broadcasts against them; ``spec`` the einsum of
     the weights with ``values`` giving [..., V] (the scores' leading axes, then the value width)."""
     scores = jnp.where(valid, scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))     # a shift: no gradient flows
     if axis:
         m = jax.lax.pmax(m, axis)
     weights = jnp.exp(scores - m)                  # empty slots: exp(-inf) = 0

@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "convert": "jaxpar.convert.command",
     "plan": "jaxpar.analysis.plan_command",
     "pipeline": "jaxpar.pipeline.command",
+    "generate": "jaxpar.inference.command",
 }
 
 

@@ -67,13 +67,13 @@ def _rule_lines(out: str) -> list[str]:
 
 def test_rules_table(capsys):
     """No model: the preset's table as written in meshes/ (fsdp_tp: embed/batch over fsdp, Megatron over
-    tensor), parameters then activations, 12 + 9 lines; the -1 axis filled from --devices (no devices used)."""
+    tensor), parameters, activations and the KV cache, 12 + 9 + 3 lines; the -1 axis filled from --devices."""
     assert main(["shardings", "--rules", "fsdp_tp", "--devices", "64"]) == 0
     out = capsys.readouterr().out
     assert "mesh fsdp=-1,tensor=2 on 64 devices: fsdp=32, tensor=2" in out
     assert out.index("parameters (12 logical axes)") < out.index("activations (9 logical axes)")
     lines = [" ".join(line.split()) for line in _rule_lines(out)]
-    assert lines[:3] == ["vocab -> tensor", "embed -> fsdp", "heads -> tensor"] and len(lines) == 21
+    assert lines[:3] == ["vocab -> tensor", "embed -> fsdp", "heads -> tensor"] and len(lines) == 24
     assert lines[12:14] == ["batch -> fsdp", "length -> tensor"]
     assert "experts -> replicated" in lines and "*" not in out
 

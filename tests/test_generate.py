@@ -158,6 +158,9 @@ def test_decode_layouts_agree_and_never_replicate_the_cache(single_device_runs, 
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     assert total == per_token * BATCH * slots
     assert sorted(set(per_device.values())) == [total // devices], per_device      # split, not replicated
+    if mesh == "prefill_cp":       # the slot-split cache is read where it lies: partial softmaxes combined
+        decode_hlo = gen._programs(BATCH, bucket(14), slots)[1].as_text()
+        assert "all-reduce" in decode_hlo and "all-gather" not in decode_hlo
 
 
 def test_partial_softmax_decode_equals_dense_attention_forward_and_gradient():
@@ -257,6 +260,17 @@ def test_bad_requests_are_refused_before_anything_runs(tiny_gen, prompts, new, m
     with pytest.raises(ConfigError, match=match):
         tiny_gen.generate(prompts, max_new_tokens=new)
     assert tiny_gen._compiled == compiled
+
+
+def test_per_prompt_settings_must_match_the_prompts(tiny_gen):
+    from jaxpar.inference.sampling import SamplingParams
+
+    with pytest.raises(ConfigError, match="stop_ids: 1 lists for 2 prompts"):
+        tiny_gen.generate([[1], [2]], max_new_tokens=2, stop_ids=[[3]])
+    with pytest.raises(ConfigError, match="made for a batch of 3, given 2"):
+        tiny_gen.generate([[1], [2]], max_new_tokens=2, sampling=SamplingParams.make(3))
+    with pytest.raises(ConfigError, match="max_new_tokens: 3 values for 2 prompts"):
+        tiny_gen.generate([[1], [2]], max_new_tokens=[2, 2, 2])
 
 
 def test_a_decode_layout_that_cannot_divide_is_refused(tiny_gen):

@@ -29,7 +29,6 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.inference.layouts import InferenceLayout, build_inference_mesh, check_inference_layout, reshard, weight_layout
 from jaxpar.inference.sampling import SamplingParams, sample
-from jaxpar.layers.kvcache import KVCache
 from jaxpar.rules import trace_layout
 
 MIN_BUCKET = 16
@@ -40,22 +39,62 @@ def bucket(n: int, /, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def for_generation(model, *, sequence_split: bool = False):
-    """``model`` (its state shared, not copied) with the settings generation needs: no remat, natural
-    token order, dropless MoE routing, and ring attention for prefill when positions are split."""
-    from jaxpar.models import build_model
+def generation_config(cfg, *, sequence_split: bool = False):
+    """``cfg`` with the settings generation needs: no remat, natural token order, dropless MoE routing,
+    and ring attention for prefill when positions are split (``sequence_split``)."""
     from jaxpar.models.dense import Remat
     from jaxpar.parallel.attention import ContextParallel, TokenOrder
 
-    cfg = model.cfg
     changes = dict(remat=Remat.NONE, cp_order=TokenOrder.CONTIGUOUS)
     if sequence_split and cfg.context_parallel == ContextParallel.NONE:
         changes["context_parallel"] = ContextParallel.RING
     if hasattr(cfg, "moe"):
         changes["moe"] = dataclasses.replace(cfg.moe, capacity_factor=None)
-    cfg = dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(cfg, **changes)
+
+
+def for_generation(model, *, sequence_split: bool = False):
+    """``model`` (its state shared, not copied) rebuilt with ``generation_config``."""
+    from jaxpar.models import build_model
+
+    cfg = generation_config(model.cfg, sequence_split=sequence_split)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, nnx.state(model))
+
+
+def check_request(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:
+    """Refuses, from the config alone, what cannot be generated; names the field and the numbers."""
+    if not prompts:
+        raise ConfigError("prompts: none given")
+    if len(max_new_tokens) != len(prompts):
+        raise ConfigError(f"max_new_tokens: {len(max_new_tokens)} values for {len(prompts)} prompts")
+    for i, (p, n) in enumerate(zip(prompts, max_new_tokens)):
+        if len(p) == 0:
+            raise ConfigError(f"prompt {i}: empty (a prompt needs at least one token)")
+        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, model.vocab_size="
+                              f"{cfg.vocab_size})")
+        if n < 1:
+            raise ConfigError(f"max_new_tokens (--max-new-tokens) = {n} for prompt {i} must be ≥ 1")
+        if len(p) + n > cfg.max_seq_len:
+            raise ConfigError(f"prompt {i}: {len(p)} tokens + max_new_tokens (--max-new-tokens) {n} = {len(p) + n} "
+                              f"exceeds model.max_seq_len={cfg.max_seq_len}")
+
+
+def shapes(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> tuple[int, int]:
+    """(prompt bucket, cache slots) of a request: what it compiles for."""
+    longest = max(map(len, prompts))
+    return bucket(longest), bucket(longest + max(max_new_tokens))
+
+
+def check_fit(cfg, mesh, name: str, prompts, max_new_tokens) -> InferenceLayout:
+    """``check_request``, then the decode layout on ``mesh`` checked for this request's shapes (from the
+    config alone: nothing loaded or compiled). Raises ``ConfigError`` / ``LayoutError``."""
+    check_request(cfg, prompts, max_new_tokens)
+    prompt, slots = shapes(prompts, max_new_tokens)
+    gen_cfg = generation_config(cfg, sequence_split=mesh.shape["sequence"] > 1)
+    return check_inference_layout(gen_cfg, mesh, name, batch=len(prompts), prompt=prompt, slots=slots)
 
 
 @dataclasses.dataclass
@@ -85,7 +124,8 @@ class Generator:
     one device). The weights are moved onto the decode layout with one reshard."""
 
     def __init__(self, model, mesh: str | None = None, *, devices=None, eos_ids: Sequence[int] = ()):
-        devices = jax.devices()[:1] if mesh is None else devices
+        if mesh is None:                              # one device
+            devices = list(jax.devices() if devices is None else devices)[:1]
         self.mesh_name, self.mesh = build_inference_mesh(mesh or "decode_dp", devices=devices)
         self.model = for_generation(model, sequence_split=self.mesh.shape["sequence"] > 1)
         self.cfg = self.model.cfg
@@ -143,22 +183,8 @@ class Generator:
 
     # ------------------------------------------------------------------------------------ generation
     def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:
-        """Refuses, before anything runs, what cannot be generated; names the field and the numbers."""
-        cfg = self.cfg
-        if not prompts:
-            raise ConfigError("prompts: none given")
-        for i, (p, n) in enumerate(zip(prompts, max_new_tokens)):
-            if len(p) == 0:
-                raise ConfigError(f"prompt {i}: empty (a prompt needs at least one token)")
-            bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
-            if bad:
-                raise ConfigError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, model.vocab_size="
-                                  f"{cfg.vocab_size})")
-            if n < 1:
-                raise ConfigError(f"max_new_tokens (--max-new-tokens) = {n} for prompt {i} must be ≥ 1")
-            if len(p) + n > cfg.max_seq_len:
-                raise ConfigError(f"prompt {i}: {len(p)} tokens + max_new_tokens (--max-new-tokens) {n} = {len(p) + n} "
-                                  f"exceeds model.max_seq_len={cfg.max_seq_len}")
+        """``check_request`` for this generator's model."""
+        check_request(self.cfg, prompts, max_new_tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
                  sampling: SamplingParams | None = None, stop_ids: Sequence[Sequence[int]] | None = None,
@@ -167,13 +193,15 @@ class Generator:
         with each new token of every row as soon as it is on the host (streaming)."""
         b = len(prompts)
         limit = [max_new_tokens] * b if isinstance(max_new_tokens, int) else [int(n) for n in max_new_tokens]
-        if len(limit) != b:
-            raise ConfigError(f"max_new_tokens: {len(limit)} values for {b} prompts")
         self.check(prompts, limit)
-        stops = [frozenset(self.eos_ids)] * b if stop_ids is None else [self.eos_ids | set(s) for s in stop_ids]
+        if stop_ids is not None and len(stop_ids) != b:
+            raise ConfigError(f"stop_ids: {len(stop_ids)} lists for {b} prompts (one per prompt)")
         sampling = SamplingParams.greedy(b) if sampling is None else sampling
+        if sampling.temperature.shape != (b,):
+            raise ConfigError(f"sampling: made for a batch of {sampling.temperature.shape[0]}, given {b} prompts")
+        stops = [frozenset(self.eos_ids)] * b if stop_ids is None else [self.eos_ids | set(s) for s in stop_ids]
         lengths = np.array([len(p) for p in prompts], np.int32)
-        prompt, slots = bucket(int(lengths.max())), bucket(int(lengths.max()) + max(limit))
+        prompt, slots = shapes(prompts, limit)
         t0 = time.perf_counter()
         prefill, decode = self._programs(b, prompt, slots)
         compile_s = time.perf_counter() - t0

@@ -125,7 +125,12 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> j
     token depends only on its own logits, settings, seed and position.
     """
     logits = logits.astype(jnp.float32)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, positions)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, params))
-    greedy = jnp.argmax(logits, axis=-1)
-    return jnp.where(params.temperature == 0, greedy, drawn).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, positions)
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, params))
+        return jnp.where(params.temperature == 0, greedy, drawn).astype(jnp.int32)
+
+    # An all-greedy batch skips the per-row sort (a branch taken at run time: still one program).
+    return jax.lax.cond(jnp.all(params.temperature == 0), lambda _: greedy, draw, None)

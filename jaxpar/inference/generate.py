@@ -138,10 +138,13 @@ class Generator:
     def layout(self, batch: int, prompt: int, slots: int) -> InferenceLayout:
         return check_inference_layout(self.cfg, self.mesh, self.mesh_name, batch=batch, prompt=prompt, slots=slots)
 
-    def _cache_shardings(self, layout: InferenceLayout, batch: int, slots: int):
-        shapes = jax.eval_shape(lambda: self.model.empty_cache(batch, slots))
-        return {k: type(c)(*[layout.sharding((None,) + c.NAMES) for _ in dataclasses.fields(c)])
-                for k, c in shapes.items()}
+    def _abstract_cache(self, layout: InferenceLayout, batch: int, slots: int) -> dict:
+        """The cache's shapes and dtypes, each placed by its logical names under ``layout``."""
+        def placed(c):
+            return type(c)(*[jax.ShapeDtypeStruct(getattr(c, f.name).shape, getattr(c, f.name).dtype,
+                                                  sharding=layout.sharding((None,) + c.NAMES))
+                             for f in dataclasses.fields(c)])
+        return {k: placed(c) for k, c in jax.eval_shape(lambda: self.model.empty_cache(batch, slots)).items()}
 
     def _programs(self, batch: int, prompt: int, slots: int):
         """(prefill, decode) compiled for this shape (compiled once, then kept)."""
@@ -153,7 +156,8 @@ class Generator:
     def _compile(self, batch: int, prompt: int, slots: int):
         layout = self.layout(batch, prompt, slots)
         graphdef, mesh = self.graphdef, layout.mesh
-        cache_sh = self._cache_shardings(layout, batch, slots)
+        cache = self._abstract_cache(layout, batch, slots)
+        cache_sh = jax.tree.map(lambda c: c.sharding, cache)
         rows = layout.sharding(("batch",))
         params_sh = jax.tree.map(lambda _: rows, SamplingParams.greedy(batch))
 
@@ -175,8 +179,6 @@ class Generator:
         out = (rows, rows, cache_sh)
         pre = jax.jit(prefill, out_shardings=out)
         pre = pre.lower(state, i32(batch, prompt), i32(batch), params).compile()
-        cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             jax.eval_shape(lambda: self.model.empty_cache(batch, slots)), cache_sh)
         dec = jax.jit(decode, donate_argnums=(1,), out_shardings=out)
         dec = dec.lower(state, cache, i32(batch), i32(batch), params).compile()
         return pre, dec

@@ -18,6 +18,15 @@ GQA caches K and V, [B, S, K, H] each. MLA caches what it needs to rebuild them:
 keys into the query and that of values into the output, so per-head keys and values never exist.
 Every cache array carries logical names (``cache_batch``, ``cache_length``, ``cache_kv_heads``), with a
 leading stacked-layers axis that is never split.
+
+Paged caches (``PagedKVCache``, ``PagedLatentCache``; the serving engine's) keep one pool of pages
+[P, page, ...] shared by all sequences and a page table [B, W] per call: row b's position p lives in
+page table[b, p // page], at p mod page. Decoding writes the new tokens there, gathers each row's pages
+into a dense [B, W·page, ...] cache (slots past the row's newest position zeroed: a stale page may hold
+anything, NaN included, and 0·NaN would poison the softmax-weighted sum) and runs the same attention
+code as the dense cache, so paged and dense attention agree bit for bit. Page 0 is the all-zero null
+page that unused table entries point at (``jaxpar.inference.pages``). Query positions < 0 are padding:
+nothing is written for them and their outputs are meaningless but finite.
 """
 from __future__ import annotations
 
@@ -52,6 +61,28 @@ class LatentCache:
     NAMES = ("cache_batch", "cache_length", None)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """One GQA layer's page pool and this call's page table (stacked: leading layers axes)."""
+    k: jax.Array        # [P, page, K, H]
+    v: jax.Array        # [P, page, K, H]
+    table: jax.Array    # [B, W] int32 page ids
+
+    NAMES = (None, None, "cache_kv_heads", None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLatentCache:
+    """One MLA layer's page pool of latents and rope keys, and this call's page table."""
+    latent: jax.Array     # [P, page, R]
+    rope_key: jax.Array   # [P, page, Hr]
+    table: jax.Array      # [B, W] int32 page ids
+
+    NAMES = (None, None, None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """How a layer uses its cache in this call: ``mode`` (prefill or decode) and, for prefill, the
@@ -76,8 +107,53 @@ def filled(x: jax.Array, lengths: jax.Array, slots: int) -> jax.Array:
     return jnp.where((held >= 0).reshape(b, slots, *tail), picked, 0)
 
 
+def page_write(pool: jax.Array, new: jax.Array, positions: jax.Array, table: jax.Array) -> jax.Array:
+    """pool [P, page, ...] with new [B, T, ...] written at positions [B, T] through table [B, W];
+    padding (position < 0) and positions past the table are dropped."""
+    size, width = pool.shape[1], table.shape[1]
+    index = positions // size
+    page = jnp.take_along_axis(table, jnp.clip(index, 0, width - 1), axis=1)
+    page = jnp.where((positions >= 0) & (index < width), page, pool.shape[0])             # dropped
+    return pool.at[page, jnp.mod(positions, size)].set(new.astype(pool.dtype), mode="drop")
+
+
+def page_gather(pool: jax.Array, table: jax.Array, limit: jax.Array) -> jax.Array:
+    """Row b's pages as a dense cache [B, W·page, ...], slots ≥ limit[b] zeroed."""
+    b, width = table.shape
+    x = pool[table].reshape(b, width * pool.shape[1], *pool.shape[2:])
+    held = (jnp.arange(x.shape[1])[None, :] < limit[:, None]).reshape(b, x.shape[1], *(1,) * (x.ndim - 2))
+    return jnp.where(held, x, 0)
+
+
+def _paged(pools: tuple, new: tuple, table, positions):
+    """Write ``new`` into ``pools`` and gather them densely: (dense caches, pools, attention positions)."""
+    pools = tuple(page_write(p, x, positions, table) for p, x in zip(pools, new))
+    limit = jnp.max(positions, axis=1) + 1
+    return tuple(page_gather(p, table, limit) for p in pools), pools, jnp.maximum(positions, 0)
+
+
+def _gqa_attend(q, ck, cv, positions, *, offset, slots: int, window, axis):
+    """Grouped queries q [B, T, K, G, H] over cache slots ck/cv [B, S, K, H] (already written)."""
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, ck, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    ok = visible(positions, offset, ck.shape[1], slots, window)[:, None, None]          # [B, 1, 1, T, S]
+    out = softmax_combine(scores, ok, cv, "bkgts,bskh->bkgth", axis)
+    return jnp.einsum("bkgth->btkgh", out)
+
+
+def paged_gqa_decode(q, k, v, cache: PagedKVCache, positions, *, window: int | None):
+    """``gqa_decode`` over a page pool: same arguments and results."""
+    b, t, n, h = q.shape
+    q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)
+    (ck, cv), (pk, pv), seen = _paged((cache.k, cache.v), (k, v), cache.table, positions)
+    out = _gqa_attend(q, ck, cv, seen, offset=0, slots=ck.shape[1], window=window, axis=None)
+    pools = (constrain(a, PagedKVCache.NAMES) for a in (pk, pv))
+    return out.reshape(b, t, n, h), PagedKVCache(*pools, cache.table)
+
+
 def gqa_decode(q, k, v, cache: KVCache, positions, *, window: int | None) -> tuple[jax.Array, KVCache]:
     """q [B, T, N, H], new k/v [B, T, K, H] at positions [B, T] -> (attention output [B, T, N, H], cache)."""
+    if isinstance(cache, PagedKVCache):
+        return paged_gqa_decode(q, k, v, cache, positions, window=window)
     b, t, n, h = q.shape
     kv, slots = k.shape[2], cache.k.shape[1]
     flat = ("cache_batch", None, "cache_kv_heads", None)     # q and the output in the cache's layout
@@ -85,10 +161,7 @@ def gqa_decode(q, k, v, cache: KVCache, positions, *, window: int | None) -> tup
 
     def body(q, k, v, ck, cv, positions, *, offset, axis):
         ck, cv = write(ck, k, positions, offset, slots), write(cv, v, positions, offset, slots)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, ck, preferred_element_type=jnp.float32) * h ** -0.5
-        ok = visible(positions, offset, ck.shape[1], slots, window)[:, None, None]      # [B, 1, 1, T, S]
-        out = softmax_combine(scores, ok, cv, "bkgts,bskh->bkgth", axis)
-        return jnp.einsum("bkgth->btkgh", out), ck, cv
+        return _gqa_attend(q, ck, cv, positions, offset=offset, slots=slots, window=window, axis=axis), ck, cv
 
     grouped, token = ("cache_batch", None, "cache_kv_heads", None, None), ("cache_batch", None, "cache_kv_heads", None)
     names = (grouped, token, token, KVCache.NAMES, KVCache.NAMES, ("cache_batch", None))
@@ -97,20 +170,29 @@ def gqa_decode(q, k, v, cache: KVCache, positions, *, window: int | None) -> tup
     return constrain(out.reshape(b, t, n, h), flat), KVCache(ck, cv)
 
 
+def _mla_attend(ql, qr, cc, ckr, positions, *, offset, slots: int, scale: float, axis):
+    """Absorbed MLA queries over latent slots cc [B, S, R] and rope keys ckr [B, S, Hr]."""
+    f32 = jnp.float32
+    scores = (jnp.einsum("btnr,bsr->bnts", ql, cc, preferred_element_type=f32)
+              + jnp.einsum("btnh,bsh->bnts", qr, ckr, preferred_element_type=f32)) * scale
+    ok = visible(positions, offset, cc.shape[1], slots, None)[:, None]                  # [B, 1, T, S]
+    out = softmax_combine(scores, ok, cc, "bnts,bsr->bntr", axis)
+    return jnp.einsum("bntr->btnr", out)
+
+
 def mla_decode(q_latent, q_rope, latent, rope_key, cache: LatentCache, positions, *, scale: float):
     """MLA with absorbed up-projections: q_latent [B, T, N, R] (q_nope · W_k), q_rope [B, T, N, Hr], new
     latent [B, T, R] and rope_key [B, T, Hr] at positions [B, T] -> (softmax-weighted latents [B, T, N, R]
     for the caller to project by W_v, cache)."""
+    if isinstance(cache, PagedLatentCache):
+        (cc, ckr), pools, seen = _paged((cache.latent, cache.rope_key), (latent, rope_key), cache.table, positions)
+        out = _mla_attend(q_latent, q_rope, cc, ckr, seen, offset=0, slots=cc.shape[1], scale=scale, axis=None)
+        return out, PagedLatentCache(*pools, cache.table)
     slots = cache.latent.shape[1]
 
     def body(ql, qr, c, kr, cc, ckr, positions, *, offset, axis):
         cc, ckr = write(cc, c, positions, offset, slots), write(ckr, kr, positions, offset, slots)
-        f32 = jnp.float32
-        scores = (jnp.einsum("btnr,bsr->bnts", ql, cc, preferred_element_type=f32)
-                  + jnp.einsum("btnh,bsh->bnts", qr, ckr, preferred_element_type=f32)) * scale
-        ok = visible(positions, offset, cc.shape[1], slots, None)[:, None]              # [B, 1, T, S]
-        out = softmax_combine(scores, ok, cc, "bnts,bsr->bntr", axis)
-        return jnp.einsum("bntr->btnr", out), cc, ckr
+        return _mla_attend(ql, qr, cc, ckr, positions, offset=offset, slots=slots, scale=scale, axis=axis), cc, ckr
 
     heads, token = ("cache_batch", None, None, None), ("cache_batch", None, None)
     names = (heads, heads, token, token, LatentCache.NAMES, LatentCache.NAMES, ("cache_batch", None))

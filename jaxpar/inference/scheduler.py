@@ -1,0 +1,199 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+The scheduler is host code with no model in it; the engine turns a ``Plan`` into device calls and
+reports the sampled tokens back with ``finish_step``. Per step:
+
+1. **Every running sequence that has its prompt in the cache decodes one token.** Its next position
+   gets a page first; when the pool is empty the most recently admitted other sequence is preempted
+   (its pages freed, it goes back to the front of the queue and is recomputed later: prompt and the
+   tokens it generated become its new prompt). The oldest sequences keep running.
+2. **Prompts go in chunks.** A prompt is cut at multiples of ``chunk`` positions counted from 0, whatever
+   else is running, so a request computes the same chunks alone or in a crowd (the tests rely on it);
+   the last chunk is the remainder (the engine pads it to a bucket). A chunk runs only if it fits in
+   what is left of the step's ``token_budget`` after the decodes; a sequence in the middle of its prompt
+   continues before a new one is admitted.
+3. **Admission** is first come, first served (the queue's head waits rather than being overtaken, so
+   nothing starves) while a slot is free, the head's first chunk fits in the budget and pages.
+
+``token_budget ≥ max_slots + chunk`` is required: the decodes of all other slots and one full chunk
+always fit, so a prompt always makes progress.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Sequence
+
+from jaxpar.inference.pages import OutOfPages, PagedAllocator
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request and its progress. ``tokens`` = prompt + generated."""
+    id: object
+    prompt: Sequence[int]
+    max_new_tokens: int
+    stop_ids: frozenset = frozenset()            # EOS ids and the request's own stop ids
+    tokens: list = dataclasses.field(default_factory=list)
+    computed: int = 0                            # positions whose K/V are in the cache
+    generated: int = 0
+    status: Status = Status.WAITING
+    slot: int | None = None
+    finish_reason: str | None = None             # "stop", "length" (max tokens or cache full)
+    preemptions: int = 0
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+
+    @property
+    def prefilled(self) -> bool:
+        """The whole current sequence but its last token is in the cache: the next step decodes."""
+        return self.computed >= len(self.tokens) - (1 if self.generated else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def last(self) -> bool:
+        """The chunk ends the prompt: its last position's logits give the first generated token."""
+        return self.start + self.length == len(self.request.tokens)
+
+
+@dataclasses.dataclass
+class Plan:
+    decode: list[Request]
+    chunks: list[Chunk]
+    preempted: list[Request]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, allocator: PagedAllocator, *, max_slots: int, token_budget: int, chunk: int,
+                 max_length: int):
+        if token_budget < max_slots + chunk:
+            raise ValueError(f"token_budget={token_budget} must be ≥ max_slots + chunk = {max_slots + chunk}")
+        self.pages, self.max_slots, self.budget, self.chunk = allocator, max_slots, token_budget, chunk
+        self.max_length = max_length             # positions a sequence may hold (its page table's reach)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []         # in admission order
+        self.free_slots = list(range(max_slots))
+
+    def add(self, request: Request) -> None:
+        if not 0 < len(request.prompt) < self.max_length:
+            raise ValueError(f"request {request.id!r}: prompt of {len(request.prompt)} tokens; the cache holds "
+                             f"{self.max_length} positions per sequence")
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # --------------------------------------------------------------------------------- planning
+    def schedule(self) -> Plan:
+        plan = Plan([], [], [])
+        for r in list(self.running):
+            if r.status is Status.RUNNING and r.prefilled and self._grow(r, r.computed + 1, plan):
+                plan.decode.append(r)
+        left = self.budget - len(plan.decode)
+        for r in list(self.running):
+            if r.status is Status.RUNNING and not r.prefilled:
+                left -= self._continue(r, left, plan)
+        while self.waiting and self.free_slots and left > 0:
+            used = self._admit(self.waiting[0], left, plan)
+            if not used:
+                break
+            left -= used
+        return plan
+
+    def _next_chunk(self, r: Request) -> int:
+        end = min(len(r.tokens), (r.computed // self.chunk + 1) * self.chunk)
+        return end - r.computed
+
+    def _continue(self, r: Request, left: int, plan: Plan) -> int:
+        n = self._next_chunk(r)
+        if n > left or not self._grow(r, r.computed + n, plan, may_preempt=False):
+            return 0
+        plan.chunks.append(Chunk(r, r.computed, n))
+        return n
+
+    def _admit(self, r: Request, left: int, plan: Plan) -> int:
+        r.computed = self.pages.admit(r.id, r.tokens)
+        n = self._next_chunk(r)
+        if n > left or not self._grow(r, r.computed + n, plan, may_preempt=False):
+            self.pages.free(r.id)
+            r.computed = 0
+            return 0
+        self.waiting.popleft()
+        r.status, r.slot = Status.RUNNING, self.free_slots.pop(0)
+        self.running.append(r)
+        plan.chunks.append(Chunk(r, r.computed, n))
+        return n
+
+    def _grow(self, r: Request, length: int, plan: Plan, *, may_preempt: bool = True) -> bool:
+        """Pages for ``r`` up to ``length``. When the pool is empty and ``may_preempt``, the youngest
+        running sequence is preempted, until ``r`` gets its pages or is itself the youngest (then it is
+        preempted, and False returned)."""
+        while True:
+            try:
+                self.pages.reserve(r.id, length)
+                return True
+            except OutOfPages:
+                if not may_preempt:
+                    return False
+                youngest = self.running[-1]
+                self._preempt(youngest, plan)
+                if youngest is r:
+                    return False
+
+    def _preempt(self, r: Request, plan: Plan) -> None:
+        self.pages.free(r.id)
+        self.running.remove(r)
+        self.free_slots.append(r.slot)
+        r.status, r.slot, r.computed = Status.WAITING, None, 0
+        r.preemptions += 1
+        self.waiting.appendleft(r)
+        for part in (plan.decode, plan.chunks):
+            part[:] = [x for x in part if (x.request if isinstance(x, Chunk) else x) is not r]
+        plan.preempted.append(r)
+
+    # ---------------------------------------------------------------------------------- results
+    def finish_step(self, plan: Plan, sampled: dict) -> list[Request]:
+        """Record a step: ``sampled[id]`` is the token sampled for each decoded request and each request
+        whose last prompt chunk ran. Returns the requests that finished (their pages freed)."""
+        for c in plan.chunks:
+            c.request.computed = c.start + c.length
+        for r in plan.decode:
+            r.computed += 1
+        done = []
+        for r in plan.decode + [c.request for c in plan.chunks if c.last]:
+            token = sampled[r.id]
+            r.tokens.append(token)
+            r.generated += 1
+            self.pages.commit(r.id, r.tokens[:r.computed])
+            reason = ("stop" if token in r.stop_ids else
+                      "length" if r.generated >= r.max_new_tokens or len(r.tokens) >= self.max_length else None)
+            if reason:
+                r.finish_reason, r.status = reason, Status.FINISHED
+                self.pages.free(r.id)
+                self.running.remove(r)
+                self.free_slots.append(r.slot)
+                done.append(r)
+        for c in plan.chunks:
+            if not c.last and c.request.status is Status.RUNNING:
+                self.pages.commit(c.request.id, c.request.tokens[:c.request.computed])
+        self.free_slots.sort()
+        return done

@@ -24,7 +24,7 @@ from jaxpar.config import Choice, DType, check_choices
 from jaxpar.errors import ConfigError
 from jaxpar.layers import Attention, AttentionConfig, AttentionImpl, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
 from jaxpar.layers.common import param
-from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, Step
+from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
 from jaxpar.parallel.attention import ContextParallel, TokenOrder, storage_order
 from jaxpar.parallel.common import inverse_order
 from jaxpar.rules import Dim, constrain
@@ -294,8 +294,17 @@ class DenseLM(nnx.Module):
     def empty_cache(self, batch: int, slots: int) -> dict:
         """A zero KV cache for ``batch`` sequences: {stack: KVCache or LatentCache with a leading layers
         axis}. ``slots`` is the longest sequence; a sliding window keeps at most the window."""
+        return self._zeros(batch, min(slots, self.cfg.sliding_window or slots))
+
+    def empty_pages(self, num_pages: int, page_size: int) -> dict:
+        """Zero page pools {stack: PagedKVCache or PagedLatentCache with a leading layers axis, no table
+        yet}; give each call its table with ``jaxpar.layers.kvcache.with_table``. Page 0 is the null page."""
+        paged = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
+        return {name: paged[type(c)](*(getattr(c, f.name) for f in dataclasses.fields(c)), None)
+                for name, c in self._zeros(num_pages, page_size).items()}
+
+    def _zeros(self, batch: int, s: int) -> dict:
         cfg = self.cfg
-        s = min(slots, cfg.sliding_window or slots)
         out = {}
         for name in self.cache_stacks():
             prefix = getattr(cfg, "first_dense_layers", 0)

@@ -1,4 +1,6 @@
 """Paged attention equals dense attention bit for bit: shuffled pages, NaN garbage in every unused slot."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,3 +87,27 @@ def test_paged_mla_is_dense_mla():
     want, _ = run(ql, qr, lat, kr, LatentCache(jnp.asarray(c), jnp.asarray(ckr)), positions, scale=0.3)
     got, _ = run(ql, qr, lat, kr, paged, positions, scale=0.3)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-deepseek"])
+def test_paged_model_is_dense_model(preset):
+    """A model's decode path over page pools (shuffled pages) gives the dense cache's logits bit for bit:
+    a prompt in two chunks, then single tokens."""
+    from flax import nnx
+
+    from jaxpar.inference.generate import generation_config
+    from jaxpar.layers.kvcache import with_table
+    from jaxpar.models import build_model, get_model_preset
+
+    model = build_model(generation_config(get_model_preset(preset)), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (2, 11)), jnp.int32)
+    table = jnp.asarray(rng.permutation(np.arange(1, 9)).reshape(2, W), jnp.int32)
+    step = nnx.jit(lambda m, x, pos, c: m.decode(x, pos, c))
+    dense, pools = model.empty_cache(2, S), model.empty_pages(9, PAGE)
+    for start, stop in [(0, 6), (6, 8), (8, 9), (9, 10), (10, 11)]:
+        pos = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (2, stop - start))
+        want, dense = step(model, ids[:, start:stop], pos, dense)
+        got, paged = step(model, ids[:, start:stop], pos, with_table(pools, table))
+        pools = {k: dataclasses.replace(c, table=None) for k, c in paged.items()}
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -91,6 +91,14 @@ class Step:
     lengths: jax.Array | None = None
 
 
+def with_table(pools: dict, table: jax.Array) -> dict:
+    """Stacked page pools {stack: Paged*Cache} given this call's page table [B, W] (one per layer)."""
+    def one(c):
+        layers = jax.tree.leaves(c)[0].shape[0]
+        return dataclasses.replace(c, table=jnp.broadcast_to(table, (layers, *table.shape)))
+    return {name: one(c) for name, c in pools.items()}
+
+
 def filled(x: jax.Array, lengths: jax.Array, slots: int) -> jax.Array:
     """A fresh cache array [B, S, ...] holding prefill's x [B, T, ...] at the real positions (< lengths);
     empty slots are zero. When T > S (a prompt longer than a sliding window) slot s takes the newest real

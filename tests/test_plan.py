@@ -133,6 +133,14 @@ def test_search_ranks_a_hand_made_case(tmp_path, capsys):
     assert all(ways(c, ("stage", "fsdp", "tensor")) == 8 and c.mesh["stage"] < 8 for c in fitting if "stage" in c.mesh)
     assert ranked[:len(fitting)] == fitting
     assert [c.predicted_step_s for c in fitting] == sorted(c.predicted_step_s for c in fitting)
+    for c in ranked:                      # the step's parts come with it: busy time plus exposed communication
+        t = c.times
+        assert t["step_s"] == c.predicted_step_s
+        assert t["step_s"] == pytest.approx(max(t["compute_s"], t["memory_s"]) / (1 - t["bubble_fraction"])
+                                            + t["exposed_communication_s"])
+    from jaxpar.analysis.plan_command import candidates_figure
+    top, bottom = candidates_figure(fitting, title="fitting").axes
+    assert len(top.patches) == len(fitting) and top.get_title() == "fitting"
     assert main(["plan", "--search", "--model", "llama3-8b", "--devices", "8", "--batch", "8", "--seq", "2048",
                  "--hardware", "tpu-v6e", "--plot", str(tmp_path / "search.png")]) == 0
     out = capsys.readouterr().out

@@ -139,3 +139,23 @@ def test_ring_work_balance(n):
     assert con.sum() == zig.sum() == n * (2 * n + 1)            # same total: the causal triangle
     assert con.max() / con.mean() == pytest.approx((4 * n - 1) / (2 * n + 1))
     assert ring_work(length, n, "zigzag", causal=False).tolist() == [4 * n] * n
+
+
+def test_grad_through_a_scan_keeps_no_per_step_masks():
+    """A grad through a scan of ring layers (the model's stack) keeps no [n-1, ...] stack of per-visit
+    masks and -inf fills computed ahead from the indices alone (``_forward``'s barrier): its temp memory
+    stays within 1.5x that of one ring layer's grad. Without the barrier, at L = 2048 on 8 devices:
+    48.4 MB against 3.0 MB for one layer (7 steps x 4 half pairs x (bool mask + f32 fill) tiles)."""
+    n, length = 8, 2048
+    mesh = _mesh(n)
+    body = jax.shard_map(lambda x, i: ring_attention(x, x[:, :, :2], x[:, :, 2:4], i, i, axis_name=AXIS),
+                         mesh=mesh, in_specs=(QKV, IDX), out_specs=QKV)
+
+    def stack(x, i):
+        return jax.lax.scan(lambda h, _: (body(h, i) + h, None), x, None, length=2)[0].sum()
+
+    x = jax.ShapeDtypeStruct((1, length, N, H), np.float32, sharding=jax.NamedSharding(mesh, QKV))
+    i = jax.ShapeDtypeStruct((1, length), np.int32, sharding=jax.NamedSharding(mesh, IDX))
+    temp = lambda f: jax.jit(jax.grad(f)).lower(x, i).compile().memory_analysis().temp_size_in_bytes
+    one, scanned = temp(lambda x, i: body(x, i).sum()), temp(stack)
+    assert scanned <= 1.5 * one, (scanned, one)

@@ -105,9 +105,16 @@ def _search(args) -> int:
 
 
 def plot_candidates(ranked, path: str, *, title: str) -> None:
-    """Memory and analytic traffic per axis group of each candidate, as two stacked bar charts."""
+    """``candidates_figure`` saved to ``path`` (the CLI's ``--plot``; no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
+
+    candidates_figure(ranked, title=title).savefig(path)
+
+
+def candidates_figure(ranked, *, title: str):
+    """Memory and analytic traffic per axis group of each candidate, as two stacked bar charts (a matplotlib
+    Figure, drawn with the current backend: a notebook shows it inline)."""
     import matplotlib.pyplot as plt
 
     short = {"stage": "p"}                                    # s is sequence
@@ -118,15 +125,16 @@ def plot_candidates(ranked, path: str, *, title: str) -> None:
     top.set_ylabel("memory per device (GB)")
     top.set_title(title)
     base = [0.0] * len(ranked)
-    for g in groups:
+    colors = plt.get_cmap("tab20").colors                      # one colour per group for up to 20 groups
+    for i, g in enumerate(groups):
         values = [c.bytes_by_axis.get(g, 0.0) / 1e9 for c in ranked]
-        bottom.bar(labels, values, bottom=base, label=g)
+        bottom.bar(labels, values, bottom=base, label=g, color=colors[i % len(colors)])
         base = [b + v for b, v in zip(base, values)]
     bottom.set_ylabel("minimum bytes sent per device per step (GB)")
-    bottom.legend(fontsize=7)
+    bottom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # beside the bars, not over them
     bottom.tick_params(axis="x", rotation=90)
     fig.tight_layout()
-    fig.savefig(path)
+    return fig
 
 
 def format_plan(p) -> str:

@@ -46,6 +46,9 @@ class Candidate:
     predicted_mfu: float
     bytes_by_axis: dict
     pipeline: dict | None = None          # stage > 1: schedule, microbatches, virtual stages, bubbles
+    # the step's parts (``jaxpar.analysis.plan.predict``): compute_s, memory_s, communication_s (seconds per
+    # axis group), exposed_communication_s, bubble_fraction, pipelined_s, step_s
+    times: dict | None = None
 
 
 def factorizations(n: int, axes: tuple[str, ...]) -> list[dict]:
@@ -97,7 +100,8 @@ def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency
     return Candidate({a: n for a, n in mesh.items() if n > 1}, memory <= hw.hbm_bytes, memory, times["step_s"], mfu,
                      traffic, costs and {k: costs[k] for k in ("schedule", "microbatches", "virtual_stages", "ticks",
                                                                "executor_bubble_fraction", "lockstep_bubble_fraction",
-                                                               "bubble_fraction", "peak_in_flight")})
+                                                               "bubble_fraction", "peak_in_flight")},
+                     times)
 
 
 def _pipeline(cfg, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages):

@@ -209,7 +209,7 @@ def measured_cache(gen, batch: int, prompt: int, new: int) -> dict:
     from jaxpar.inference.generate import bucket
 
     slots = bucket(prompt + new)
-    prefill, _ = gen._programs(batch, bucket(prompt), slots)
+    prefill, _ = gen.programs(batch, bucket(prompt), slots)
     cache = gen.model.empty_cache(batch, slots)
     spec = lambda tree: jax.tree.map(lambda x: (x.shape, str(x.dtype)), tree)
     assert spec(cache) == spec(prefill.out_info[2]), (spec(cache), spec(prefill.out_info[2]))

@@ -132,7 +132,7 @@ def _cache_bytes(gen, prompts):
     """(total bytes, bytes on each device) of the cache the compiled prefill writes."""
     lengths = np.array([len(p) for p in prompts], np.int32)
     prompt, slots = bucket(int(lengths.max())), bucket(int(lengths.max()) + NEW)
-    prefill, _ = gen._programs(len(prompts), prompt, slots)
+    prefill, _ = gen.programs(len(prompts), prompt, slots)
     ids = np.zeros((len(prompts), prompt), np.int32)
     from jaxpar.inference.sampling import SamplingParams
     _, _, cache = prefill(gen.state, ids, lengths, SamplingParams.greedy(len(prompts)))
@@ -159,7 +159,7 @@ def test_decode_layouts_agree_and_never_replicate_the_cache(single_device_runs, 
     assert total == per_token * BATCH * slots
     assert sorted(set(per_device.values())) == [total // devices], per_device      # split, not replicated
     if mesh == "prefill_cp":       # the slot-split cache is read where it lies: partial softmaxes combined
-        decode_hlo = gen._programs(BATCH, bucket(14), slots)[1].as_text()
+        decode_hlo = gen.programs(BATCH, bucket(14), slots)[1].as_text()
         assert "all-reduce" in decode_hlo and "all-gather" not in decode_hlo
 
 

@@ -146,7 +146,7 @@ class Generator:
                              for f in dataclasses.fields(c)])
         return {k: placed(c) for k, c in jax.eval_shape(lambda: self.model.empty_cache(batch, slots)).items()}
 
-    def _programs(self, batch: int, prompt: int, slots: int):
+    def programs(self, batch: int, prompt: int, slots: int):
         """(prefill, decode) compiled for this shape (compiled once, then kept)."""
         key = (batch, prompt, slots)
         if key not in self._compiled:
@@ -205,7 +205,7 @@ class Generator:
         lengths = np.array([len(p) for p in prompts], np.int32)
         prompt, slots = shapes(prompts, limit)
         t0 = time.perf_counter()
-        prefill, decode = self._programs(b, prompt, slots)
+        prefill, decode = self.programs(b, prompt, slots)
         compile_s = time.perf_counter() - t0
         ids = np.zeros((b, prompt), np.int32)
         for i, p in enumerate(prompts):

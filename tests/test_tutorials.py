@@ -36,3 +36,14 @@ def test_install_cell(checkout, tmp_path, monkeypatch):
     else:
         assert args[5:] == [f"jaxpar[plot] @ {namespace['JAXPAR_SOURCE']}"]
     assert os.path.isabs(args[0])
+
+
+def test_readme_run_times_are_the_recorded_ones():
+    import re
+
+    import nbformat
+    rows = re.findall(r"^\| \[`(\d\d_\w+)`\]\(\1\.ipynb\) \|.*\| ([\d.]+) s \|$", (COLAB / "README.md").read_text(), re.M)
+    assert sorted(name for name, _ in rows) == build.names()
+    for name, seconds in rows:
+        recorded = nbformat.read(COLAB / f"{name}.ipynb", as_version=4).metadata["jaxpar"]["seconds"]
+        assert float(seconds) == recorded, name

@@ -48,6 +48,7 @@ class Request:
     slot: int | None = None
     finish_reason: str | None = None             # "stop", "length" (max tokens or cache full)
     preemptions: int = 0
+    sampling: dict | None = None                 # the engine's per-request sampling settings
 
     def __post_init__(self):
         self.tokens = list(self.prompt)

@@ -1,0 +1,161 @@
+"""The serving engine: continuous batching over a paged KV cache, on one device.
+
+    engine = Engine(model, max_slots=8, page_size=16, max_length=256)
+    engine.submit(Request("a", prompt_ids, max_new_tokens=32))
+    while not engine.idle:
+        for done in engine.step():
+            print(done.id, done.tokens[len(done.prompt):], done.finish_reason)
+
+Each step runs what ``Scheduler.schedule`` planned (``jaxpar.inference.scheduler``) as device calls of
+fixed shapes: one decode call [slots, 1] for every sequence that decodes, and one call
+[slots, bucket] per chunk-size bucket for the prompt chunks. Each sequence has its own row (its slot);
+rows with nothing to do hold position −1, which writes nothing. A request therefore computes in the same
+shapes whatever else runs, so its tokens and logits are those it gets alone in the same engine. Every
+shape is compiled by ``warm_up`` (or on first use) and kept; ``compiles`` counts them.
+
+Sampling runs on the device with each slot's settings as data; a request's key is
+fold_in(key(seed), position), as in ``Generator``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.errors import ConfigError
+from jaxpar.inference.generate import bucket, for_generation
+from jaxpar.inference.pages import PagedAllocator
+from jaxpar.inference.sampling import SamplingParams, sample
+from jaxpar.inference.scheduler import Plan, Request, Scheduler
+from jaxpar.layers.kvcache import with_table
+
+GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+
+
+@dataclasses.dataclass
+class StepLog:
+    """What one step did: the plan's size and the device seconds."""
+    decoded: int
+    prefilled: int
+    preempted: int
+    seconds: float
+
+
+class Engine:
+    def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, max_length: int = 256,
+                 num_pages: int | None = None, chunk: int = 64, token_budget: int | None = None,
+                 record_logits: bool = False):
+        if max_length % page_size:
+            raise ConfigError(f"max_length={max_length} must be a multiple of page_size={page_size}")
+        self.model = for_generation(model)
+        self.cfg = self.model.cfg
+        self.width = max_length // page_size                     # page-table entries per sequence
+        num_pages = num_pages or max_slots * self.width + 1
+        self.pages = PagedAllocator(num_pages, page_size)
+        self.scheduler = Scheduler(self.pages, max_slots=max_slots, token_budget=token_budget or max_slots + chunk,
+                                   chunk=chunk, max_length=max_length)
+        self.slots, self.chunk = max_slots, chunk
+        self.graphdef, self.state = nnx.split(self.model)
+        self.pools = self.model.empty_pages(num_pages, page_size)
+        self.record_logits = record_logits
+        self.logits: dict = {}                                   # request id -> list of [V] float32 rows
+        self.log: list[StepLog] = []
+        self._programs: dict[int, object] = {}
+        self.compiles = 0
+
+    # --------------------------------------------------------------------------------- programs
+    def buckets(self) -> list[int]:
+        """The prompt-chunk shapes: powers of two from 16 up to ``chunk`` (and 1 for decoding)."""
+        out = [1]
+        while out[-1] < self.chunk:
+            out.append(min(self.chunk, bucket(out[-1] + 1)))
+        return out
+
+    def _program(self, t: int):
+        if t not in self._programs:
+            graphdef = self.graphdef
+
+            def run(state, pools, ids, positions, table, last, params):
+                model = nnx.merge(graphdef, state)
+                logits, pools = model.decode(ids, positions, with_table(pools, table))
+                row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]      # [slots, V]
+                at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
+                stripped = {k: dataclasses.replace(c, table=None) for k, c in pools.items()}
+                return sample(row, params, at), row, stripped
+
+            self._programs[t] = jax.jit(run, donate_argnums=(1,))
+            self.compiles += 1
+        return self._programs[t]
+
+    def warm_up(self) -> None:
+        """Compile every shape the engine can run (a call with nothing in it: positions all −1)."""
+        for t in self.buckets():
+            self._call(t, np.zeros((self.slots, t), np.int32), np.full((self.slots, t), -1, np.int32),
+                       np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32),
+                       SamplingParams.greedy(self.slots))
+
+    def _call(self, t, ids, positions, table, last, params):
+        tokens, logits, self.pools = self._program(t)(self.state, self.pools, ids, positions, table, last, params)
+        return np.asarray(tokens), (np.asarray(logits) if self.record_logits else None)
+
+    # ----------------------------------------------------------------------------------- serving
+    def submit(self, request: Request, sampling: dict | None = None) -> None:
+        request.sampling = {**GREEDY, **(sampling or {})}
+        self.scheduler.add(request)
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def step(self) -> list[Request]:
+        """Plan and run one step; returns the requests that finished in it."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        sampled = {}
+        if plan.decode:
+            rows = [(r, r.computed, [r.tokens[r.computed]]) for r in plan.decode]
+            sampled.update(self._run(1, rows))
+        by_size: dict[int, list] = {}
+        for c in plan.chunks:
+            by_size.setdefault(min(b for b in self.buckets() if b >= c.length), []).append(c)
+        for t, chunks in sorted(by_size.items()):
+            rows = [(c.request, c.start, c.request.tokens[c.start:c.start + c.length]) for c in chunks]
+            done = self._run(t, rows)
+            sampled.update({c.request.id: done[c.request.id] for c in chunks if c.last})
+        finished = self.scheduler.finish_step(plan, sampled)
+        self.log.append(StepLog(len(plan.decode), sum(c.length for c in plan.chunks), len(plan.preempted),
+                                time.perf_counter() - start))
+        return finished
+
+    def _run(self, t: int, rows) -> dict:
+        """One device call of width t; rows: (request, first position, tokens). Returns id -> token."""
+        ids = np.zeros((self.slots, t), np.int32)
+        positions = np.full((self.slots, t), -1, np.int32)
+        table = np.zeros((self.slots, self.width), np.int32)
+        last = np.zeros(self.slots, np.int32)
+        settings = [dict(GREEDY) for _ in range(self.slots)]
+        for r, start, tokens in rows:
+            s, n = r.slot, len(tokens)
+            ids[s, :n], positions[s, :n], last[s] = tokens, np.arange(start, start + n), n - 1
+            table[s] = self.pages.table(r.id, self.width)
+            settings[s] = r.sampling
+        params = SamplingParams.make(self.slots, **{k: [x[k] for x in settings] for k in GREEDY})
+        tokens, logits = self._call(t, ids, positions, table, last, params)
+        if logits is not None:
+            for r, start, chunk in rows:
+                if start + len(chunk) == len(r.tokens):             # the row samples a token
+                    self.logits.setdefault(r.id, []).append(logits[r.slot])
+        return {r.id: int(tokens[r.slot]) for r, _, _ in rows}
+
+    def run(self, requests, sampling: dict | None = None) -> list[Request]:
+        """Submit ``requests`` and step until all are done (a batch helper for tests and benchmarks)."""
+        for r in requests:
+            self.submit(r, sampling)
+        done = []
+        while not self.idle:
+            done += self.step()
+        return done

@@ -29,8 +29,9 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.inference.generate import bucket, for_generation
 from jaxpar.inference.pages import PagedAllocator
-from jaxpar.inference.sampling import SamplingParams, sample
-from jaxpar.inference.scheduler import Plan, Request, Scheduler
+from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
+from jaxpar.inference.scheduler import Request, Scheduler
+from jaxpar.inference.speculative import acceptance, ngram_draft, one_hot, verify
 from jaxpar.layers.kvcache import with_table
 
 GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
@@ -48,7 +49,7 @@ class StepLog:
 class Engine:
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, max_length: int = 256,
                  num_pages: int | None = None, chunk: int = 64, token_budget: int | None = None,
-                 record_logits: bool = False):
+                 record_logits: bool = False, speculate: int = 0):
         if max_length % page_size:
             raise ConfigError(f"max_length={max_length} must be a multiple of page_size={page_size}")
         self.model = for_generation(model)
@@ -57,8 +58,10 @@ class Engine:
         num_pages = num_pages or max_slots * self.width + 1
         self.pages = PagedAllocator(num_pages, page_size)
         self.scheduler = Scheduler(self.pages, max_slots=max_slots, token_budget=token_budget or max_slots + chunk,
-                                   chunk=chunk, max_length=max_length)
-        self.slots, self.chunk = max_slots, chunk
+                                   chunk=chunk, max_length=max_length, lookahead=speculate)
+        self.slots, self.chunk, self.speculate, self.max_length = max_slots, chunk, speculate, max_length
+        self.kept: list[int] = []                                # guesses kept per verification
+        self.proposed: list[int] = []
         self.graphdef, self.state = nnx.split(self.model)
         self.pools = self.model.empty_pages(num_pages, page_size)
         self.record_logits = record_logits
@@ -75,32 +78,39 @@ class Engine:
             out.append(min(self.chunk, bucket(out[-1] + 1)))
         return out
 
-    def _program(self, t: int):
-        if t not in self._programs:
+    def _program(self, t: int, every: bool = False):
+        """The step of width t: sampled tokens and the logits at each row's ``last`` position; with
+        ``every`` (verification) the raw and the filtered logits of every position instead."""
+        if (t, every) not in self._programs:
             graphdef = self.graphdef
 
             def run(state, pools, ids, positions, table, last, params):
                 model = nnx.merge(graphdef, state)
                 logits, pools = model.decode(ids, positions, with_table(pools, table))
+                stripped = {k: dataclasses.replace(c, table=None) for k, c in pools.items()}
+                if every:
+                    b, _, v = logits.shape
+                    each = jax.tree.map(lambda x: jnp.repeat(x, t), params)
+                    return logits, filtered_logits(logits.reshape(b * t, v), each).reshape(b, t, v), stripped
                 row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]      # [slots, V]
                 at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
-                stripped = {k: dataclasses.replace(c, table=None) for k, c in pools.items()}
                 return sample(row, params, at), row, stripped
 
-            self._programs[t] = jax.jit(run, donate_argnums=(1,))
+            self._programs[t, every] = jax.jit(run, donate_argnums=(1,))
             self.compiles += 1
-        return self._programs[t]
+        return self._programs[t, every]
 
     def warm_up(self) -> None:
         """Compile every shape the engine can run (a call with nothing in it: positions all −1)."""
-        for t in self.buckets():
+        shapes = [(t, False) for t in self.buckets()] + ([(self.speculate + 1, True)] if self.speculate else [])
+        for t, every in shapes:
             self._call(t, np.zeros((self.slots, t), np.int32), np.full((self.slots, t), -1, np.int32),
                        np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32),
-                       SamplingParams.greedy(self.slots))
+                       SamplingParams.greedy(self.slots), every=every)
 
-    def _call(self, t, ids, positions, table, last, params):
-        tokens, logits, self.pools = self._program(t)(self.state, self.pools, ids, positions, table, last, params)
-        return np.asarray(tokens), (np.asarray(logits) if self.record_logits else None)
+    def _call(self, t, ids, positions, table, last, params, *, every: bool = False):
+        a, b, self.pools = self._program(t, every)(self.state, self.pools, ids, positions, table, last, params)
+        return np.asarray(a), (np.asarray(b) if self.record_logits or every else None)
 
     # ----------------------------------------------------------------------------------- serving
     def submit(self, request: Request, sampling: dict | None = None) -> None:
@@ -116,7 +126,9 @@ class Engine:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         sampled = {}
-        if plan.decode:
+        if plan.decode and self.speculate:
+            sampled.update(self._verify(plan.decode))
+        elif plan.decode:
             rows = [(r, r.computed, [r.tokens[r.computed]]) for r in plan.decode]
             sampled.update(self._run(1, rows))
         by_size: dict[int, list] = {}
@@ -131,8 +143,8 @@ class Engine:
                                 time.perf_counter() - start))
         return finished
 
-    def _run(self, t: int, rows) -> dict:
-        """One device call of width t; rows: (request, first position, tokens). Returns id -> token."""
+    def _inputs(self, t: int, rows):
+        """Device inputs of one call of width t; rows: (request, first position, tokens)."""
         ids = np.zeros((self.slots, t), np.int32)
         positions = np.full((self.slots, t), -1, np.int32)
         table = np.zeros((self.slots, self.width), np.int32)
@@ -144,12 +156,45 @@ class Engine:
             table[s] = self.pages.table(r.id, self.width)
             settings[s] = r.sampling
         params = SamplingParams.make(self.slots, **{k: [x[k] for x in settings] for k in GREEDY})
-        tokens, logits = self._call(t, ids, positions, table, last, params)
+        return ids, positions, table, last, params
+
+    def _run(self, t: int, rows) -> dict:
+        """One device call of width t; rows: (request, first position, tokens). Returns id -> token."""
+        tokens, logits = self._call(t, *self._inputs(t, rows))
         if logits is not None:
             for r, start, chunk in rows:
                 if start + len(chunk) == len(r.tokens):             # the row samples a token
                     self.logits.setdefault(r.id, []).append(logits[r.slot])
         return {r.id: int(tokens[r.slot]) for r, _, _ in rows}
+
+    def _verify(self, decoding: list[Request]) -> dict:
+        """Speculative decode: each row's last token and up to k n-gram guesses in one call of width
+        k + 1; ``verify`` keeps the target's distribution. Returns id -> the tokens emitted."""
+        t = self.speculate + 1
+        drafts = {r.id: ngram_draft(r.tokens, min(self.speculate, self.max_length - len(r.tokens))) for r in decoding}
+        rows = [(r, r.computed, [r.tokens[r.computed]] + drafts[r.id]) for r in decoding]
+        raw, filtered = self._call(t, *self._inputs(t, rows), every=True)
+        out = {}
+        for r in decoding:
+            draft, s = drafts[r.id], r.slot
+            n = len(draft) + 1
+            if r.sampling["temperature"] == 0:
+                q = one_hot(np.argmax(raw[s, :n], axis=-1), raw.shape[-1])
+            else:
+                z = np.exp(filtered[s, :n] - filtered[s, :n].max(axis=-1, keepdims=True))
+                q = z / z.sum(axis=-1, keepdims=True)
+            rng = np.random.default_rng([r.sampling["seed"], r.computed])
+            kept, nxt = verify(draft, one_hot(draft, raw.shape[-1]), q, rng)
+            self.kept.append(kept)
+            self.proposed.append(len(draft))
+            if self.record_logits:
+                self.logits.setdefault(r.id, []).extend(raw[s, :kept + 1])
+            out[r.id] = draft[:kept] + [nxt]
+        return out
+
+    def acceptance(self) -> dict:
+        """Acceptance rate and the histogram of guesses kept per verification (speculative decoding)."""
+        return acceptance(self.kept, self.proposed)
 
     def run(self, requests, sampling: dict | None = None) -> list[Request]:
         """Submit ``requests`` and step until all are done (a batch helper for tests and benchmarks)."""

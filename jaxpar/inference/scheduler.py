@@ -84,11 +84,12 @@ class Plan:
 
 class Scheduler:
     def __init__(self, allocator: PagedAllocator, *, max_slots: int, token_budget: int, chunk: int,
-                 max_length: int):
+                 max_length: int, lookahead: int = 0):
         if token_budget < max_slots + chunk:
             raise ValueError(f"token_budget={token_budget} must be ≥ max_slots + chunk = {max_slots + chunk}")
         self.pages, self.max_slots, self.budget, self.chunk = allocator, max_slots, token_budget, chunk
         self.max_length = max_length             # positions a sequence may hold (its page table's reach)
+        self.lookahead = lookahead               # speculative guesses a decode writes beyond its token
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []         # in admission order
         self.free_slots = list(range(max_slots))
@@ -107,7 +108,8 @@ class Scheduler:
     def schedule(self) -> Plan:
         plan = Plan([], [], [])
         for r in list(self.running):
-            if r.status is Status.RUNNING and r.prefilled and self._grow(r, r.computed + 1, plan):
+            reach = min(self.max_length, r.computed + 1 + self.lookahead)
+            if r.status is Status.RUNNING and r.prefilled and self._grow(r, reach, plan):
                 plan.decode.append(r)
         left = self.budget - len(plan.decode)
         for r in list(self.running):
@@ -173,20 +175,27 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------------- results
     def finish_step(self, plan: Plan, sampled: dict) -> list[Request]:
-        """Record a step: ``sampled[id]`` is the token sampled for each decoded request and each request
-        whose last prompt chunk ran. Returns the requests that finished (their pages freed)."""
+        """Record a step: ``sampled[id]`` is the token sampled (or, speculating, the list of tokens
+        emitted) for each decoded request and each request whose last prompt chunk ran. Returns the
+        requests that finished (their pages freed)."""
+        emitted = {k: v if isinstance(v, list) else [v] for k, v in sampled.items()}
         for c in plan.chunks:
             c.request.computed = c.start + c.length
         for r in plan.decode:
-            r.computed += 1
+            r.computed += len(emitted[r.id])          # the last token and the guesses kept
         done = []
         for r in plan.decode + [c.request for c in plan.chunks if c.last]:
-            token = sampled[r.id]
-            r.tokens.append(token)
-            r.generated += 1
+            reason = None
+            for token in emitted[r.id]:
+                r.tokens.append(token)
+                r.generated += 1
+                reason = ("stop" if token in r.stop_ids else "length" if r.generated >= r.max_new_tokens
+                          or len(r.tokens) >= self.max_length else None)
+                if reason:
+                    break
             self.pages.commit(r.id, r.tokens[:r.computed])
-            reason = ("stop" if token in r.stop_ids else
-                      "length" if r.generated >= r.max_new_tokens or len(r.tokens) >= self.max_length else None)
+            if not reason and self.lookahead:
+                self.pages.rollback(r.id, r.computed)   # pages reserved for rejected guesses go back
             if reason:
                 r.finish_reason, r.status = reason, Status.FINISHED
                 self.pages.free(r.id)

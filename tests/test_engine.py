@@ -24,19 +24,21 @@ def _requests(n, seed=0):
 
 
 def test_batched_equals_alone_bitwise(tiny):
+    """200 requests of random prompt and output lengths arriving at random steps (Poisson, 2 per step
+    on average): each one's tokens and every logit row equal those it gets alone in the same engine."""
     engine = _engine(tiny)
     engine.warm_up()
     compiled = engine.compiles
-    reqs = _requests(12)
-    for r in reqs[:6]:
-        engine.submit(r)
-    for _ in range(3):
-        engine.step()
-    for r in reqs[6:]:
-        engine.submit(r)
-    while not engine.idle:
+    reqs = _requests(200)
+    arrivals = np.cumsum(np.random.default_rng(1).poisson(0.5, len(reqs)))
+    step = 0
+    while step <= arrivals[-1] or not engine.idle:
+        for r, at in zip(reqs, arrivals):
+            if at == step:
+                engine.submit(r)
         engine.step()
         engine.pages.check()
+        step += 1
     assert engine.compiles == compiled                       # nothing compiled after warm-up
     assert max(s.decoded for s in engine.log) >= 3 and max(s.prefilled for s in engine.log) > 16
     assert engine.pages.used == 0

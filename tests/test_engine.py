@@ -114,3 +114,17 @@ def test_speculative_sampling_runs_and_reproduces(tiny):
         return [r.tokens for r in reqs]
     first = once()
     assert first == once() and all(len(t) == 35 for t in first)
+
+
+def test_pool_sized_from_a_memory_budget(tiny):
+    from jaxpar.errors import ConfigError
+    from jaxpar.inference.engine import page_bytes
+
+    per_page = 2 * 2 * 8 * 2 * 8 * 4                 # K and V · layers · page · kv heads · head width · f32
+    assert page_bytes(tiny, 8) == per_page
+    engine = Engine(tiny, max_slots=2, page_size=8, max_length=64, memory_budget=10 * per_page + 5)
+    assert engine.pages.num_pages == 10
+    pool = sum(x.nbytes for x in __import__("jax").tree.leaves(engine.pools))
+    assert pool == 10 * per_page
+    with pytest.raises(ConfigError, match="memory_budget"):
+        Engine(tiny, page_size=8, max_length=64, memory_budget=per_page)

@@ -46,15 +46,35 @@ class StepLog:
     seconds: float
 
 
+def page_bytes(model, page_size: int, /) -> int:
+    """Bytes one page takes in every layer's pool together (K and V, or latent and rope key)."""
+    one = jax.eval_shape(lambda: model.empty_pages(1, page_size))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one))
+
+
+def pages_for_budget(model, page_size: int, budget_bytes: int, /) -> int:
+    """The most pages (null page included) whose pools fit in ``budget_bytes``."""
+    pages = budget_bytes // page_bytes(model, page_size)
+    if pages < 2:
+        raise ConfigError(f"memory_budget={budget_bytes} bytes: one page of {page_size} positions takes "
+                          f"{page_bytes(model, page_size)} bytes in all layers; at least 2 pages are needed")
+    return int(pages)
+
+
 class Engine:
+    """Continuous batching over a paged cache (module doc). The pool holds ``num_pages`` pages, or as many
+    as ``memory_budget`` bytes hold, or by default enough for every slot at ``max_length``."""
+
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, max_length: int = 256,
-                 num_pages: int | None = None, chunk: int = 64, token_budget: int | None = None,
-                 record_logits: bool = False, speculate: int = 0):
+                 num_pages: int | None = None, memory_budget: int | None = None, chunk: int = 64,
+                 token_budget: int | None = None, record_logits: bool = False, speculate: int = 0):
         if max_length % page_size:
             raise ConfigError(f"max_length={max_length} must be a multiple of page_size={page_size}")
         self.model = for_generation(model)
         self.cfg = self.model.cfg
         self.width = max_length // page_size                     # page-table entries per sequence
+        if memory_budget is not None:
+            num_pages = pages_for_budget(self.model, page_size, memory_budget)
         num_pages = num_pages or max_slots * self.width + 1
         self.pages = PagedAllocator(num_pages, page_size)
         self.scheduler = Scheduler(self.pages, max_slots=max_slots, token_budget=token_budget or max_slots + chunk,

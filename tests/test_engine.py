@@ -1,4 +1,6 @@
 """The serving engine: continuous batching gives each request exactly what it gets alone."""
+import dataclasses
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -124,7 +126,31 @@ def test_pool_sized_from_a_memory_budget(tiny):
     assert page_bytes(tiny, 8) == per_page
     engine = Engine(tiny, max_slots=2, page_size=8, max_length=64, memory_budget=10 * per_page + 5)
     assert engine.pages.num_pages == 10
-    pool = sum(x.nbytes for x in __import__("jax").tree.leaves(engine.pools))
+    pool = sum(x.nbytes for x in __import__("jax").tree.leaves(engine.models["target"].pools))
     assert pool == 10 * per_page
     with pytest.raises(ConfigError, match="memory_budget"):
         Engine(tiny, page_size=8, max_length=64, memory_budget=per_page)
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted(tiny):
+    """The draft model keeps its own pools on the same page tables; when it is the target itself every
+    guess is kept (greedy), and the output is plain greedy decoding's under the margin rule."""
+    from jaxpar.errors import ConfigError
+
+    spec = Engine(tiny, max_slots=3, page_size=8, max_length=64, chunk=16, record_logits=True, speculate=3,
+                  draft=tiny)
+    spec.warm_up()
+    compiled = spec.compiles
+    reqs = _requests(6, seed=4)
+    spec.run(reqs)
+    assert spec.compiles == compiled and spec.pages.used == 0
+    report = spec.acceptance()
+    assert report["rate"] == 1.0 and report["verifications"] > 0, report
+    plain = _engine(tiny)
+    for r in reqs:
+        single = Request(r.id, r.prompt, r.max_new_tokens)
+        plain.run([single])
+        assert _agree_under_margin(single, r, plain.logits[r.id], 1e-4) >= 0.9 * r.max_new_tokens
+    other = build_model(dataclasses.replace(get_model_preset("tiny"), vocab_size=128), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match="draft: vocab_size"):
+        Engine(tiny, speculate=2, draft=other)

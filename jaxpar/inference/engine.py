@@ -61,13 +61,26 @@ def pages_for_budget(model, page_size: int, budget_bytes: int, /) -> int:
     return int(pages)
 
 
+@dataclasses.dataclass
+class _Weights:
+    """One model's weights and page pools (the target's, or the draft's, on the same page tables)."""
+    graphdef: object
+    state: object
+    pools: dict
+
+    @classmethod
+    def of(cls, model, num_pages: int, page_size: int) -> "_Weights":
+        return cls(*nnx.split(model), model.empty_pages(num_pages, page_size))
+
+
 class Engine:
     """Continuous batching over a paged cache (module doc). The pool holds ``num_pages`` pages, or as many
     as ``memory_budget`` bytes hold, or by default enough for every slot at ``max_length``."""
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, max_length: int = 256,
                  num_pages: int | None = None, memory_budget: int | None = None, chunk: int = 64,
-                 token_budget: int | None = None, record_logits: bool = False, speculate: int = 0):
+                 token_budget: int | None = None, record_logits: bool = False, speculate: int = 0,
+                 draft=None):
         if max_length % page_size:
             raise ConfigError(f"max_length={max_length} must be a multiple of page_size={page_size}")
         self.model = for_generation(model)
@@ -82,12 +95,13 @@ class Engine:
         self.slots, self.chunk, self.speculate, self.max_length = max_slots, chunk, speculate, max_length
         self.kept: list[int] = []                                # guesses kept per verification
         self.proposed: list[int] = []
-        self.graphdef, self.state = nnx.split(self.model)
-        self.pools = self.model.empty_pages(num_pages, page_size)
+        self.models = {"target": _Weights.of(self.model, num_pages, page_size)}
+        if draft is not None:
+            self.models["draft"] = _Weights.of(self._check_draft(draft, speculate), num_pages, page_size)
         self.record_logits = record_logits
         self.logits: dict = {}                                   # request id -> list of [V] float32 rows
         self.log: list[StepLog] = []
-        self._programs: dict[int, object] = {}
+        self._programs: dict[tuple, object] = {}
         self.compiles = 0
 
     # --------------------------------------------------------------------------------- programs
@@ -98,11 +112,20 @@ class Engine:
             out.append(min(self.chunk, bucket(out[-1] + 1)))
         return out
 
-    def _program(self, t: int, every: bool = False):
-        """The step of width t: sampled tokens and the logits at each row's ``last`` position; with
-        ``every`` (verification) the raw and the filtered logits of every position instead."""
-        if (t, every) not in self._programs:
-            graphdef = self.graphdef
+    def _check_draft(self, draft, speculate: int):
+        draft = for_generation(draft)
+        if not speculate:
+            raise ConfigError("draft: a draft model proposes the speculative guesses; set speculate=k > 0")
+        if draft.cfg.vocab_size != self.cfg.vocab_size:
+            raise ConfigError(f"draft: vocab_size={draft.cfg.vocab_size} differs from the model's "
+                              f"{self.cfg.vocab_size}; the draft must share the vocabulary")
+        return draft
+
+    def _program(self, which: str, t: int, every: bool = False):
+        """``which`` model's step of width t: sampled tokens and the logits at each row's ``last``
+        position; with ``every`` (verification) the raw and the filtered logits of every position."""
+        if (which, t, every) not in self._programs:
+            graphdef = self.models[which].graphdef
 
             def run(state, pools, ids, positions, table, last, params):
                 model = nnx.merge(graphdef, state)
@@ -116,20 +139,22 @@ class Engine:
                 at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
                 return sample(row, params, at), row, stripped
 
-            self._programs[t, every] = jax.jit(run, donate_argnums=(1,))
+            self._programs[which, t, every] = jax.jit(run, donate_argnums=(1,))
             self.compiles += 1
-        return self._programs[t, every]
+        return self._programs[which, t, every]
 
     def warm_up(self) -> None:
         """Compile every shape the engine can run (a call with nothing in it: positions all −1)."""
-        shapes = [(t, False) for t in self.buckets()] + ([(self.speculate + 1, True)] if self.speculate else [])
-        for t, every in shapes:
-            self._call(t, np.zeros((self.slots, t), np.int32), np.full((self.slots, t), -1, np.int32),
+        shapes = [(w, t, False) for w in self.models for t in self.buckets()]
+        shapes += [("target", self.speculate + 1, True)] if self.speculate else []
+        for which, t, every in shapes:
+            self._call(which, t, np.zeros((self.slots, t), np.int32), np.full((self.slots, t), -1, np.int32),
                        np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32),
                        SamplingParams.greedy(self.slots), every=every)
 
-    def _call(self, t, ids, positions, table, last, params, *, every: bool = False):
-        a, b, self.pools = self._program(t, every)(self.state, self.pools, ids, positions, table, last, params)
+    def _call(self, which, t, ids, positions, table, last, params, *, every: bool = False):
+        m = self.models[which]
+        a, b, m.pools = self._program(which, t, every)(m.state, m.pools, ids, positions, table, last, params)
         return np.asarray(a), (np.asarray(b) if self.record_logits or every else None)
 
     # ----------------------------------------------------------------------------------- serving
@@ -158,12 +183,16 @@ class Engine:
             rows = [(c.request, c.start, c.request.tokens[c.start:c.start + c.length]) for c in chunks]
             done = self._run(t, rows)
             sampled.update({c.request.id: done[c.request.id] for c in chunks if c.last})
+            if "draft" in self.models:                          # the draft keeps its cache in step
+                self._call("draft", t, *self._inputs(t, rows, greedy=True))
+                for c in chunks:
+                    c.request.draft_computed = c.start + c.length
         finished = self.scheduler.finish_step(plan, sampled)
         self.log.append(StepLog(len(plan.decode), sum(c.length for c in plan.chunks), len(plan.preempted),
                                 time.perf_counter() - start))
         return finished
 
-    def _inputs(self, t: int, rows):
+    def _inputs(self, t: int, rows, *, greedy: bool = False):
         """Device inputs of one call of width t; rows: (request, first position, tokens)."""
         ids = np.zeros((self.slots, t), np.int32)
         positions = np.full((self.slots, t), -1, np.int32)
@@ -174,13 +203,13 @@ class Engine:
             s, n = r.slot, len(tokens)
             ids[s, :n], positions[s, :n], last[s] = tokens, np.arange(start, start + n), n - 1
             table[s] = self.pages.table(r.id, self.width)
-            settings[s] = r.sampling
+            settings[s] = GREEDY if greedy else r.sampling
         params = SamplingParams.make(self.slots, **{k: [x[k] for x in settings] for k in GREEDY})
         return ids, positions, table, last, params
 
     def _run(self, t: int, rows) -> dict:
         """One device call of width t; rows: (request, first position, tokens). Returns id -> token."""
-        tokens, logits = self._call(t, *self._inputs(t, rows))
+        tokens, logits = self._call("target", t, *self._inputs(t, rows))
         if logits is not None:
             for r, start, chunk in rows:
                 if start + len(chunk) == len(r.tokens):             # the row samples a token
@@ -191,9 +220,13 @@ class Engine:
         """Speculative decode: each row's last token and up to k n-gram guesses in one call of width
         k + 1; ``verify`` keeps the target's distribution. Returns id -> the tokens emitted."""
         t = self.speculate + 1
-        drafts = {r.id: ngram_draft(r.tokens, min(self.speculate, self.max_length - len(r.tokens))) for r in decoding}
+        room = {r.id: min(self.speculate, self.max_length - len(r.tokens)) for r in decoding}
+        if "draft" in self.models:
+            drafts = {k: v[:room[k]] for k, v in self._propose(decoding).items()}
+        else:
+            drafts = {r.id: ngram_draft(r.tokens, room[r.id]) for r in decoding}
         rows = [(r, r.computed, [r.tokens[r.computed]] + drafts[r.id]) for r in decoding]
-        raw, filtered = self._call(t, *self._inputs(t, rows), every=True)
+        raw, filtered = self._call("target", t, *self._inputs(t, rows), every=True)
         out = {}
         for r in decoding:
             draft, s = drafts[r.id], r.slot
@@ -210,7 +243,24 @@ class Engine:
             if self.record_logits:
                 self.logits.setdefault(r.id, []).extend(raw[s, :kept + 1])
             out[r.id] = draft[:kept] + [nxt]
+            r.draft_computed = min(r.draft_computed, r.computed + kept + 1)
         return out
+
+    def _propose(self, decoding: list[Request]) -> dict:
+        """k greedy guesses of the draft model: one call that catches its cache up to the row's last
+        token (a bucket wide) and samples the first guess, then k − 1 calls of width 1."""
+        rows = [(r, r.draft_computed, r.tokens[r.draft_computed:]) for r in decoding]
+        t = min(b for b in self.buckets() if b >= max(len(x[2]) for x in rows))
+        tokens, _ = self._call("draft", t, *self._inputs(t, rows, greedy=True))
+        drafts = {r.id: [int(tokens[r.slot])] for r in decoding}
+        for i in range(1, self.speculate):
+            rows = [(r, len(r.tokens) + i - 1, drafts[r.id][-1:]) for r in decoding]
+            tokens, _ = self._call("draft", 1, *self._inputs(1, rows, greedy=True))
+            for r in decoding:
+                drafts[r.id].append(int(tokens[r.slot]))
+        for r in decoding:
+            r.draft_computed = len(r.tokens) + self.speculate - 1
+        return drafts
 
     def acceptance(self) -> dict:
         """Acceptance rate and the histogram of guesses kept per verification (speculative decoding)."""

@@ -49,6 +49,7 @@ class Request:
     finish_reason: str | None = None             # "stop", "length" (max tokens or cache full)
     preemptions: int = 0
     sampling: dict | None = None                 # the engine's per-request sampling settings
+    draft_computed: int = 0                      # positions in a draft model's cache (speculative)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)

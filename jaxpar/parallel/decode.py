@@ -43,11 +43,12 @@ def visible(positions: jax.Array, offset, local_slots: int, slots: int, window: 
 
 def write(cache: jax.Array, new: jax.Array, positions: jax.Array, offset, slots: int) -> jax.Array:
     """cache [B, S_local, ...] with new [B, T, ...] written at the slots of positions [B, T] that this
-    device owns (the others are dropped)."""
+    device owns (the others are dropped). One scatter per row under ``vmap``: the row is a batching
+    dimension of the scatter, so a cache split by rows (``cache_batch``) writes where it lies (indexing
+    the rows explicitly made the partitioner all-gather every row's new keys and values to every device)."""
     local = jnp.mod(positions, slots) - offset
     local = jnp.where((local >= 0) & (local < cache.shape[1]), local, cache.shape[1])     # out of range: dropped
-    rows = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[rows, local].set(new.astype(cache.dtype), mode="drop")
+    return jax.vmap(lambda c, n, i: c.at[i].set(n, mode="drop"))(cache, new.astype(cache.dtype), local)
 
 
 def softmax_combine(scores: jax.Array, valid: jax.Array, values: jax.Array, spec: str, axis) -> jax.Array:

@@ -163,6 +163,18 @@ def test_decode_layouts_agree_and_never_replicate_the_cache(single_device_runs, 
         assert "all-reduce" in decode_hlo and "all-gather" not in decode_hlo
 
 
+
+def test_data_parallel_decode_step_sends_only_the_greedy_flag():
+    """decode_dp: each device holds the whole model and its own rows' cache, so its compiled decode step
+    (the sampling branch included) has one collective: the all-reduce of one bool, "is every row
+    greedy?". The cache write (a scatter per row) and the samplers' sort stay on each device's rows."""
+    from jaxpar.analysis.hlo import analyze_compiled
+
+    gen = Generator(_model(_cfg("tiny")), "decode_dp")
+    _, decode = gen.programs(BATCH, 16, 32)
+    ops = analyze_compiled(decode, mesh=gen.mesh).ops
+    assert [(c.kind, c.bytes, c.axes) for c in ops] == [("all-reduce", 1, ("data",))]
+
 def test_partial_softmax_decode_equals_dense_attention_forward_and_gradient():
     """The decode kernel over a cache split 8 ways along its slots (shard_map, pmax/psum combine)
     against plain softmax attention over the valid slots, written here from scratch."""

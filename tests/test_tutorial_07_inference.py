@@ -30,5 +30,5 @@ def test_inference_notebook():
     tp, dp = k["layouts"]["decode_tp"], k["layouts"]["decode_dp"]
     assert dp["weight_bytes_per_device"] == 102_720 * 4                          # tiny, float32, whole
     assert tp["weight_bytes_per_device"] < dp["weight_bytes_per_device"] / 4
-    assert sum(tp["collective_bytes"].values()) > 2 * sum(dp["collective_bytes"].values())
+    assert dp["collective_bytes"] == {"all-reduce": 1} and sum(tp["collective_bytes"].values()) > 1000
     assert k["first_token_matches_forward"] and k["final_loss"] < math.log(256) - 2

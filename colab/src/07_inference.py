@@ -156,8 +156,9 @@ for name in ("decode_tp", "decode_dp"):
 
 # %% [markdown]
 # TP cuts the weights each device reads per step (lower latency per token when bandwidth-bound) and
-# pays with collectives in every layer; DP keeps the weights whole, sends about a fifth of TP's bytes
-# per step, and serves 8 times the sequences per step. The tiny model's
+# pays with collectives in every layer; DP keeps the weights whole and its step sends a single byte
+# (the all-reduce of "is every row greedy?", which lets an all-greedy batch skip the samplers' sort),
+# and it serves 8 times the sequences per step. The tiny model's
 # shapes here are only for reading the programs; `jaxpar plan` prices these choices for real models.
 #
 # ## Generate from a model trained a minute ago

@@ -91,7 +91,10 @@ def _support(row: jax.Array, k: jax.Array, p: jax.Array, m: jax.Array) -> jax.Ar
     """Temperature-scaled logits [V] of one row -> bool [V]: the tokens top-k, then top-p, then
     min-p keep. Ties at the top-k boundary go to the lower token id, so exactly k survive."""
     vocab = row.shape[-1]
-    values, order = jax.lax.top_k(row, vocab)               # descending; rank r holds token order[r]
+    # Descending, ties to the lower id: rank r holds token order[r]. A stable sort of -row, not
+    # lax.top_k, which XLA's partitioner runs on all-gathered logits when the batch is split.
+    negated, order = jax.lax.sort((-row, jnp.arange(vocab)), num_keys=1, is_stable=True)
+    values = -negated
     rank = jnp.arange(vocab)
     keep = (k <= 0) | (rank < k)
     # top-p on the top-k survivors, renormalised: keep rank r while the ranks before it sum to < p.

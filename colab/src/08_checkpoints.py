@@ -7,8 +7,9 @@
 # simulated devices, survives an interruption, exports the result back to the Hugging Face format, and
 # checks that `transformers` computes the same logits from the export. Last, it generates text.
 #
-# Every step below is one `jaxpar` command (called in-process here: `jaxpar(["convert", ...])` is
-# `jaxpar convert ...` in a shell).
+# Each step below is a `jaxpar` command, called in-process: `jaxpar(["convert", ...])` is
+# `jaxpar convert ...` in a shell. Fine-tuning takes the `jaxpar train` command line too, then calls the
+# training loop directly so that the run can be cut off on purpose.
 
 # %%
 from jaxpar.mesh import simulate_cpu_devices
@@ -88,23 +89,28 @@ print(json.loads(tokens.with_suffix(".json").read_text()))
 # %% [markdown]
 # ## Fine-tune, get interrupted, resume
 #
-# `train(cfg, out)` is what `jaxpar train --init-from CKPT` calls. The first run is cut off after step
-# 50 the way a lost runtime would be (no final checkpoint), so the newest checkpoint on disk is step 40.
-# The same call again finds it (parameters, optimizer state, data position), checks that it belongs to
-# this run, and continues: steps 41–50 repeat the losses of the first run bit for bit.
+# The arguments below are a `jaxpar train` command line: `build_config` turns them into the run's
+# configuration exactly as the command does (the model and its config come from the checkpoint named by
+# `--init-from`), and `train(cfg, out)` is what the command then calls. We call it directly for one
+# reason: `stop_after` cuts the first run off after step 50 the way a lost runtime would (no final
+# checkpoint), so the newest checkpoint on disk is step 40. The same call again finds it (parameters,
+# optimizer state, data position), checks that it belongs to this run, and continues: steps 41–50
+# repeat the losses of the first run bit for bit.
 
 # %%
-import dataclasses
-
-from jaxpar.convert.store import model_config
-from jaxpar.train.config import TrainConfig, apply_overrides
+from jaxpar.cli import build_parser
+from jaxpar.train.command import build_config
 from jaxpar.train.loop import train
 
-cfg = TrainConfig(model=model_config(ckpt)[0], model_preset=f"init-from:{ckpt}", init_from=str(ckpt))
-cfg = apply_overrides(dataclasses.replace(cfg, mesh="3d", steps=70, batch=16, seq=64), [
-    "data.source=files", f"data.path={tokens}", f"data.eval_path={tokens.with_suffix('.eval.bin')}", "optimizer.learning_rate=3e-3", "optimizer.warmup_steps=10",
-    "checkpoint.every=20", "log.eval_every=35", "log.progress=false", "log.tensorboard=false"]).validate()
 run = work / "run"
+argv = ["train", "--init-from", str(ckpt), "--mesh", "3d", "--steps", "70", "--batch", "16", "--seq", "64",
+        "--out", str(run)]
+for setting in ("data.source=files", f"data.path={tokens}", f"data.eval_path={tokens.with_suffix('.eval.bin')}",
+                "optimizer.learning_rate=3e-3", "optimizer.warmup_steps=10", "checkpoint.every=20",
+                "log.eval_every=35", "log.progress=false", "log.tensorboard=false"):
+    argv += ["--set", setting]
+cfg = build_config(build_parser().parse_args(argv)).validate()
+print("jaxpar " + " ".join(argv[:13]) + "".join(f" \\\n    --set {x}" for x in argv[14::2]))
 first = train(cfg, run, stop_after=50)
 print(f"stopped after step {first.last_step}; checkpoints:", sorted(int(p.name) for p in (run / "checkpoints").iterdir()))
 second = train(cfg, run)
@@ -149,6 +155,7 @@ with torch.no_grad():
     theirs = reloaded(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
 max_diff = float(np.abs(ours - theirs).max())
 print(f"max |jaxpar - transformers| logit difference: {max_diff:.2e}")
+assert max_diff < 1e-4, max_diff          # float32: the two implementations round differently, no more
 
 # %% [markdown]
 # ## Generate

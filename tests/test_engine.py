@@ -65,6 +65,18 @@ def _agree_under_margin(a: Request, b: Request, logits_a, tol: float) -> int:
     return len(gen_a)
 
 
+def _compared_with_alone(tiny, reqs) -> list[int]:
+    """Per request: the generated positions where it agrees with itself run alone in a plain engine
+    (``_agree_under_margin``, 1e-4)."""
+    alone = _engine(tiny)
+    out = []
+    for r in reqs:
+        single = Request(r.id, r.prompt, r.max_new_tokens)
+        alone.run([single])
+        out.append(_agree_under_margin(single, r, alone.logits[r.id], 1e-4))
+    return out
+
+
 def test_preemption_recomputes_and_agrees_under_the_margin(tiny):
     """A pool too small for four sequences at once: sequences are preempted, recomputed through prefill
     chunks, and still give the tokens they give alone wherever the top-two logit gap exceeds 1e-4."""
@@ -76,13 +88,7 @@ def test_preemption_recomputes_and_agrees_under_the_margin(tiny):
         engine.step()
         engine.pages.check()
     assert sum(r.preemptions for r in reqs) > 0 and engine.pages.used == 0
-    alone = _engine(tiny)
-    compared = 0
-    for r in reqs:
-        single = Request(r.id, r.prompt, r.max_new_tokens)
-        alone.run([single])
-        compared += _agree_under_margin(single, r, alone.logits[r.id], 1e-4)
-    assert compared >= 0.9 * sum(r.max_new_tokens for r in reqs)
+    assert sum(_compared_with_alone(tiny, reqs)) >= 0.9 * sum(r.max_new_tokens for r in reqs)
 
 
 def test_speculative_greedy_equals_plain_greedy(tiny):
@@ -96,13 +102,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny):
     fast = [Request(i, p, max_new_tokens=24) for i, p in enumerate(prompts)]
     spec.run(fast)
     assert spec.compiles == compiled and spec.pages.used == 0
-    plain = _engine(tiny)
-    compared = 0
-    for r in fast:
-        single = Request(r.id, r.prompt, r.max_new_tokens)
-        plain.run([single])
-        compared += _agree_under_margin(single, r, plain.logits[r.id], 1e-4)
-    assert compared >= 0.9 * 24 * len(prompts)
+    assert sum(_compared_with_alone(tiny, fast)) >= 0.9 * 24 * len(prompts)
     report = spec.acceptance()
     assert report["verifications"] < 24 * len(prompts) and sum(report["histogram"]) == report["verifications"]
     assert report["rate"] > 0
@@ -146,11 +146,8 @@ def test_a_draft_identical_to_the_target_is_always_accepted(tiny):
     assert spec.compiles == compiled and spec.pages.used == 0
     report = spec.acceptance()
     assert report["rate"] == 1.0 and report["verifications"] > 0, report
-    plain = _engine(tiny)
-    for r in reqs:
-        single = Request(r.id, r.prompt, r.max_new_tokens)
-        plain.run([single])
-        assert _agree_under_margin(single, r, plain.logits[r.id], 1e-4) >= 0.9 * r.max_new_tokens
+    for r, compared in zip(reqs, _compared_with_alone(tiny, reqs)):
+        assert compared >= 0.9 * r.max_new_tokens
     other = build_model(dataclasses.replace(get_model_preset("tiny"), vocab_size=128), rngs=nnx.Rngs(0))
     with pytest.raises(ConfigError, match="draft: vocab_size"):
         Engine(tiny, speculate=2, draft=other)

@@ -107,10 +107,11 @@ class Engine:
     # --------------------------------------------------------------------------------- programs
     def buckets(self) -> list[int]:
         """The prompt-chunk shapes: powers of two from 16 up to ``chunk`` (and 1 for decoding)."""
-        out = [1]
-        while out[-1] < self.chunk:
-            out.append(min(self.chunk, bucket(out[-1] + 1)))
-        return out
+        if not hasattr(self, "_buckets"):
+            self._buckets = [1]
+            while self._buckets[-1] < self.chunk:
+                self._buckets.append(min(self.chunk, bucket(self._buckets[-1] + 1)))
+        return self._buckets
 
     def _check_draft(self, draft, speculate: int):
         draft = for_generation(draft)

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "plan": "jaxpar.analysis.plan_command",
     "pipeline": "jaxpar.pipeline.command",
     "generate": "jaxpar.inference.command",
+    "serve": "jaxpar.inference.serve_command",
 }
 
 

@@ -44,6 +44,18 @@ def test_prefix_pages_are_shared_and_never_written():
     pool.check()
 
 
+def test_without_the_prefix_cache_nothing_is_shared_or_kept():
+    pool = PagedAllocator(8, 4, prefix_cache=False)
+    prompt = list(range(10))
+    pool.admit("a", prompt)
+    pool.reserve("a", 10)
+    pool.commit("a", prompt)
+    assert pool.admit("b", prompt) == 0 and pool.lookups == 0
+    pool.free("a")
+    assert pool.available == 7 - len(pool.seqs["b"].pages)  # released pages go back free, not cached
+    pool.check()
+
+
 def test_released_named_pages_stay_cached_until_evicted():
     pool = PagedAllocator(4, 2)                             # 3 usable pages
     pool.admit("a", [5, 6, 7, 8, 9])

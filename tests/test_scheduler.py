@@ -119,3 +119,19 @@ def test_random_traffic_finishes_everything_without_leaks():
     drive(s)
     assert all(r.status is Status.FINISHED for r in reqs)
     assert s.pages.used == 0 and s.pages.available == 23 and s.pages.hits > 0
+
+
+def test_abort_frees_a_running_and_dequeues_a_waiting_request():
+    s = make(slots=1)
+    a, b = Request("a", [1] * 6, 8), Request("b", [2] * 6, 8)
+    s.add(a)
+    s.add(b)
+    drive(s, steps=2)                                      # a runs, b waits for the one slot
+    assert a.status is Status.RUNNING and b.status is Status.WAITING
+    s.abort(b)
+    s.abort(a)
+    assert s.idle and s.pages.used == 0 and s.free_slots == [0]
+    assert a.finish_reason == b.finish_reason == "abort"
+    s.pages.check()
+    s.abort(a)                                             # already finished: nothing happens
+    assert a.finish_reason == "abort"

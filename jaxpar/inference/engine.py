@@ -15,6 +15,11 @@ shape is compiled by ``warm_up`` (or on first use) and kept; ``compiles`` counts
 
 Sampling runs on the device with each slot's settings as data; a request's key is
 fold_in(key(seed), position), as in ``Generator``.
+
+``mesh`` (a decode layout name or an axis spec, over ``devices``; default one device) shards one engine:
+the weights go onto the decode layout (``jaxpar.inference.layouts``), each page pool is split on its kv
+heads like the dense cache, and every step is traced under the decode rules. Positions are never split
+(no ``sequence`` axis). Several engines on disjoint device groups are the server's DP replicas.
 """
 from __future__ import annotations
 
@@ -28,11 +33,13 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.inference.generate import bucket, for_generation
+from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, placed_state
 from jaxpar.inference.pages import PagedAllocator
 from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
 from jaxpar.inference.scheduler import Request, Scheduler
 from jaxpar.inference.speculative import acceptance, ngram_draft, one_hot, verify
 from jaxpar.layers.kvcache import with_table
+from jaxpar.rules import trace_layout
 
 GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
 
@@ -69,8 +76,15 @@ class _Weights:
     pools: dict
 
     @classmethod
-    def of(cls, model, num_pages: int, page_size: int) -> "_Weights":
-        return cls(*nnx.split(model), model.empty_pages(num_pages, page_size))
+    def of(cls, model, num_pages: int, page_size: int, layout) -> "_Weights":
+        """``model``'s weights moved onto ``layout`` (an ``InferenceLayout``), its pools made there."""
+        graphdef, state = nnx.graphdef(model), placed_state(model, layout.phase("decode"))
+        def place(c):                                  # pools carry leading layer axes before NAMES
+            arrays = [getattr(c, f.name) for f in dataclasses.fields(c)]
+            return type(c)(*[None if x is None else jax.device_put(
+                x, layout.sharding((None,) * (x.ndim - len(c.NAMES)) + c.NAMES)) for x in arrays])
+        pools = {k: place(c) for k, c in model.empty_pages(num_pages, page_size).items()}
+        return cls(graphdef, state, pools)
 
 
 class Engine:
@@ -80,29 +94,42 @@ class Engine:
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, max_length: int = 256,
                  num_pages: int | None = None, memory_budget: int | None = None, chunk: int = 64,
                  token_budget: int | None = None, record_logits: bool = False, speculate: int = 0,
-                 draft=None):
+                 draft=None, prefix_cache: bool = True, mesh: str | None = None, devices=None):
         if max_length % page_size:
             raise ConfigError(f"max_length={max_length} must be a multiple of page_size={page_size}")
         self.model = for_generation(model)
         self.cfg = self.model.cfg
+        self.layout = self._layout(mesh, devices, max_slots, max_length)
         self.width = max_length // page_size                     # page-table entries per sequence
         if memory_budget is not None:
             num_pages = pages_for_budget(self.model, page_size, memory_budget)
         num_pages = num_pages or max_slots * self.width + 1
-        self.pages = PagedAllocator(num_pages, page_size)
+        self.pages = PagedAllocator(num_pages, page_size, prefix_cache=prefix_cache)
         self.scheduler = Scheduler(self.pages, max_slots=max_slots, token_budget=token_budget or max_slots + chunk,
                                    chunk=chunk, max_length=max_length, lookahead=speculate)
         self.slots, self.chunk, self.speculate, self.max_length = max_slots, chunk, speculate, max_length
         self.kept: list[int] = []                                # guesses kept per verification
         self.proposed: list[int] = []
-        self.models = {"target": _Weights.of(self.model, num_pages, page_size)}
+        self.models = {"target": _Weights.of(self.model, num_pages, page_size, self.layout)}
         if draft is not None:
-            self.models["draft"] = _Weights.of(self._check_draft(draft, speculate), num_pages, page_size)
+            draft = self._check_draft(draft, speculate)
+            self.models["draft"] = _Weights.of(draft, num_pages, page_size, self._layout(
+                mesh, devices, max_slots, max_length, draft.cfg))
         self.record_logits = record_logits
         self.logits: dict = {}                                   # request id -> list of [V] float32 rows
         self.log: list[StepLog] = []
         self._programs: dict[tuple, object] = {}
         self.compiles = 0
+
+    def _layout(self, mesh, devices, slots: int, length: int, cfg=None):
+        """The checked decode layout of ``cfg`` (the target's by default) for ``slots`` rows."""
+        if mesh is None:
+            devices = list(jax.devices() if devices is None else devices)[:1]
+        name, built = build_inference_mesh(mesh or "decode_dp", devices=devices, flag="mesh")
+        if built.shape["sequence"] > 1:
+            raise ConfigError(f"mesh {mesh}: sequence={built.shape['sequence']}; the engine never splits "
+                              f"positions (use tensor, data or expert)")
+        return check_inference_layout(cfg or self.cfg, built, name, batch=slots, prompt=1, slots=length)
 
     # --------------------------------------------------------------------------------- programs
     def buckets(self) -> list[int]:
@@ -128,9 +155,12 @@ class Engine:
         if (which, t, every) not in self._programs:
             graphdef = self.models[which].graphdef
 
+            layout = self.layout
+
             def run(state, pools, ids, positions, table, last, params):
-                model = nnx.merge(graphdef, state)
-                logits, pools = model.decode(ids, positions, with_table(pools, table))
+                with trace_layout(layout.mesh, layout.decode):
+                    model = nnx.merge(graphdef, state)
+                    logits, pools = model.decode(ids, positions, with_table(pools, table))
                 stripped = {k: dataclasses.replace(c, table=None) for k, c in pools.items()}
                 if every:
                     b, _, v = logits.shape
@@ -140,7 +170,9 @@ class Engine:
                 at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
                 return sample(row, params, at), row, stripped
 
-            self._programs[which, t, every] = jax.jit(run, donate_argnums=(1,))
+            pools = jax.tree.map(lambda x: x.sharding, self.models[which].pools)
+            self._programs[which, t, every] = jax.jit(run, donate_argnums=(1,), out_shardings=(
+                self._replicated, self._replicated, pools))
             self.compiles += 1
         return self._programs[which, t, every]
 
@@ -153,9 +185,14 @@ class Engine:
                        np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32),
                        SamplingParams.greedy(self.slots), every=every)
 
+    @property
+    def _replicated(self):
+        return jax.sharding.NamedSharding(self.layout.mesh, jax.sharding.PartitionSpec())
+
     def _call(self, which, t, ids, positions, table, last, params, *, every: bool = False):
         m = self.models[which]
-        a, b, m.pools = self._program(which, t, every)(m.state, m.pools, ids, positions, table, last, params)
+        host = jax.device_put((ids, positions, table, last, params), self._replicated)
+        a, b, m.pools = self._program(which, t, every)(m.state, m.pools, *host)
         return np.asarray(a), (np.asarray(b) if self.record_logits or every else None)
 
     # ----------------------------------------------------------------------------------- serving

@@ -159,11 +159,17 @@ def _ways(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def reshard(model, layout: Layout):
-    """``model`` with every parameter moved to ``layout`` in one ``jax.device_put`` (e.g. from a training
-    layout to a decode layout); the model object is updated in place and returned."""
+def placed_state(model, layout: Layout):
+    """A copy of ``model``'s state with every parameter on ``layout`` (one ``jax.device_put``); the
+    model itself is left where it is."""
     with layout.activate():
         state = nnx.state(model)
         shardings = nnx.get_named_sharding(state, layout.mesh)
-    nnx.update(model, jax.device_put(state, shardings))
+    return jax.device_put(state, shardings)
+
+
+def reshard(model, layout: Layout):
+    """``model`` with every parameter moved to ``layout`` (e.g. from a training layout to a decode
+    layout); the model object is updated in place and returned."""
+    nnx.update(model, placed_state(model, layout))
     return model

@@ -50,7 +50,7 @@ class _Sequence:
 class PagedAllocator:
     """Pages of a pool handed to sequences, with reference counts and a prefix index (see module doc)."""
 
-    def __init__(self, num_pages: int, page_size: int, /):
+    def __init__(self, num_pages: int, page_size: int, /, *, prefix_cache: bool = True):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"num_pages={num_pages} (≥ 2: page 0 is the null page), page_size={page_size} (≥ 1)")
         self.num_pages, self.page_size = num_pages, page_size
@@ -61,6 +61,7 @@ class PagedAllocator:
         self._name: dict[int, bytes] = {}
         self.seqs: dict[object, _Sequence] = {}
         self.hits = self.lookups = 0                   # prefix pages found / looked for
+        self.prefix_cache = prefix_cache               # False: nothing is shared, nothing named
 
     # ------------------------------------------------------------------------------------- the pool
     @property
@@ -103,7 +104,8 @@ class PagedAllocator:
         many of its positions need no computing (a multiple of ``page_size``)."""
         if seq_id in self.seqs:
             raise KeyError(f"sequence {seq_id!r} is already admitted")
-        shareable = page_hashes(prompt, self.page_size)[:(len(prompt) - 1) // self.page_size]
+        shareable = page_hashes(prompt, self.page_size)[:(len(prompt) - 1) // self.page_size] \
+            if self.prefix_cache else []
         pages = []
         for name in shareable:
             page = self._index.get(name)
@@ -134,7 +136,7 @@ class PagedAllocator:
             raise ValueError(f"sequence {seq_id!r}: {len(tokens)} positions but pages for "
                              f"{len(seq.pages) * self.page_size}")
         seq.length = len(tokens)
-        names = page_hashes(tokens, self.page_size)
+        names = page_hashes(tokens, self.page_size) if self.prefix_cache else []
         for i in range(seq.named, len(names)):
             page = seq.pages[i]
             if names[i] not in self._index and page not in self._name:

@@ -105,6 +105,20 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def abort(self, request: Request) -> None:
+        """End ``request`` between steps (a client went away): out of the queue, or its pages and slot
+        freed. ``finish_reason`` becomes "abort"; a finished request is left as it is."""
+        if request.status is Status.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        elif request.status is Status.RUNNING:
+            self.pages.free(request.id)
+            self.running.remove(request)
+            self.free_slots.append(request.slot)
+            self.free_slots.sort()
+        else:
+            return
+        request.status, request.finish_reason = Status.FINISHED, "abort"
+
     # --------------------------------------------------------------------------------- planning
     def schedule(self) -> Plan:
         plan = Plan([], [], [])

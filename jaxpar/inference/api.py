@@ -1,0 +1,271 @@
+"""The OpenAI-compatible request format: parsing, validation and the JSON that goes back.
+
+``Parser`` turns the body of a ``/v1/completions`` or ``/v1/chat/completions`` request into a ``Job``
+(token ids, limits, sampling settings) or raises ``APIError``, which the server sends as OpenAI's error
+object with status 400 (the engine never sees a bad request). Refused, each with the field named:
+
+* a body that is not UTF-8, not JSON, or not a JSON object; a field this server does not know or does
+  not implement (``logprobs``, ``logit_bias``, ...); a model other than the one served;
+* a prompt that is empty, not text or token ids, outside the vocabulary, holds a lone surrogate (not
+  encodable as UTF-8), or is too long for the cache ever to hold (``max_length`` positions per sequence);
+* ``max_tokens`` that is not a positive integer or does not fit beside the prompt in the cache;
+* sampling settings out of range (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``min_p`` in [0, 1],
+  ``top_k`` ≥ 0), ``n`` outside 1…16, ``stop`` not a string or a list of at most 4.
+
+Chat messages are rendered with the tokenizer's chat template (Hugging Face's Jinja format, rendered in
+a sandbox), as ``apply_chat_template`` does with ``add_generation_prompt``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+from pathlib import Path
+
+DEFAULT_MAX_TOKENS = 16                       # OpenAI's default for completions
+MAX_N = 16
+MAX_STOPS = 4
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+          "stream", "stream_options", "n", "user"}
+FIELDS = {"completions": COMMON | {"prompt"},
+          "chat": COMMON | {"messages", "max_completion_tokens"}}
+
+
+class APIError(Exception):
+    """A request refused: OpenAI's error object, sent with ``status``."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Job:
+    """One parsed request: a choice per (prompt, n)."""
+    kind: str                                 # "completions" or "chat"
+    prompts: list[list[int]]
+    max_tokens: int | list[int]
+    sampling: dict                            # temperature, top_k, top_p, min_p, seed
+    stop_text: list[str]
+    stop_ids: frozenset
+    stream: bool
+    include_usage: bool
+    n: int
+    user: str | None
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
+
+    def choices(self) -> list[tuple[int, list[int], int, dict]]:
+        """(index, prompt, max_tokens, sampling) per choice; choice i of n samples with seed + i."""
+        limits = self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens] * len(self.prompts)
+        return [(p * self.n + i, prompt, limits[p], {**self.sampling, "seed": self.sampling["seed"] + i})
+                for p, prompt in enumerate(self.prompts) for i in range(self.n)]
+
+
+def _number(body: dict, name: str, default, low, high, *, low_open: bool = False, integer: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise APIError(f"'{name}' must be {kind}, got {json.dumps(value)}", param=name)
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        span = f"{'(' if low_open else '['}{low}, {high if high is not None else '∞'}{']' if high is not None else ')'}"
+        raise APIError(f"'{name}' = {value} is outside {span}", param=name)
+    return value
+
+
+def load_chat_template(tokenizer_file: str | Path | None, explicit: str | Path | None = None) -> tuple:
+    """(template, special tokens) for chat: the template of ``explicit`` (a Jinja file), else
+    ``chat_template.jinja`` or the ``chat_template`` of ``tokenizer_config.json`` beside the tokenizer
+    file (None when there is none); the special tokens (``bos_token``, ``eos_token``) of that config."""
+    folder = Path(tokenizer_file).parent if tokenizer_file is not None else None
+    config = {}
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    special = {}
+    for name in ("bos_token", "eos_token"):
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    if explicit is not None:
+        return Path(explicit).read_text(), special
+    if folder is not None and (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(), special
+    template = config.get("chat_template")
+    if isinstance(template, list):                         # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template, special
+
+
+class Parser:
+    """Validates requests for one served model (see the module doc)."""
+
+    def __init__(self, *, model_name: str, vocab_size: int, max_length: int, tokenizer=None,
+                 chat_template: str | None = None, special_tokens: dict | None = None):
+        self.model_name, self.vocab_size, self.max_length = model_name, vocab_size, max_length
+        self.tokenizer, self.special = tokenizer, special_tokens or {}
+        self.template = None
+        if chat_template is not None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = self._template_error
+            self.template = env.from_string(chat_template)
+
+    @staticmethod
+    def _template_error(message: str):
+        raise APIError(f"'messages': the chat template refused them: {message}", param="messages")
+
+    # ------------------------------------------------------------------------------------ requests
+    def parse(self, kind: str, raw: bytes) -> Job:
+        body = self._body(raw, kind)
+        if body.get("model") != self.model_name:
+            raise APIError(f"model {json.dumps(body.get('model'))} is not served here; this server serves "
+                           f"'{self.model_name}'", param="model", code="model_not_found")
+        prompts = [self._chat(body)] if kind == "chat" else self._prompts(body.get("prompt"))
+        limit_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        limits = [self._max_tokens(body, limit_field, p, kind) for p in prompts]
+        seed = _number(body, "seed", None, -2**31, 2**31 - 1, integer=True)
+        sampling = dict(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+                        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
+                        top_k=int(_number(body, "top_k", 0, 0, self.vocab_size, integer=True)),
+                        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+                        seed=secrets.randbelow(2**31 - MAX_N) if seed is None else seed)
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise APIError("'stream_options' must be an object with at most 'include_usage'", param="stream_options")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise APIError(f"'stream' must be true or false, got {json.dumps(stream)}", param="stream")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise APIError("'user' must be a string", param="user")
+        return Job(kind, prompts, limits, sampling, self._stops(body.get("stop")), self._stop_ids(body), stream,
+                   bool(options.get("include_usage")), _number(body, "n", 1, 1, MAX_N, integer=True), user)
+
+    def _body(self, raw: bytes, kind: str) -> dict:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise APIError(f"the request body is not valid UTF-8 (byte {err.start})", code="invalid_encoding") from None
+        try:
+            body = json.loads(text)
+        except ValueError as err:
+            raise APIError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        unknown = sorted(set(body) - FIELDS[kind])
+        if unknown:
+            raise APIError(f"unknown or unsupported field '{unknown[0]}'; this endpoint accepts "
+                           f"{', '.join(sorted(FIELDS[kind]))}", param=unknown[0], code="unknown_field")
+        return body
+
+    def _text(self, text: str, field: str, *, special: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(f"'{field}' is not valid UTF-8 (it holds a lone surrogate)", param=field,
+                           code="invalid_encoding") from None
+        if self.tokenizer is None:
+            raise APIError(f"'{field}': this server has no tokenizer; send token ids", param=field)
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def _prompts(self, prompt) -> list[list[int]]:
+        def ids(value, where: str) -> list[int]:
+            if isinstance(value, str):
+                out = self._text(value, where)
+            elif isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                out = list(value)
+            else:
+                raise APIError(f"'{where}' must be text, a list of token ids, or a list of either", param="prompt")
+            bad = [t for t in out if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(f"'{where}': token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
+            if not out:
+                raise APIError(f"'{where}' is empty; a prompt needs at least one token", param="prompt")
+            return out
+
+        if prompt is None:
+            raise APIError("'prompt' is required", param="prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > MAX_N:
+                raise APIError(f"'prompt': {len(prompt)} prompts; at most {MAX_N} per request", param="prompt")
+            return [ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [ids(prompt, "prompt")]
+
+    def _chat(self, body: dict) -> list[int]:
+        if self.template is None:
+            raise APIError("this model's tokenizer has no chat template; use /v1/completions", param="messages",
+                           code="no_chat_template")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise APIError("'messages' must be a non-empty list of {role, content} objects with text content",
+                           param="messages")
+        text = self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+        out = self._text(text, "messages", special=False)
+        if not out:
+            raise APIError("'messages' rendered to no tokens", param="messages")
+        return out
+
+    def _max_tokens(self, body: dict, field: str, prompt: list[int], kind: str) -> int:
+        room = self.max_length - len(prompt)
+        if room < 1:
+            raise APIError(f"the prompt has {len(prompt)} tokens; this server's cache holds {self.max_length} "
+                           f"positions per sequence (prompt + completion)", param="prompt",
+                           code="context_length_exceeded")
+        value = _number(body, field, DEFAULT_MAX_TOKENS if kind == "completions" else room, 1, None, integer=True)
+        if value > room:
+            raise APIError(f"'{field}' = {value}: the prompt's {len(prompt)} tokens leave room for {room} in the "
+                           f"cache of {self.max_length} positions", param=field, code="context_length_exceeded")
+        return value
+
+    def _stops(self, stop) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+            raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} of them", param="stop")
+        for s in stops:
+            self._text(s, "stop") if self.tokenizer is not None else None
+        return stops
+
+    def _stop_ids(self, body: dict) -> frozenset:
+        ids = body.get("stop_token_ids") or []
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                and 0 <= t < self.vocab_size for t in ids):
+            raise APIError(f"'stop_token_ids' must be a list of token ids in [0, {self.vocab_size})",
+                           param="stop_token_ids")
+        return frozenset(ids)
+
+
+class TextStream:
+    """A choice's text as its tokens arrive: the new suffix each time, held back while the decoded text
+    ends in an incomplete UTF-8 character, cut at the first stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def add(self, ids: list[int], *, final: bool = False) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
+        for s in self.stops:
+            at = text.find(s)
+            if at >= 0:
+                text, self.stopped, final = text[:at], True, True
+        if not final:                                    # a stop string may be starting: hold it back
+            hold = max([k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+            text = text[:len(text) - hold]
+        if (not final and text.endswith("\ufffd")) or not text.startswith(self.sent):
+            return ""                                    # wait for the rest of the character
+        new, self.sent = text[len(self.sent):], text
+        return new

@@ -1,0 +1,172 @@
+"""``jaxpar serve``: an OpenAI-compatible HTTP server over continuous-batching engine replicas.
+
+    jaxpar serve --from runs/ft --tokenizer tokenizer.json --port 8000
+    jaxpar serve --from ./Llama-3.2-1B --mesh decode_tp --replicas 2 --memory-budget 8GiB
+    jaxpar serve --from ckpt/tiny --cpu-devices 4 --replicas 4 --port 0      # port 0: any free port
+
+--from is what ``jaxpar generate`` reads (a run folder, a model checkpoint or a Hugging Face folder); the
+tokenizer is --tokenizer or tokenizer.json in --from, and its chat template (``chat_template.jinja`` or
+``tokenizer_config.json`` beside it, or --chat-template) enables /v1/chat/completions. The devices are
+split into --replicas equal groups; each group runs one engine on --mesh (default: one device each).
+Every option is checked before a weight is read; the engines compile every shape before the port opens.
+The server prints ``listening on http://HOST:PORT`` to stderr when it is ready. SIGTERM (or Ctrl-C)
+stops new requests (503), completes those in flight and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+
+HELP = "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)"
+UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
+
+
+def _bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?(?:[iI]?[bB])?)\s*", text)
+    if not m or m.group(2).lower() not in UNITS and m.group(2).lower()[:-1] not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 2GiB, 500MB or 1000000")
+    unit = m.group(2).lower()
+    scale = UNITS.get(unit) or UNITS[unit[:-1]]
+    return int(float(m.group(1)) * scale)
+
+
+def add_arguments(parser: argparse.ArgumentParser, /) -> None:
+    from jaxpar.inference.command import _positive
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n")[1]
+    parser.add_argument("--from", dest="source", required=True, metavar="DIR",
+                        help="a training run folder, a model checkpoint or a Hugging Face folder")
+    parser.add_argument("--tokenizer", default=None, metavar="FILE", help="a tokenizers JSON file "
+                        "(default: tokenizer.json in --from)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template "
+                        "(default: the one beside the tokenizer, if any)")
+    parser.add_argument("--model-name", default=None, help="the model id clients send (default: --from's folder name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--mesh", default=None, help="each replica's decode layout (decode_tp, decode_dp, or "
+                        "axis sizes like tensor=2; default: one device per replica)")
+    parser.add_argument("--replicas", type=_positive, default=1, help="engine replicas (data parallel)")
+    parser.add_argument("--cpu-devices", type=_positive, default=None, metavar="N", help="simulate N CPU devices")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-slots", type=_positive, default=8, help="sequences decoding at once per replica")
+    engine.add_argument("--page-size", type=_positive, default=16, help="positions per KV page")
+    engine.add_argument("--max-length", type=_positive, default=None,
+                        help="positions per sequence (default: model.max_seq_len, at most 4096)")
+    engine.add_argument("--memory-budget", type=_bytes, default=None, metavar="SIZE",
+                        help="bytes for each replica's KV pages, e.g. 4GiB (default: every slot at max length)")
+    engine.add_argument("--chunk", type=_positive, default=64, help="prompt chunk (prefill) size")
+    engine.add_argument("--speculate", type=int, default=0, metavar="K", help="speculative guesses per step (0 = off)")
+    engine.add_argument("--draft", default=None, metavar="DIR", help="a draft model (same vocabulary) for --speculate")
+
+
+def check_args(args, cfg) -> tuple[int, int]:
+    """(max_length, device group size): everything the engines would refuse, refused from the config."""
+    import jax
+
+    from jaxpar.errors import ConfigError
+    from jaxpar.inference.layouts import build_inference_mesh
+    max_length = args.max_length or min(cfg.max_seq_len, 4096)
+    max_length -= max_length % args.page_size
+    if not 0 < max_length <= cfg.max_seq_len:
+        raise ConfigError(f"--max-length {args.max_length}: must be in [--page-size={args.page_size}, "
+                          f"model.max_seq_len={cfg.max_seq_len}]")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port {args.port}: not a port number (0 … 65535)")
+    if args.speculate < 0 or (args.draft and not args.speculate):
+        raise ConfigError(f"--speculate {args.speculate}: must be ≥ 0, and > 0 with --draft")
+    devices = jax.devices()
+    if len(devices) % args.replicas:
+        raise ConfigError(f"--replicas {args.replicas} does not divide the {len(devices)} devices "
+                          f"(--cpu-devices simulates more on CPU)")
+    group = len(devices) // args.replicas if args.mesh else 1
+    if args.mesh:
+        build_inference_mesh(args.mesh, devices=devices[:group], flag="--mesh")
+    return max_length, group
+
+
+def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
+    import jax
+
+    from jaxpar.inference.api import Parser, load_chat_template
+    from jaxpar.inference.command import load_weights
+    from jaxpar.inference.engine import Engine
+    from jaxpar.inference.layouts import build_inference_mesh
+    from jaxpar.inference.server import Service
+
+    max_length, group = check_args(args, cfg)
+    template, special = load_chat_template(tokenizer_file, args.chat_template)
+    parser = Parser(model_name=args.model_name or Path(args.source).resolve().name, vocab_size=cfg.vocab_size,
+                    max_length=max_length, tokenizer=tokenizer, chat_template=template, special_tokens=special)
+    name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
+    model = load_weights(kind, args.source, cfg, mesh, name)
+    draft = load_draft(args.draft) if args.draft else None
+    engines = []
+    for r in range(args.replicas):
+        devices = jax.devices()[r * group:(r + 1) * group]
+        engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, max_length=max_length,
+                        memory_budget=args.memory_budget, chunk=args.chunk, speculate=args.speculate, draft=draft,
+                        mesh=args.mesh, devices=devices)
+        engine.warm_up()
+        engines.append(engine)
+    return Service(engines, parser, tokenizer=tokenizer, eos_ids=eos, page_size=args.page_size)
+
+
+def load_draft(folder: str):
+    """The draft model of --draft, on one device (the engine places it beside the target)."""
+    import jax
+
+    from jaxpar.inference.command import load_weights, model_config, source_kind
+    from jaxpar.inference.layouts import build_inference_mesh
+    kind = source_kind(folder)
+    cfg, _, _ = model_config(kind, folder)
+    name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
+    return load_weights(kind, folder, cfg, mesh, name)
+
+
+def serve(service, host: str, port: int) -> int:
+    """Run uvicorn on ``host:port`` until SIGTERM/SIGINT; the engines drain before it returns 0."""
+    import uvicorn
+
+    from jaxpar.inference.server import build_app
+
+    app = build_app(service)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=None))
+    original = server.handle_exit
+
+    def on_signal(sig, frame):              # stop taking requests at once; uvicorn waits for the rest
+        if not service.draining:
+            print(f"jaxpar serve: {signal.Signals(sig).name}: finishing {sum(w.load for w in service.workers)} "
+                  f"sequence(s) in flight, taking no new requests", file=sys.stderr, flush=True)
+        service.draining = True
+        original(sig, frame)
+
+    server.handle_exit = on_signal
+    for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn raises the signal again once it has drained:
+        signal.signal(sig, lambda *_: None)      # by then the work is done, and the exit status is 0
+    print(f"jaxpar serve: listening on http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    return 0
+
+
+def run(args: argparse.Namespace, /) -> int:
+    from jaxpar.mesh import simulate_cpu_devices
+    if args.cpu_devices:
+        simulate_cpu_devices(args.cpu_devices)
+    from jaxpar.errors import DataError
+    from jaxpar.inference.command import TOKENIZER, load_tokenizer, model_config, source_kind
+
+    kind = source_kind(args.source)
+    tokenizer = load_tokenizer(args.tokenizer, args.source)
+    if tokenizer is None:
+        raise DataError(f"--tokenizer: none given and no {TOKENIZER} in --from {args.source}; the API speaks text")
+    tokenizer_file = args.tokenizer or str(Path(args.source) / TOKENIZER)
+    cfg, eos, _ = model_config(kind, args.source)
+    service = build_service(args, cfg, eos, kind, tokenizer, tokenizer_file)
+    return serve(service, args.host, args.port)

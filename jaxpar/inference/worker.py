@@ -1,0 +1,159 @@
+"""An engine in a thread of its own, fed by the server, and the router that picks one of several.
+
+``Worker`` owns one ``Engine`` (one replica: a device or a group of devices). The HTTP handlers run on
+the event loop; they never touch the engine. They hand requests to the worker's inbox with ``add`` and
+receive ``Event``s through the sink they passed (called on the worker's thread: the server wraps it in
+``loop.call_soon_threadsafe``). Between steps the worker takes everything in its inbox (new requests,
+aborts), steps the engine, and reports each request's new tokens and its end.
+
+``Router`` sends a request to the replica with the least work (queued + running sequences), but keeps
+a session together: a request with the same key (the OpenAI ``user`` field, or else the hash of the
+prompt's first full page) goes back to the replica that served the key before, so the pages of a shared
+prefix are found in that replica's cache. It stays sticky unless that replica has ``slack`` more
+sequences than the least loaded one (then the key moves).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import queue
+import threading
+import time
+
+from jaxpar.inference.scheduler import Request
+
+
+@dataclasses.dataclass
+class Event:
+    """New tokens of a request (``tokens``), its end (``finish_reason`` set), or an engine failure."""
+    tokens: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Worker:
+    """One engine replica stepping in a thread (module doc)."""
+
+    def __init__(self, engine, index: int = 0, *, observe=None):
+        self.engine, self.index = engine, index
+        self.observe = observe                      # observe(kind, seconds): time to first token / inter-token
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.tracked: dict[object, tuple] = {}      # id -> (request, sink, tokens sent, arrival, last token time)
+        self._pending = 0                           # added, not yet taken from the inbox
+        self._lock = threading.Lock()
+        self.stopping = False
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"engine-{index}", daemon=True)
+
+    def start(self) -> "Worker":
+        self.thread.start()
+        return self
+
+    @property
+    def load(self) -> int:
+        """Sequences this replica holds or will: its inbox, its queue and its running ones."""
+        s = self.engine.scheduler
+        return self._pending + len(s.waiting) + len(s.running)
+
+    def add(self, request: Request, sampling: dict, sink) -> None:
+        with self._lock:
+            self._pending += 1
+        self.inbox.put(("add", request, sampling, sink, time.perf_counter()))
+
+    def abort(self, request: Request) -> None:
+        self.inbox.put(("abort", request))
+
+    def stop(self) -> None:
+        """Finish what was added, then end the thread (``join`` waits)."""
+        self.stopping = True
+        self.inbox.put(("wake",))
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    # ------------------------------------------------------------------------------------ the thread
+    def _take(self, block: bool) -> None:
+        while True:
+            try:
+                item = self.inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if item[0] == "add":
+                _, request, sampling, sink, arrival = item
+                self.tracked[request.id] = [request, sink, 0, arrival, None]
+                self.engine.submit(request, sampling)
+                with self._lock:
+                    self._pending -= 1
+            elif item[0] == "abort" and item[1].id in self.tracked:
+                self.engine.scheduler.abort(item[1])
+                self._report(self.tracked.pop(item[1].id), time.perf_counter(), "abort")
+
+    def _loop(self) -> None:
+        while True:
+            self._take(block=self.engine.idle)
+            if self.engine.idle:
+                if self.stopping and self.inbox.empty() and not self._pending:
+                    return
+                continue
+            try:
+                finished = {r.id for r in self.engine.step()}
+            except Exception as err:                  # the engine is unusable: fail everything it holds
+                self.error = f"{type(err).__name__}: {err}"
+                for entry in self.tracked.values():
+                    entry[1](Event([], "error", self.error))
+                self.tracked.clear()
+                return
+            now = time.perf_counter()
+            for rid in list(self.tracked):
+                entry = self.tracked[rid]
+                self._report(entry, now, entry[0].finish_reason if rid in finished else None)
+                if rid in finished:
+                    del self.tracked[rid]
+
+    def _report(self, entry: list, now: float, reason: str | None) -> None:
+        request, sink, sent, arrival, last = entry
+        new = request.tokens[len(request.prompt) + sent:len(request.prompt) + request.generated]
+        if new and self.observe is not None:
+            if last is None:
+                self.observe("ttft", now - arrival)
+            else:                                     # a verification may bring several tokens at once
+                for _ in new:
+                    self.observe("itl", (now - last) / len(new))
+        if new or reason:
+            entry[2], entry[4] = sent + len(new), now if new else last
+            sink(Event(list(new), reason))
+
+
+class Router:
+    """Least-loaded replica, sticky per session or prefix key (module doc)."""
+
+    def __init__(self, workers: list[Worker], *, page_size: int, slack: int = 4, capacity: int = 65536):
+        self.workers, self.page_size, self.slack, self.capacity = workers, page_size, slack, capacity
+        self.sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.routed = collections.Counter()           # "sticky", "least_loaded"
+
+    def key(self, user: str | None, prompt: list[int]) -> str | None:
+        if user:
+            return "user:" + user
+        if len(prompt) > self.page_size:              # a full page the cache could share
+            head = ",".join(map(str, prompt[:self.page_size])).encode()
+            return "prefix:" + hashlib.sha256(head).hexdigest()
+        return None
+
+    def pick(self, key: str | None) -> int:
+        loads = [w.load if w.error is None else float("inf") for w in self.workers]
+        best = min(range(len(loads)), key=loads.__getitem__)
+        chosen = self.sticky.get(key) if key is not None else None
+        if chosen is not None and loads[chosen] <= loads[best] + self.slack:
+            self.routed["sticky"] += 1
+        else:
+            chosen = best
+            self.routed["least_loaded"] += 1
+        if key is not None:
+            self.sticky[key] = chosen
+            self.sticky.move_to_end(key)
+            if len(self.sticky) > self.capacity:
+                self.sticky.popitem(last=False)
+        return chosen

@@ -231,3 +231,35 @@ def test_usage_errors_are_argparse_exit_2(assets, capsys, argv, words):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--from", str(assets.ckpt), *argv])
     assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+SERVE_BAD = {  # jaxpar serve: refused with status 2, naming the flag, before a weight is read
+    "no tokenizer": (["--from", "{ckpt}"], ["--tokenizer", "none given", "tokenizer.json"]),
+    "replicas vs devices": (["--replicas", "3"], ["--replicas 3", "8 devices"]),
+    "unknown layout": (["--mesh", "decode_tq"], ["--mesh", "'decode_tq'", "did you mean 'decode_tp'"]),
+    "mesh vs kv heads": (["--mesh", "tensor=8"], ["--mesh", "model.num_kv_heads=2"]),
+    "max length": (["--max-length", "1000000"], ["--max-length 1000000", "model.max_seq_len"]),
+    "negative speculate": (["--speculate", "-1"], ["--speculate -1"]),
+    "draft without speculate": (["--draft", "{ckpt}"], ["--speculate 0", "--draft"]),
+    "port": (["--port", "70000"], ["--port 70000"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SERVE_BAD))
+def test_serve_bad_input_exits_2_before_reading_weights(assets, case, capsys, monkeypatch):
+    import jaxpar.convert.store
+
+    monkeypatch.setattr(jaxpar.convert.store, "load_model", lambda *_: (_ for _ in ()).throw(AssertionError("read")))
+    argv, words = SERVE_BAD[case]
+    argv = ["--from", str(assets.ckpt_tok), "--port", "0"] + [a.format(ckpt=assets.ckpt) for a in argv]
+    status = main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("jaxpar: error: ") and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_serve_sizes_are_checked_by_argparse(assets, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--from", str(assets.ckpt_tok), "--memory-budget", "lots"])
+    assert exc.value.code == 2 and "'lots' is not a size like 2GiB" in capsys.readouterr().err

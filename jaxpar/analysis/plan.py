@@ -210,7 +210,6 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
     ``devices``) and predict it on ``hardware`` (see the module docstring). With ``stage`` > 1 the step
     runs ``schedule`` over ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s)."""
     import jax
-    import numpy as np
 
     from jaxpar.analysis import analyze_compiled
     from jaxpar.analysis.hardware import get_hardware

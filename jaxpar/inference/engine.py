@@ -24,6 +24,7 @@ heads like the dense cache, and every step is traced under the decode rules. Pos
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
@@ -31,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.inference.generate import bucket, for_generation
-from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, placed_state
+from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, compose_decode_rules, placed_state
 from jaxpar.inference.pages import PagedAllocator
 from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
 from jaxpar.inference.scheduler import Request, Scheduler
@@ -66,6 +67,27 @@ def pages_for_budget(model, page_size: int, budget_bytes: int, /) -> int:
         raise ConfigError(f"memory_budget={budget_bytes} bytes: one page of {page_size} positions takes "
                           f"{page_bytes(model, page_size)} bytes in all layers; at least 2 pages are needed")
     return int(pages)
+
+
+def engine_layout(cfg, mesh: str | None, devices=None, *, slots: int, length: int, flag: str = "mesh"):
+    """The checked decode layout of an engine for ``cfg`` with ``slots`` rows on ``mesh`` over
+    ``devices`` (None: one device). Refuses a ``sequence`` split (positions are never split) and a pool
+    that the layout would replicate (more kv-head ways than kv heads: a dense cache moves them to its
+    batch, a page pool has none)."""
+    if mesh is None:
+        devices = list(jax.devices() if devices is None else devices)[:1]
+    name, built = build_inference_mesh(mesh or "decode_dp", devices=devices, flag=flag)
+    if built.shape["sequence"] > 1:
+        raise LayoutError(f"{flag} {mesh}: sequence={built.shape['sequence']}; the engine never splits positions "
+                          f"(use tensor, data or expert)")
+    layout = check_inference_layout(cfg, built, name, batch=slots, prompt=1, slots=length)
+    wanted = compose_decode_rules(name, {a for a, n in built.shape.items() if n > 1}, prefill=False)
+    ways = math.prod(built.shape[a] for a in wanted["cache_kv_heads"])
+    if not cfg.uses_mla and cfg.num_kv_heads % ways:
+        raise LayoutError(f"{flag} {mesh}: model.num_kv_heads={cfg.num_kv_heads} cannot be split {ways} ways "
+                          f"({'×'.join(wanted['cache_kv_heads'])}); the page pools would be replicated. Use a "
+                          f"tensor size that divides {cfg.num_kv_heads}, and data replicas for the rest")
+    return layout
 
 
 @dataclasses.dataclass
@@ -122,14 +144,7 @@ class Engine:
         self.compiles = 0
 
     def _layout(self, mesh, devices, slots: int, length: int, cfg=None):
-        """The checked decode layout of ``cfg`` (the target's by default) for ``slots`` rows."""
-        if mesh is None:
-            devices = list(jax.devices() if devices is None else devices)[:1]
-        name, built = build_inference_mesh(mesh or "decode_dp", devices=devices, flag="mesh")
-        if built.shape["sequence"] > 1:
-            raise ConfigError(f"mesh {mesh}: sequence={built.shape['sequence']}; the engine never splits "
-                              f"positions (use tensor, data or expert)")
-        return check_inference_layout(cfg or self.cfg, built, name, batch=slots, prompt=1, slots=length)
+        return engine_layout(cfg or self.cfg, mesh, devices, slots=slots, length=length)
 
     # --------------------------------------------------------------------------------- programs
     def buckets(self) -> list[int]:

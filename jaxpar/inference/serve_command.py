@@ -68,7 +68,8 @@ def check_args(args, cfg) -> tuple[int, int]:
     import jax
 
     from jaxpar.errors import ConfigError
-    from jaxpar.inference.layouts import build_inference_mesh
+    from jaxpar.inference.engine import engine_layout
+    from jaxpar.inference.generate import generation_config
     max_length = args.max_length or min(cfg.max_seq_len, 4096)
     max_length -= max_length % args.page_size
     if not 0 < max_length <= cfg.max_seq_len:
@@ -83,8 +84,8 @@ def check_args(args, cfg) -> tuple[int, int]:
         raise ConfigError(f"--replicas {args.replicas} does not divide the {len(devices)} devices "
                           f"(--cpu-devices simulates more on CPU)")
     group = len(devices) // args.replicas if args.mesh else 1
-    if args.mesh:
-        build_inference_mesh(args.mesh, devices=devices[:group], flag="--mesh")
+    engine_layout(generation_config(cfg), args.mesh, devices[:group], slots=args.max_slots, length=max_length,
+                  flag="--mesh")
     return max_length, group
 
 

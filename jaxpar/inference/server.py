@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette

@@ -80,6 +80,11 @@ def get(server, path: str) -> str:
         return res.read().decode()
 
 
+def metric(server, name: str) -> float:
+    """A labelled Prometheus series summed over its labels (the replicas)."""
+    return sum(float(x) for x in re.findall(rf"^{name}\{{.*\}} (\S+)$", get(server, "/metrics"), re.M))
+
+
 def test_completion_and_its_stream_say_the_same(server):
     whole = server.client.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=12, temperature=0)
     choice = whole.choices[0]
@@ -159,11 +164,21 @@ def test_models_health_and_metrics(server):
 
 def test_a_shared_prefix_goes_to_one_replica_and_its_pages_are_reused(server):
     system = " ".join(f"w{i}" for i in range(3, 3 + 3 * PAGE))           # three full pages
-    hits = lambda: sum(float(x) for x in re.findall(r"^jaxpar_prefix_cache_hit_pages\{.*\} (\S+)$", get(server, "/metrics"), re.M))
+    hits = lambda: metric(server, "jaxpar_prefix_cache_hit_pages")
     before = hits()
     for user in ("w1", "w2", "w9"):
         server.client.completions.create(model="tiny", prompt=f"{system} {user}", max_tokens=2, temperature=0)
     assert hits() - before == 2 * 3                                     # the 2nd and 3rd find all three pages
+
+
+def test_n_choices_share_the_prompt_pages_of_the_first(server):
+    prompt = " ".join(f"w{i}" for i in range(100, 140))                # 40 tokens: 2 shareable pages
+    hits = lambda: metric(server, "jaxpar_prefix_cache_hit_pages")
+    before = hits()
+    out = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=3, temperature=1.0, seed=3)
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 24
+    assert len({c.text for c in out.choices}) == 3                      # seeds 3, 4, 5
+    assert hits() - before == 2 * 2                                      # choices 1 and 2 start from choice 0's pages
 
 
 def test_a_client_that_leaves_frees_its_sequence(server):
@@ -183,8 +198,7 @@ def test_sigterm_completes_the_requests_in_flight_and_exits_0(server):
         chunks = list(server.client.completions.create(model="tiny", prompt=p, max_tokens=100, temperature=0,
                                                        stream=True))
         return sum(1 for c in chunks if c.choices and c.choices[0].text), chunks[-1].choices[0].finish_reason
-    routed = lambda: sum(float(x) for x in re.findall(r"^jaxpar_routed_requests_total\{.*\} (\S+)$",
-                                                      get(server, "/metrics"), re.M))
+    routed = lambda: metric(server, "jaxpar_routed_requests_total")
     before = routed()
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(ask, p) for p in prompts(6, seed=1)]

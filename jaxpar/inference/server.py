@@ -88,13 +88,16 @@ class Service:
     def submit(self, job: Job) -> list[tuple[int, Request, Worker, asyncio.Queue]]:
         """Every choice of ``job`` on the replica the router picks; events arrive on each queue."""
         loop = asyncio.get_running_loop()
-        out = []
+        out, first = [], None
         for index, prompt, limit, sampling in job.choices():
             request = Request((job.id, index, next(self._ids)), prompt, limit, self.eos_ids | job.stop_ids)
-            worker = self.workers[self.router.pick(self.router.key(job.user, prompt))]
+            sibling = first if index % job.n else None          # choice 0 of a prompt computes it first
+            worker = sibling[1] if sibling else self.workers[self.router.pick(self.router.key(job.user, prompt))]
             self.metrics.routed.labels(str(worker.index)).inc()
             events: asyncio.Queue = asyncio.Queue()
-            worker.add(request, sampling, lambda ev, q=events: loop.call_soon_threadsafe(q.put_nowait, ev))
+            worker.add(request, sampling, lambda ev, q=events: loop.call_soon_threadsafe(q.put_nowait, ev),
+                       after=sibling[0] if sibling else None)
+            first = first if sibling else (request, worker)
             out.append((index, request, worker, events))
         return out
 

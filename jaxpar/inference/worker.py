@@ -40,7 +40,8 @@ class Worker:
         self.observe = observe                      # observe(kind, seconds): time to first token / inter-token
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tracked: dict[object, tuple] = {}      # id -> (request, sink, tokens sent, arrival, last token time)
-        self._pending = 0                           # added, not yet taken from the inbox
+        self._pending = 0                           # added, not yet submitted to the engine
+        self.held: list[tuple] = []                 # added, waiting for a sibling's prompt (n > 1)
         self._lock = threading.Lock()
         self.stopping = False
         self.error: str | None = None
@@ -56,10 +57,12 @@ class Worker:
         s = self.engine.scheduler
         return self._pending + len(s.waiting) + len(s.running)
 
-    def add(self, request: Request, sampling: dict, sink) -> None:
+    def add(self, request: Request, sampling: dict, sink, *, after: Request | None = None) -> None:
+        """Queue ``request``; with ``after`` (a sibling with the same prompt, n > 1) it is held until
+        that one's prompt is in the cache, so it starts from the shared full pages."""
         with self._lock:
             self._pending += 1
-        self.inbox.put(("add", request, sampling, sink, time.perf_counter()))
+        self.inbox.put(("add", request, sampling, sink, time.perf_counter(), after))
 
     def abort(self, request: Request) -> None:
         self.inbox.put(("abort", request))
@@ -81,18 +84,35 @@ class Worker:
                 return
             block = False
             if item[0] == "add":
-                _, request, sampling, sink, arrival = item
-                self.tracked[request.id] = [request, sink, 0, arrival, None]
-                self.engine.submit(request, sampling)
-                with self._lock:
-                    self._pending -= 1
+                self.held.append(item)
             elif item[0] == "abort" and item[1].id in self.tracked:
                 self.engine.scheduler.abort(item[1])
                 self._report(self.tracked.pop(item[1].id), time.perf_counter(), "abort")
+            elif item[0] == "abort":                  # still held: it never reached the engine
+                dropped = [h for h in self.held if h[1] is item[1]]
+                self.held = [h for h in self.held if h[1] is not item[1]]
+                item[1].finish_reason = "abort" if dropped else item[1].finish_reason
+                with self._lock:
+                    self._pending -= len(dropped)
+
+    def _release(self) -> None:
+        """Submit the held requests whose sibling has its prompt computed (or has ended)."""
+        keep = []
+        for item in self.held:
+            _, request, sampling, sink, arrival, after = item
+            if after is not None and after.finish_reason is None and after.generated == 0:
+                keep.append(item)
+                continue
+            self.tracked[request.id] = [request, sink, 0, arrival, None]
+            self.engine.submit(request, sampling)
+            with self._lock:
+                self._pending -= 1
+        self.held = keep
 
     def _loop(self) -> None:
         while True:
-            self._take(block=self.engine.idle)
+            self._take(block=self.engine.idle and not self.held)
+            self._release()
             if self.engine.idle:
                 if self.stopping and self.inbox.empty() and not self._pending:
                     return

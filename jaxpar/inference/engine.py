@@ -38,7 +38,7 @@ from jaxpar.inference.layouts import build_inference_mesh, check_inference_layou
 from jaxpar.inference.pages import PagedAllocator
 from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
 from jaxpar.inference.scheduler import Request, Scheduler
-from jaxpar.inference.speculative import acceptance, ngram_draft, one_hot, verify
+from jaxpar.inference.speculative import acceptance, distribution, host_rng, ngram_draft, one_hot, verify
 from jaxpar.layers.kvcache import with_table
 from jaxpar.rules import trace_layout
 
@@ -195,6 +195,7 @@ class Engine:
         """Compile every shape the engine can run (a call with nothing in it: positions all −1)."""
         shapes = [(w, t, False) for w in self.models for t in self.buckets()]
         shapes += [("target", self.speculate + 1, True)] if self.speculate else []
+        shapes += [("draft", t, True) for t in self.buckets()] if "draft" in self.models else []
         for which, t, every in shapes:
             self._call(which, t, np.zeros((self.slots, t), np.int32), np.full((self.slots, t), -1, np.int32),
                        np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32),
@@ -270,27 +271,26 @@ class Engine:
         return {r.id: int(tokens[r.slot]) for r, _, _ in rows}
 
     def _verify(self, decoding: list[Request]) -> dict:
-        """Speculative decode: each row's last token and up to k n-gram guesses in one call of width
-        k + 1; ``verify`` keeps the target's distribution. Returns id -> the tokens emitted."""
+        """Speculative decode: each row's last token and up to k guesses (n-gram lookup or the draft
+        model) in one call of width k + 1; ``verify`` keeps the target's distribution. Returns id -> the
+        tokens emitted."""
         t = self.speculate + 1
         room = {r.id: min(self.speculate, self.max_length - len(r.tokens)) for r in decoding}
         if "draft" in self.models:
-            drafts = {k: v[:room[k]] for k, v in self._propose(decoding).items()}
+            proposed = self._propose(decoding)
+            drafts = {k: v[:room[k]] for k, (v, _) in proposed.items()}
+            dists = {k: p[:room[k]] for k, (_, p) in proposed.items()}
         else:
             drafts = {r.id: ngram_draft(r.tokens, room[r.id]) for r in decoding}
+            dists = {k: one_hot(v, self.cfg.vocab_size) for k, v in drafts.items()}
         rows = [(r, r.computed, [r.tokens[r.computed]] + drafts[r.id]) for r in decoding]
         raw, filtered = self._call("target", t, *self._inputs(t, rows), every=True)
         out = {}
         for r in decoding:
             draft, s = drafts[r.id], r.slot
             n = len(draft) + 1
-            if r.sampling["temperature"] == 0:
-                q = one_hot(np.argmax(raw[s, :n], axis=-1), raw.shape[-1])
-            else:
-                z = np.exp(filtered[s, :n] - filtered[s, :n].max(axis=-1, keepdims=True))
-                q = z / z.sum(axis=-1, keepdims=True)
-            rng = np.random.default_rng([r.sampling["seed"], r.computed])
-            kept, nxt = verify(draft, one_hot(draft, raw.shape[-1]), q, rng)
+            q = distribution(raw[s, :n], filtered[s, :n], r.sampling["temperature"] == 0)
+            kept, nxt = verify(draft, dists[r.id], q, host_rng(r.sampling["seed"], r.computed))
             self.kept.append(kept)
             self.proposed.append(len(draft))
             if self.record_logits:
@@ -300,20 +300,34 @@ class Engine:
         return out
 
     def _propose(self, decoding: list[Request]) -> dict:
-        """k greedy guesses of the draft model: one call that catches its cache up to the row's last
-        token (a bucket wide) and samples the first guess, then k − 1 calls of width 1."""
+        """k guesses of the draft model and the distributions they were drawn from: one call that
+        catches its cache up to the row's last token (a bucket wide), then k − 1 calls of width 1.
+        Greedy rows take the argmax (a point mass); sampled rows draw from the draft's own filtered
+        distribution under the row's settings (then the full logits come to the host)."""
+        sampled = any(r.sampling["temperature"] > 0 for r in decoding)
         rows = [(r, r.draft_computed, r.tokens[r.draft_computed:]) for r in decoding]
         t = min(b for b in self.buckets() if b >= max(len(x[2]) for x in rows))
-        tokens, _ = self._call("draft", t, *self._inputs(t, rows, greedy=True))
-        drafts = {r.id: [int(tokens[r.slot])] for r in decoding}
-        for i in range(1, self.speculate):
-            rows = [(r, len(r.tokens) + i - 1, drafts[r.id][-1:]) for r in decoding]
-            tokens, _ = self._call("draft", 1, *self._inputs(1, rows, greedy=True))
-            for r in decoding:
-                drafts[r.id].append(int(tokens[r.slot]))
+        out = {r.id: ([], []) for r in decoding}
+        for i in range(self.speculate):
+            if i:
+                rows, t = [(r, len(r.tokens) + i - 1, out[r.id][0][-1:]) for r in decoding], 1
+            if not sampled:
+                tokens, _ = self._call("draft", t, *self._inputs(t, rows, greedy=True))
+            else:
+                raw, filtered = self._call("draft", t, *self._inputs(t, rows), every=True)
+            for r, start, fed in rows:
+                if not sampled:
+                    token, p = int(tokens[r.slot]), one_hot([int(tokens[r.slot])], self.cfg.vocab_size)[0]
+                else:
+                    at = len(fed) - 1
+                    p = distribution(raw[r.slot, at:at + 1], filtered[r.slot, at:at + 1],
+                                     r.sampling["temperature"] == 0)[0]
+                    token = int(host_rng(r.sampling["seed"], start + at, 1).choice(len(p), p=p))
+                out[r.id][0].append(token)
+                out[r.id][1].append(p)
         for r in decoding:
             r.draft_computed = len(r.tokens) + self.speculate - 1
-        return drafts
+        return {k: (tokens, np.stack(ps)) for k, (tokens, ps) in out.items()}
 
     def acceptance(self) -> dict:
         """Acceptance rate and the histogram of guesses kept per verification (speculative decoding)."""

@@ -35,6 +35,21 @@ def one_hot(tokens: Sequence[int], vocab: int, /) -> np.ndarray:
     return out
 
 
+def distribution(raw: np.ndarray, filtered: np.ndarray, greedy: bool) -> np.ndarray:
+    """A model's next-token distributions [n, V] from its logits: one-hot on the raw argmax when greedy,
+    else the softmax of the filtered logits (temperature, top-k/p, min-p applied; -inf where cut)."""
+    if greedy:
+        return one_hot(np.argmax(raw, axis=-1), raw.shape[-1])
+    z = np.exp(filtered - filtered.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def host_rng(seed: int, position: int, stream: int = 0) -> np.random.Generator:
+    """The generator of a request's host-side draws at ``position`` (``stream`` 0: verification,
+    1: the draft's samples); any int seed, negative ones included."""
+    return np.random.default_rng([seed & 0xFFFFFFFF, position, stream])
+
+
 def verify(draft: Sequence[int], p: np.ndarray, q: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
     """draft [k] tokens drawn from p [k, V]; q [k + 1, V] the target's distributions at the same
     positions (and one past). Returns (guesses kept, the token that follows them)."""

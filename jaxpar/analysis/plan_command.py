@@ -3,6 +3,7 @@
     jaxpar plan --model llama3-70b --mesh fsdp=32,tensor=8 --batch 256 --seq 4096 --hardware h100 --devices 256
     jaxpar plan ... --json            # one JSON object (see ``jaxpar.analysis.plan.Plan``)
     jaxpar plan --model llama3-8b --mesh stage=4,fsdp=8 --schedule 1f1b --microbatches 16 ...   # a pipeline
+    jaxpar plan --inference --model llama3-70b --mesh decode_tp --devices 8 --batch 32 --context 8192 --hardware h100
 
 The train step is compiled on ``--devices`` simulated CPU devices from abstract inputs; nothing the size
 of the model is allocated.
@@ -26,7 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument("--plot", default=None, metavar="FILE", help="--search: plot memory and traffic per axis "
                         "of the candidates (needs matplotlib)")
     parser.add_argument("--batch", type=int, required=True, help="global batch in sequences")
-    parser.add_argument("--seq", type=int, required=True, help="sequence length")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (training; required without --inference)")
+    parser.add_argument("--inference", action="store_true", help="plan serving instead: the decode layout --mesh "
+                        "holding --batch sequences of --context positions (prefill, decode step, largest batch)")
+    parser.add_argument("--context", type=int, default=None, help="--inference: positions per sequence "
+                        "(prompt + generated)")
     parser.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE)}")
     parser.add_argument("--devices", type=int, default=8, help="simulated devices (default 8)")
     parser.add_argument("--efficiency", type=float, default=0.6, help="share of peak FLOP/s reached (default 0.6)")
@@ -65,7 +70,10 @@ def run(args: argparse.Namespace, /) -> int:
     if not 1 <= args.devices <= MAX_DEVICES:
         raise MeshError(f"--devices={args.devices}: this machine simulates 1..{MAX_DEVICES} devices "
                         f"(measured here: llama3-405b on 2048 compiles in 49 s and 1.35 GB)")
+    _check_mode(args)
     simulate_cpu_devices(args.devices)
+    if args.inference:
+        return _inference(args)
     if args.search:
         return _search(args)
     from jaxpar.analysis.plan import plan
@@ -76,6 +84,27 @@ def run(args: argparse.Namespace, /) -> int:
         print(json.dumps(result.to_json(), indent=1))
     else:
         print(format_plan(result))
+    return 0
+
+
+def _check_mode(args) -> None:
+    from jaxpar.mesh import MeshError
+    if args.inference:
+        if args.search:
+            raise MeshError("--inference plans one serving layout: give --mesh (decode_tp, decode_dp, decode_ep or "
+                            "axis sizes), not --search")
+        if not args.context or args.context < 1 or args.batch < 1:
+            raise MeshError(f"--inference needs --context ≥ 1 (got {args.context}) and --batch ≥ 1 (got {args.batch})")
+    elif not args.seq or args.seq < 1:
+        raise MeshError(f"--seq ≥ 1 is required to plan a training step (got {args.seq}); for serving give "
+                        f"--inference --context L")
+
+
+def _inference(args) -> int:
+    from jaxpar.analysis.inference_plan import format_inference_plan, plan_inference
+    result = plan_inference(args.model, args.mesh, batch=args.batch, context=args.context, hardware=args.hardware,
+                            devices=args.devices, efficiency=args.efficiency, **_overrides(args.overrides))
+    print(json.dumps(result.to_json(), indent=1) if args.json else format_inference_plan(result))
     return 0
 
 

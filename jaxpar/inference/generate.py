@@ -119,6 +119,47 @@ class GenerationResult:
         return out
 
 
+def abstract_cache(model, layout: InferenceLayout, batch: int, slots: int) -> dict:
+    """The cache's shapes and dtypes, each placed by its logical names under ``layout``."""
+    def placed(c):
+        return type(c)(*[jax.ShapeDtypeStruct(getattr(c, f.name).shape, getattr(c, f.name).dtype,
+                                              sharding=layout.sharding((None,) + c.NAMES))
+                         for f in dataclasses.fields(c)])
+    return {k: placed(c) for k, c in jax.eval_shape(lambda: model.empty_cache(batch, slots)).items()}
+
+
+def compile_programs(model, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
+    """(prefill, decode) of ``model`` compiled for ``layout`` from ``state``, a tree of
+    ``jax.ShapeDtypeStruct`` with shardings (``model`` may be abstract: ``nnx.eval_shape``; nothing the
+    size of the model is allocated)."""
+    graphdef, mesh = nnx.graphdef(model), layout.mesh
+    cache = abstract_cache(model, layout, batch, slots)
+    cache_sh = jax.tree.map(lambda c: c.sharding, cache)
+    rows = layout.sharding(("batch",))
+    params_sh = jax.tree.map(lambda _: rows, SamplingParams.greedy(batch))
+
+    def prefill(state, ids, lengths, params):
+        with trace_layout(mesh, layout.prefill):
+            model = nnx.merge(graphdef, state)
+            logits, cache = model.prefill(ids, lengths, model.empty_cache(batch, slots))
+        return sample(logits, params, lengths), logits, cache
+
+    def decode(state, cache, tokens, positions, params):
+        with trace_layout(mesh, layout.decode):
+            logits, cache = nnx.merge(graphdef, state).decode(tokens[:, None], positions[:, None], cache)
+        return sample(logits[:, 0], params, positions + 1), logits[:, 0], cache
+
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rows if len(s) == 1 else layout.sharding(("batch", None)))
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          SamplingParams.greedy(batch), params_sh)
+    out = (rows, rows, cache_sh)
+    pre = jax.jit(prefill, out_shardings=out)
+    pre = pre.lower(state, i32(batch, prompt), i32(batch), params).compile()
+    dec = jax.jit(decode, donate_argnums=(1,), out_shardings=out)
+    dec = dec.lower(state, cache, i32(batch), i32(batch), params).compile()
+    return pre, dec
+
+
 class Generator:
     """Generation from ``model`` on ``mesh`` (a decode layout name, a training preset, an axis spec; None:
     one device). The weights are moved onto the decode layout with one reshard."""
@@ -138,50 +179,14 @@ class Generator:
     def layout(self, batch: int, prompt: int, slots: int) -> InferenceLayout:
         return check_inference_layout(self.cfg, self.mesh, self.mesh_name, batch=batch, prompt=prompt, slots=slots)
 
-    def _abstract_cache(self, layout: InferenceLayout, batch: int, slots: int) -> dict:
-        """The cache's shapes and dtypes, each placed by its logical names under ``layout``."""
-        def placed(c):
-            return type(c)(*[jax.ShapeDtypeStruct(getattr(c, f.name).shape, getattr(c, f.name).dtype,
-                                                  sharding=layout.sharding((None,) + c.NAMES))
-                             for f in dataclasses.fields(c)])
-        return {k: placed(c) for k, c in jax.eval_shape(lambda: self.model.empty_cache(batch, slots)).items()}
-
     def programs(self, batch: int, prompt: int, slots: int):
         """(prefill, decode) compiled for this shape (compiled once, then kept)."""
         key = (batch, prompt, slots)
         if key not in self._compiled:
-            self._compiled[key] = self._compile(batch, prompt, slots)
+            state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+            self._compiled[key] = compile_programs(self.model, state, self.layout(batch, prompt, slots), batch,
+                                                   prompt, slots)
         return self._compiled[key]
-
-    def _compile(self, batch: int, prompt: int, slots: int):
-        layout = self.layout(batch, prompt, slots)
-        graphdef, mesh = self.graphdef, layout.mesh
-        cache = self._abstract_cache(layout, batch, slots)
-        cache_sh = jax.tree.map(lambda c: c.sharding, cache)
-        rows = layout.sharding(("batch",))
-        params_sh = jax.tree.map(lambda _: rows, SamplingParams.greedy(batch))
-
-        def prefill(state, ids, lengths, params):
-            with trace_layout(mesh, layout.prefill):
-                model = nnx.merge(graphdef, state)
-                logits, cache = model.prefill(ids, lengths, model.empty_cache(batch, slots))
-            return sample(logits, params, lengths), logits, cache
-
-        def decode(state, cache, tokens, positions, params):
-            with trace_layout(mesh, layout.decode):
-                logits, cache = nnx.merge(graphdef, state).decode(tokens[:, None], positions[:, None], cache)
-            return sample(logits[:, 0], params, positions + 1), logits[:, 0], cache
-
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rows if len(s) == 1 else layout.sharding(("batch", None)))
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              SamplingParams.greedy(batch), params_sh)
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-        out = (rows, rows, cache_sh)
-        pre = jax.jit(prefill, out_shardings=out)
-        pre = pre.lower(state, i32(batch, prompt), i32(batch), params).compile()
-        dec = jax.jit(decode, donate_argnums=(1,), out_shardings=out)
-        dec = dec.lower(state, cache, i32(batch), i32(batch), params).compile()
-        return pre, dec
 
     # ------------------------------------------------------------------------------------ generation
     def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:

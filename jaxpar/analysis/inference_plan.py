@@ -1,0 +1,166 @@
+"""The layout lab for serving: what a decode layout holds and moves per device, and the prefill and
+decode times it predicts on named hardware.
+
+    jaxpar plan --inference --model llama3-70b --mesh decode_tp --devices 8 --batch 32 --context 8192 --hardware h100
+
+The prefill and decode programs of ``jaxpar.inference.generate`` are compiled ahead of time for the
+layout on simulated CPU devices from abstract weights (nothing the size of the model is allocated), and
+read as the training lab reads its step:
+
+* **Held per device** (exact, from the shardings the programs take): the weights (bf16 by default, as
+  served; ``--set param_dtype=float32`` to price f32), and the KV cache of
+  ``batch`` sequences of ``context`` positions. KV bytes per token = the cache's bytes ÷ (batch ×
+  positions) for the whole model and per device. The largest batch that fits at ``context``: what HBM
+  has left after the weights, over one sequence's cache per device, times the ways the batch is split.
+* **Moved per decode step** (from the compiled decode program): each collective's bytes per axis
+  group, counted at the compute dtype's width (XLA:CPU runs bf16 collectives in f32, as in training).
+* **Prefill** (compute-bound): forward FLOPs per device — 2 per weight per token plus causal attention
+  (``flops_per_token`` ÷ 3: the training figure counts forward and backward), the LM head at each
+  sequence's last position only — at ``efficiency`` × peak,
+  plus its collectives over their links, exposed. Time to first token = the prefill of the batch.
+* **Decode step** (memory-bound): every weight on the device and the whole cache it attends over (all
+  ``context`` positions of its rows) read once from HBM, or the step's FLOPs at ``efficiency`` × peak if
+  that is longer, plus the step's collectives over their links, exposed (each sits between dependent
+  matmuls). Tokens/s = batch ÷ step.
+
+Not modelled: collective latency (a decode step's many small all-reduces cost microseconds each beyond
+their bytes), the KV cache's growth during generation (the step is priced at the full context), kernel
+launch overheads, and overlap of anything with anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.analysis.costmodel import measured_bytes
+from jaxpar.analysis.plan import link_of
+
+
+@dataclasses.dataclass(frozen=True)
+class InferencePlan:
+    model: str
+    mesh: dict
+    batch: int
+    context: int
+    hardware: str
+    weight_bytes_per_device: float
+    kv_bytes_per_token: float               # every layer, the whole model
+    kv_bytes_per_token_per_device: float
+    kv_bytes_per_device: float              # batch × context positions
+    fits: bool
+    max_batch: int                          # at ``context``, weights + KV within HBM
+    prefill_flops_per_device: float
+    prefill_s: float
+    prefill_bytes_by_axis: dict
+    decode_bytes_read_per_device: float
+    decode_flops_per_device: float
+    decode_bytes_by_axis: dict
+    decode_times: dict
+    decode_step_s: float
+    tokens_per_s: float
+    time_to_first_token_s: float
+    link_by_axis: dict
+    assumptions: dict
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _per_device(tree) -> float:
+    """Bytes one device holds of a tree of ``jax.ShapeDtypeStruct`` with shardings (the largest shard)."""
+    import jax
+    return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def _abstract(cfg, layout):
+    """The model (abstract) and its state as ``ShapeDtypeStruct`` placed on ``layout``'s decode rules."""
+    import jax
+    from flax import nnx
+
+    from jaxpar.models import build_model
+    model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    with layout.phase("decode").activate():
+        state = nnx.state(model)
+        shardings = nnx.get_named_sharding(state, layout.mesh)
+    return model, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
+
+def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware: str, devices: int | None = None,
+                   efficiency: float = 0.6, **model_overrides) -> InferencePlan:
+    """Compile and read ``model``'s prefill and decode under ``mesh`` (module doc) and predict them."""
+    import jax
+
+    from jaxpar.analysis import analyze_compiled
+    from jaxpar.analysis.hardware import get_hardware
+    from jaxpar.inference.generate import abstract_cache, compile_programs, generation_config
+    from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout
+    from jaxpar.models import get_model_preset
+
+    hw = get_hardware(hardware)
+    cfg = get_model_preset(model, **({"dtype": "bfloat16", "param_dtype": "bfloat16"} | model_overrides))
+    name, built = build_inference_mesh(mesh, devices=None if devices is None else jax.devices()[:devices])
+    cfg = generation_config(cfg, sequence_split=built.shape["sequence"] > 1)
+    layout = check_inference_layout(cfg, built, name, batch=batch, prompt=context, slots=context)
+    abstract, state = _abstract(cfg, layout)
+    prefill, decode = compile_programs(abstract, state, layout, batch, context, context)
+    shape = {a: int(n) for a, n in built.shape.items()}
+    scale = jax.numpy.dtype(cfg.dtype).itemsize / 4             # XLA:CPU's f32 collectives at bf16 width
+    pre_bytes = measured_bytes(analyze_compiled(prefill, mesh=built).ops, activation_scale=scale)
+    dec_bytes = measured_bytes(analyze_compiled(decode, mesh=built).ops, activation_scale=scale)
+    cache = abstract_cache(abstract, layout, batch, context)
+    weights, kv_device = _per_device(state), _per_device(cache)
+    kv_total = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
+    leaf = jax.tree.leaves(cache)[0]                             # [layers, batch, positions, ...]
+    rows_per_device = leaf.sharding.shard_shape(leaf.shape)[1]
+    per_sequence = kv_device / rows_per_device
+    room = hw.hbm_bytes - weights
+    max_batch = int(room // per_sequence) * (batch // rows_per_device) if room > 0 else 0
+    return _predict(model, shape, batch, context, hw, cfg, weights, kv_total, kv_device, max_batch, pre_bytes,
+                    dec_bytes, efficiency, name)
+
+
+def _predict(model, shape, batch, context, hw, cfg, weights, kv_total, kv_device, max_batch, pre_bytes, dec_bytes,
+             efficiency, name) -> InferencePlan:
+    devices = math.prod(shape.values())
+    head = 2.0 * cfg.padded_vocab * cfg.embed_dim               # the LM head runs at each row's last position only
+    forward = cfg.flops_per_token(context) / 3 - head            # per prompt token, causal attention halved
+    prefill_flops = (forward * context + head) * batch / devices
+    comm = lambda measured: {k: v / link_of(k, shape, hw)[1] for k, v in measured.items()}
+    prefill_s = prefill_flops / (hw.peak_bf16_flops * efficiency) + sum(comm(pre_bytes).values())
+    decode_flops = cfg.flops_per_token(2 * context) / 3 * batch / devices   # attention over all context positions
+    read = weights + kv_device
+    times = dict(memory_s=read / hw.hbm_bandwidth, compute_s=decode_flops / (hw.peak_bf16_flops * efficiency),
+                 communication_s=comm(dec_bytes))
+    step = max(times["memory_s"], times["compute_s"]) + sum(times["communication_s"].values())
+    return InferencePlan(
+        model=model, mesh={a: n for a, n in shape.items() if n > 1}, batch=batch, context=context, hardware=hw.name,
+        weight_bytes_per_device=weights, kv_bytes_per_token=kv_total / (batch * context),
+        kv_bytes_per_token_per_device=kv_device / (batch * context), kv_bytes_per_device=kv_device,
+        fits=weights + kv_device <= hw.hbm_bytes, max_batch=max_batch, prefill_flops_per_device=prefill_flops,
+        prefill_s=prefill_s, prefill_bytes_by_axis=pre_bytes, decode_bytes_read_per_device=read,
+        decode_flops_per_device=decode_flops, decode_bytes_by_axis=dec_bytes, decode_times=times,
+        decode_step_s=step, tokens_per_s=batch / step, time_to_first_token_s=prefill_s,
+        link_by_axis={k: link_of(k, shape, hw)[0] for k in {**pre_bytes, **dec_bytes}},
+        assumptions=dict(efficiency=efficiency, compute_dtype=cfg.dtype, param_dtype=cfg.param_dtype, layout=name))
+
+
+def format_inference_plan(p: InferencePlan) -> str:
+    gb = 1e9
+    mesh = ",".join(f"{a}={n}" for a, n in p.mesh.items()) or "one device"
+    lines = [f"{p.model} serving on {mesh} ({p.hardware}), batch {p.batch} × context {p.context}",
+             f"per device: weights {p.weight_bytes_per_device / gb:.2f} GB, KV cache {p.kv_bytes_per_device / gb:.2f} GB "
+             f"({'fits' if p.fits else 'DOES NOT FIT'}); largest batch at this context: {p.max_batch}",
+             f"KV per token: {p.kv_bytes_per_token / 1e3:.1f} kB (model), {p.kv_bytes_per_token_per_device / 1e3:.1f} kB "
+             f"per device; {65536 * p.kv_bytes_per_token_per_device / gb:.2f} GB per device per 65k tokens",
+             "", f"{'axis group':<22}{'link':<6}{'prefill MB':>12}{'decode MB/step':>16}"]
+    for key in sorted(p.link_by_axis):
+        lines.append(f"{key:<22}{p.link_by_axis[key]:<6}{p.prefill_bytes_by_axis.get(key, 0) / 1e6:>12.2f}"
+                     f"{p.decode_bytes_by_axis.get(key, 0) / 1e6:>16.3f}")
+    t = p.decode_times
+    lines += ["", f"prefill {p.prefill_s * 1e3:.1f} ms ({p.prefill_flops_per_device:.3e} FLOPs per device at "
+              f"{p.assumptions['efficiency']} of peak): time to first token",
+              f"decode step {p.decode_step_s * 1e3:.2f} ms = max(HBM {t['memory_s'] * 1e3:.2f} ms for "
+              f"{p.decode_bytes_read_per_device / gb:.2f} GB, compute {t['compute_s'] * 1e3:.2f} ms) + collectives "
+              f"{sum(t['communication_s'].values()) * 1e3:.2f} ms: {p.tokens_per_s:,.0f} tokens/s "
+              f"({p.tokens_per_s / p.batch:,.1f} per sequence)"]
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""``jaxpar plan --inference``: what a serving layout holds and moves, against numbers worked by hand."""
+import json
+import math
+
+import pytest
+
+from jaxpar.analysis.hardware import HARDWARE
+from jaxpar.analysis.inference_plan import plan_inference
+from jaxpar.cli import main
+from jaxpar.models import get_model_preset
+
+H100 = HARDWARE["h100"]
+
+
+def test_one_device_by_hand():
+    """Llama-3-8B, bf16, batch 2 × 1024 positions on one H100."""
+    p = plan_inference("llama3-8b", "decode_dp", batch=2, context=1024, hardware="h100", devices=1)
+    c = get_model_preset("llama3-8b")
+    L, d, n, k, h, f, v = c.num_layers, c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim, c.padded_vocab
+    weights = 2 * (L * (d * h * (2 * n + 2 * k) + 3 * d * f + 2 * d) + 2 * v * d + d)     # bf16, untied head
+    assert p.weight_bytes_per_device == weights
+    kv = 2 * L * k * h * 2                                                                # K and V, bf16
+    assert p.kv_bytes_per_token == p.kv_bytes_per_token_per_device == kv == 131072
+    assert p.kv_bytes_per_device == 2 * 1024 * kv
+    assert p.max_batch == int((80e9 - weights) // (1024 * kv))
+    matmul = L * (d * h * (2 * n + 2 * k) + 3 * d * f)
+    prefill = 2 * (1024 * (2 * matmul + 2 * L * n * h * 1024) + 2 * v * d)               # head at the last token
+    assert p.prefill_flops_per_device == pytest.approx(prefill, rel=1e-12)
+    assert p.prefill_s == pytest.approx(prefill / (0.6 * H100.peak_bf16_flops))
+    read = weights + 2 * 1024 * kv
+    assert p.decode_times["memory_s"] == pytest.approx(read / H100.hbm_bandwidth)
+    assert p.decode_bytes_by_axis == {} and p.decode_step_s == pytest.approx(read / H100.hbm_bandwidth)
+    assert p.tokens_per_s == pytest.approx(2 / p.decode_step_s)
+
+
+def test_tensor_parallel_70b_and_the_texts_claims():
+    """Llama-3-70B on decode_tp: 141 GB of bf16 weights are 17.6 GB per GPU over 8 and 35 GB over 4
+    (the texts: "TP=4 on a 70B model needs about 35 GB per GPU"); every 65k tokens of context costs
+    65536 × 2·80·(8 kv heads / 8)·128·2 bytes = 2.68 GB per GPU even with GQA (the texts: "about 2 GB")."""
+    p = plan_inference("llama3-70b", "decode_tp", batch=8, context=512, hardware="h100", devices=8)
+    c = get_model_preset("llama3-70b")
+    assert p.weight_bytes_per_device == pytest.approx(2 * c.num_params(padded=True) / 8, rel=0.01)
+    assert 65536 * p.kv_bytes_per_token_per_device == 2 * 80 * 1 * 128 * 2 * 65536 == pytest.approx(2.68e9, rel=0.01)
+    tp4 = plan_inference("llama3-70b", "decode_tp", batch=4, context=512, hardware="h100", devices=4)
+    assert tp4.weight_bytes_per_device == pytest.approx(35e9, rel=0.02)               # "about 35 GB"
+    # The decode step's tensor traffic: at least two ring all-reduces of [batch, d] bf16 per layer.
+    ring = 2 * 7 / 8 * 8 * c.embed_dim * 2
+    floor = 2 * c.num_layers * ring
+    assert floor <= p.decode_bytes_by_axis["tensor"] <= 1.25 * floor
+    assert p.link_by_axis == {"tensor": "fast"}
+    assert p.decode_step_s == pytest.approx(
+        max(p.decode_times["memory_s"], p.decode_times["compute_s"]) + p.decode_bytes_by_axis["tensor"] / H100.fast_link)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--inference", "--mesh", "decode_tp", "--batch", "2"], "--inference needs --context"),
+    (["--inference", "--search", "--context", "64", "--batch", "2"], "--inference plans one serving layout"),
+    (["--mesh", "dp", "--batch", "2"], "--seq ≥ 1 is required"),
+    (["--inference", "--mesh", "decode_tq", "--context", "64", "--batch", "2"], "did you mean 'decode_tp'"),
+])
+def test_bad_input(argv, message, capsys):
+    assert main(["plan", "--model", "tiny", "--hardware", "h100", "--devices", "8", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_command_prints_json(capsys):
+    assert main(["plan", "--inference", "--model", "tiny", "--mesh", "decode_tp", "--devices", "8", "--batch", "8",
+                 "--context", "64", "--hardware", "l40s", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mesh"] == {"tensor": 8} and out["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 2   # K,V·layers·kv·h·bf16
+    assert out["tokens_per_s"] == pytest.approx(8 / out["decode_step_s"]) and math.isfinite(out["prefill_s"])

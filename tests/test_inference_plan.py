@@ -54,7 +54,6 @@ def test_tensor_parallel_70b_and_the_texts_claims():
 
 @pytest.mark.parametrize("argv, message", [
     (["--inference", "--mesh", "decode_tp", "--batch", "2"], "--inference needs --context"),
-    (["--inference", "--search", "--context", "64", "--batch", "2"], "--inference plans one serving layout"),
     (["--mesh", "dp", "--batch", "2"], "--seq ≥ 1 is required"),
     (["--inference", "--mesh", "decode_tq", "--context", "64", "--batch", "2"], "did you mean 'decode_tp'"),
 ])
@@ -69,3 +68,19 @@ def test_the_command_prints_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["mesh"] == {"tensor": 8} and out["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 2   # K,V·layers·kv·h·bf16
     assert out["tokens_per_s"] == pytest.approx(8 / out["decode_step_s"]) and math.isfinite(out["prefill_s"])
+
+
+def test_search_ranks_serving_layouts_under_a_latency_bound(tmp_path, capsys):
+    """Llama-3-70B on 8 H100s, batch 32 × 8192: only tensor ≥ 4 holds the 141 GB of weights with the
+    cache; the bound on the decode step then decides between the rest."""
+    from jaxpar.analysis.inference_plan import search_inference
+    ranked, refused = search_inference("llama3-70b", 8, batch=32, context=8192, hardware="h100", max_step_s=0.010)
+    assert refused == [] and [p.mesh.get("tensor", 1) for p in ranked] == [8, 4, 2, 1]
+    assert [p.fits for p in ranked] == [True, True, False, False]
+    assert ranked[0].decode_step_s <= 0.010 < ranked[1].decode_step_s
+    assert ranked[1].weight_bytes_per_device == pytest.approx(2 * ranked[0].weight_bytes_per_device, rel=1e-3)
+    assert [p.tokens_per_s for p in ranked[1:]] == sorted((p.tokens_per_s for p in ranked[1:]), reverse=True)
+    assert main(["plan", "--inference", "--search", "--model", "tiny", "--devices", "8", "--batch", "8",
+                 "--context", "64", "--hardware", "h100", "--plot", str(tmp_path / "rank.png")]) == 0
+    out = capsys.readouterr().out
+    assert "4 serving layouts" in out and (tmp_path / "rank.png").stat().st_size > 0

@@ -164,3 +164,60 @@ def format_inference_plan(p: InferencePlan) -> str:
               f"{sum(t['communication_s'].values()) * 1e3:.2f} ms: {p.tokens_per_s:,.0f} tokens/s "
               f"({p.tokens_per_s / p.batch:,.1f} per sequence)"]
     return "\n".join(lines)
+
+
+def search_inference(model: str, devices: int, *, batch: int, context: int, hardware: str,
+                     max_step_s: float | None = None, efficiency: float = 0.6, **model_overrides):
+    """Every split of ``devices`` over data × tensor (× expert for a MoE model), each compiled and read
+    by ``plan_inference``. Returns (ranked plans, refused (mesh, reason) pairs): first the layouts that fit
+    and meet ``max_step_s`` (the decode step, i.e. the inter-token latency), by tokens/s, best first; then
+    the others, by tokens/s."""
+    from jaxpar.errors import JaxparError
+    from jaxpar.models import get_model_preset
+
+    moe = hasattr(get_model_preset(model), "moe")
+    plans, refused = [], []
+    for tensor in [t for t in range(1, devices + 1) if devices % t == 0]:
+        rest = devices // tensor
+        for expert in [e for e in range(1, rest + 1) if rest % e == 0] if moe else [1]:
+            spec = f"data={rest // expert},expert={expert},tensor={tensor}"
+            try:
+                plans.append(plan_inference(model, spec, batch=batch, context=context, hardware=hardware,
+                                            devices=devices, efficiency=efficiency, **model_overrides))
+            except JaxparError as err:
+                refused.append((spec, str(err)))
+    ok = lambda p: p.fits and (max_step_s is None or p.decode_step_s <= max_step_s)
+    return sorted(plans, key=lambda p: (not ok(p), -p.tokens_per_s)), refused
+
+
+def format_search(ranked, refused, *, max_step_s: float | None) -> str:
+    bound = f", decode step ≤ {max_step_s * 1e3:g} ms" if max_step_s else ""
+    lines = [f"{len(ranked)} serving layouts ({len(refused)} cannot divide the model); fitting{bound} first, "
+             f"most tokens/s first",
+             f"{'rank':>4}  {'mesh':<28}{'weights GB':>11}{'KV GB':>8}{'fits':>6}{'step ms':>9}{'TTFT ms':>10}"
+             f"{'tokens/s':>11}{'max batch':>10}"]
+    for i, p in enumerate(ranked, 1):
+        mesh = ",".join(f"{a}={n}" for a, n in p.mesh.items()) or "one device"
+        meets = max_step_s is None or p.decode_step_s <= max_step_s
+        lines.append(f"{i:>4}  {mesh:<28}{p.weight_bytes_per_device / 1e9:>11.2f}{p.kv_bytes_per_device / 1e9:>8.2f}"
+                     f"{'yes' if p.fits else 'no':>6}{p.decode_step_s * 1e3:>9.2f}{p.time_to_first_token_s * 1e3:>10.1f}"
+                     f"{p.tokens_per_s:>11,.0f}{p.max_batch:>10}{'' if meets else '  (too slow)'}")
+    lines += [f"refused {m}: {r}" for m, r in refused]
+    return "\n".join(lines)
+
+
+def plot_search(ranked, path: str, *, title: str) -> None:
+    """Tokens/s and decode step of each ranked layout, side by side (saved to ``path``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [",".join(f"{a[0]}{n}" for a, n in p.mesh.items()) or "1" for p in ranked]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8, len(ranked) * 0.9), 4))
+    left.bar(labels, [p.tokens_per_s for p in ranked], color=["tab:green" if p.fits else "tab:red" for p in ranked])
+    left.set_ylabel("decode tokens/s (all sequences)")
+    right.bar(labels, [p.decode_step_s * 1e3 for p in ranked])
+    right.set_ylabel("decode step (ms)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)

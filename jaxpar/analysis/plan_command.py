@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
                         "holding --batch sequences of --context positions (prefill, decode step, largest batch)")
     parser.add_argument("--context", type=int, default=None, help="--inference: positions per sequence "
                         "(prompt + generated)")
+    parser.add_argument("--max-step-ms", type=float, default=None, help="--inference --search: rank first the "
+                        "layouts whose decode step (inter-token latency) is within this bound")
     parser.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE)}")
     parser.add_argument("--devices", type=int, default=8, help="simulated devices (default 8)")
     parser.add_argument("--efficiency", type=float, default=0.6, help="share of peak FLOP/s reached (default 0.6)")
@@ -90,9 +92,6 @@ def run(args: argparse.Namespace, /) -> int:
 def _check_mode(args) -> None:
     from jaxpar.mesh import MeshError
     if args.inference:
-        if args.search:
-            raise MeshError("--inference plans one serving layout: give --mesh (decode_tp, decode_dp, decode_ep or "
-                            "axis sizes), not --search")
         if not args.context or args.context < 1 or args.batch < 1:
             raise MeshError(f"--inference needs --context ≥ 1 (got {args.context}) and --batch ≥ 1 (got {args.batch})")
     elif not args.seq or args.seq < 1:
@@ -101,7 +100,20 @@ def _check_mode(args) -> None:
 
 
 def _inference(args) -> int:
-    from jaxpar.analysis.inference_plan import format_inference_plan, plan_inference
+    from jaxpar.analysis.inference_plan import format_inference_plan, format_search, plan_inference, plot_search, \
+        search_inference
+    bound = args.max_step_ms / 1e3 if args.max_step_ms else None
+    if args.search:
+        ranked, refused = search_inference(args.model, args.devices, batch=args.batch, context=args.context,
+                                           hardware=args.hardware, max_step_s=bound, efficiency=args.efficiency,
+                                           **_overrides(args.overrides))
+        print(json.dumps({"candidates": [p.to_json() for p in ranked], "refused": [
+            {"mesh": m, "reason": r} for m, r in refused]}, indent=1) if args.json else
+              format_search(ranked, refused, max_step_s=bound))
+        if args.plot:
+            plot_search(ranked, args.plot, title=f"{args.model} serving, {args.devices} × {args.hardware}, batch "
+                        f"{args.batch} × context {args.context}")
+        return 0
     result = plan_inference(args.model, args.mesh, batch=args.batch, context=args.context, hardware=args.hardware,
                             devices=args.devices, efficiency=args.efficiency, **_overrides(args.overrides))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_inference_plan(result))

@@ -27,8 +27,10 @@ def _requests(n, seed=0):
 
 def test_batched_equals_alone_bitwise(tiny):
     """200 requests of random prompt and output lengths arriving at random steps (Poisson, 2 per step
-    on average): each one's tokens and every logit row equal those it gets alone in the same engine."""
-    engine = _engine(tiny)
+    on average): each one's tokens and every logit row equal those it gets alone in the same engine. After
+    every step the allocator's invariants hold, and every write of every call landed in a page held by its
+    sequence alone and shared by no prompt (``check_writes``)."""
+    engine = _engine(tiny, check_writes=True)
     engine.warm_up()
     compiled = engine.compiles
     reqs = _requests(200)
@@ -89,6 +91,26 @@ def test_preemption_recomputes_and_agrees_under_the_margin(tiny):
         engine.pages.check()
     assert sum(r.preemptions for r in reqs) > 0 and engine.pages.used == 0
     assert sum(_compared_with_alone(tiny, reqs)) >= 0.9 * sum(r.max_new_tokens for r in reqs)
+
+
+def test_shared_prefix_pages_are_never_written(tiny):
+    """Eight requests behind one 20-token system prompt (two full pages of 8), the first alone until its
+    prompt is in, then the rest: they find its pages, every write of every step lands in a page of the
+    writer's own (``check_writes``), the invariants hold, and the tokens agree with running alone under
+    the margin rule (a shared prefix is computed once, the rest of the prompt in other chunks)."""
+    engine = _engine(tiny, check_writes=True)
+    system = list(range(100, 120))
+    reqs = [Request(i, system + [i + 1] * (i + 1), max_new_tokens=8) for i in range(8)]
+    engine.submit(reqs[0])
+    while reqs[0].generated == 0:
+        engine.step()
+    for r in reqs[1:]:
+        engine.submit(r)
+    while not engine.idle:
+        engine.step()
+        engine.pages.check()
+    assert engine.pages.hits == 7 * 2 and engine.pages.used == 0
+    assert sum(_compared_with_alone(tiny, reqs)) >= 0.9 * 8 * len(reqs)
 
 
 def test_speculative_greedy_equals_plain_greedy(tiny):

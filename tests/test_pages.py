@@ -41,6 +41,9 @@ def test_prefix_pages_are_shared_and_never_written():
         pool.check_writable("b", 7, 8)                      # the shared one
     # A prompt of exactly two full pages shares only one: its last token must be computed.
     assert pool.admit("c", prompt[:8]) == 4
+    assert (pool.hits, pool.lookups) == (3, 5)              # a: 2 looked up, none found; b: 2 of 2; c: 1 of 1
+    pool.unadmit("c")                                       # no room after all: not counted
+    assert (pool.hits, pool.lookups) == (2, 4) and "c" not in pool.seqs
     pool.check()
 
 

@@ -109,7 +109,7 @@ def test_preemption_takes_the_youngest_and_recomputes_it():
 def test_random_traffic_finishes_everything_without_leaks():
     rng = np.random.default_rng(0)
     s = make(pages=24, page=4, slots=4, budget=14, chunk=8, max_length=48)
-    reqs = [Request(i, list(rng.integers(0, 3, rng.integers(1, 30))), max_new_tokens=int(rng.integers(1, 15)))
+    reqs = [Request(i, list(rng.integers(0, 2, rng.integers(1, 30))), max_new_tokens=int(rng.integers(1, 15)))
             for i in range(40)]
     for r in reqs[:20]:
         s.add(r)

@@ -116,7 +116,8 @@ class Engine:
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, max_length: int = 256,
                  num_pages: int | None = None, memory_budget: int | None = None, chunk: int = 64,
                  token_budget: int | None = None, record_logits: bool = False, speculate: int = 0,
-                 draft=None, prefix_cache: bool = True, mesh: str | None = None, devices=None):
+                 draft=None, prefix_cache: bool = True, mesh: str | None = None, devices=None,
+                 check_writes: bool = False):
         if max_length % page_size:
             raise ConfigError(f"max_length={max_length} must be a multiple of page_size={page_size}")
         self.model = for_generation(model)
@@ -138,6 +139,7 @@ class Engine:
             self.models["draft"] = _Weights.of(draft, num_pages, page_size, self._layout(
                 mesh, devices, max_slots, max_length, draft.cfg))
         self.record_logits = record_logits
+        self.check_writes = check_writes                         # tests: every write lands in a page of its own
         self.logits: dict = {}                                   # request id -> list of [V] float32 rows
         self.log: list[StepLog] = []
         self._programs: dict[tuple, object] = {}
@@ -255,6 +257,8 @@ class Engine:
         settings = [dict(GREEDY) for _ in range(self.slots)]
         for r, start, tokens in rows:
             s, n = r.slot, len(tokens)
+            if self.check_writes:
+                self.pages.check_writable(r.id, start, start + n)
             ids[s, :n], positions[s, :n], last[s] = tokens, np.arange(start, start + n), n - 1
             table[s] = self.pages.table(r.id, self.width)
             settings[s] = GREEDY if greedy else r.sampling

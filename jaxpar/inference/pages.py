@@ -45,6 +45,7 @@ class _Sequence:
     pages: list[int]
     length: int = 0          # positions whose K/V are in the cache
     named: int = 0           # leading pages registered in the prefix index
+    looked: int = 0          # prefix pages looked up when admitted
 
 
 class PagedAllocator:
@@ -115,8 +116,16 @@ class PagedAllocator:
             pages.append(page)
         self.lookups += len(shareable)
         self.hits += len(pages)
-        self.seqs[seq_id] = _Sequence(pages, len(pages) * self.page_size, len(pages))
+        self.seqs[seq_id] = _Sequence(pages, len(pages) * self.page_size, len(pages), len(shareable))
         return len(pages) * self.page_size
+
+    def unadmit(self, seq_id, /) -> None:
+        """Undo ``admit`` (the scheduler found no room for the first chunk): pages released, and the
+        prefix lookup taken back out of ``hits`` and ``lookups`` so a retried admission counts once."""
+        seq = self.seqs[seq_id]
+        self.hits -= seq.named
+        self.lookups -= seq.looked
+        self.free(seq_id)
 
     def reserve(self, seq_id, length: int, /) -> None:
         """Give ``seq_id`` pages for positions below ``length``; all or none (``OutOfPages``)."""

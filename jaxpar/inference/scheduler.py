@@ -152,7 +152,7 @@ class Scheduler:
         r.computed = self.pages.admit(r.id, r.tokens)
         n = self._next_chunk(r)
         if n > left or not self._grow(r, r.computed + n, plan, may_preempt=False):
-            self.pages.free(r.id)
+            self.pages.unadmit(r.id)
             r.computed = 0
             return 0
         self.waiting.popleft()

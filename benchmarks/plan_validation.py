@@ -5,10 +5,16 @@ Each case is MaxText's own configuration, from its repository (AI-Hypercomputer/
     ``configs/gpu/models/llama2_7b.yml``: ici_fsdp_parallelism=8, per_device_batch_size=4,
     max_target_length=4096, remat_policy=minimal_with_context; published 492 TFLOP/s per GPU
     (``configs/gpu/a3/llama_2_7b/README.md``), i.e. 49.75% of the H100's 989 TFLOP/s.
-  * MaxText's 32B model on v5p-128 (64 chips), ``src/maxtext/configs/tpu/v5p/32b.sh``:
-    global_parameter_scale=32 (emb 8192, 64 heads of 128, mlp 28672, 32 layers, vocab 32000),
-    ici_fsdp_parallelism=-1 (16) × ici_tensor_parallelism=4, per_device_batch_size=6,
-    max_target_length=2048, remat_policy=minimal; published 71.47% MFU (``configs/tpu/v5p/README.md``).
+  * MaxText's 32B model on v5p-128 (64 chips): published 71.47% MFU in ``MaxText/configs/v5p/README.md``,
+    added with the configs in commit 76bd53b0f (2023-12-15). The configuration measured is that commit's
+    ``MaxText/configs/v5p/32b.sh`` on that commit's ``base.yml``, not today's 32b.sh (which has
+    per_device_batch_size=6 and a newer default shape): global_parameter_scale=32 on the base shape of the
+    day (emb 2560, 8 heads of 256, relu MLP 8192, 16 layers, vocab 32768, embeddings tied), which
+    ``pyconfig.get_individual_scales`` turns into emb 10240, 32 heads of 256, a non-gated relu MLP of
+    32768, 32 layers; ici_fsdp_parallelism=-1 (16) × ici_tensor_parallelism=4, per_device_batch_size=8,
+    max_target_length=2048, remat_policy=minimal. jaxpar has only gated (SwiGLU) MLPs: mlp_dim=21848
+    gives the same weights and FLOPs per layer as a non-gated 32768 (3·21848 ≈ 2·32768, rounded up to a
+    multiple of 8).
 MaxText's "minimal" remat policies keep the matmul outputs: ours is ``remat=dots``.
 
     python benchmarks/plan_validation.py > benchmarks/results/plan_validation.json
@@ -19,13 +25,14 @@ import json
 import subprocess
 import sys
 
-THIRTY_TWO_B = ["embed_dim=8192", "num_layers=32", "num_heads=64", "num_kv_heads=64", "mlp_dim=28672"]
+THIRTY_TWO_B = ["embed_dim=10240", "num_layers=32", "num_heads=32", "num_kv_heads=32", "head_dim=256",
+                "mlp_dim=21848", "vocab_size=32768", "tie_embeddings=true"]
 CASES = [
     dict(name="MaxText Llama2-7B, 1 × A3 (8 × H100), fsdp=8", published_mfu=492e12 / 989e12,
          argv=["--model", "llama2-7b", "--mesh", "fsdp=8", "--batch", "32", "--seq", "4096", "--hardware", "h100",
                "--devices", "8", "--set", "remat=dots"]),
     dict(name="MaxText 32B, v5p-128 (64 chips), fsdp=16 × tensor=4", published_mfu=0.7147,
-         argv=["--model", "llama2-7b", "--mesh", "fsdp=16,tensor=4", "--batch", "384", "--seq", "2048",
+         argv=["--model", "llama2-7b", "--mesh", "fsdp=16,tensor=4", "--batch", "512", "--seq", "2048",
                "--hardware", "tpu-v5p", "--devices", "64", "--set", "remat=dots",
                *[x for kv in THIRTY_TWO_B for x in ("--set", kv)]]),
 ]

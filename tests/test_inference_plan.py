@@ -4,6 +4,8 @@ import math
 
 import pytest
 
+from jaxpar.analysis.calibration import CALIBRATED
+
 from jaxpar.analysis.hardware import HARDWARE
 from jaxpar.analysis.inference_plan import plan_inference
 from jaxpar.cli import main
@@ -26,7 +28,9 @@ def test_one_device_by_hand():
     matmul = L * (d * h * (2 * n + 2 * k) + 3 * d * f)
     prefill = 2 * (1024 * (2 * matmul + 2 * L * n * h * 1024) + 2 * v * d)               # head at the last token
     assert p.prefill_flops_per_device == pytest.approx(prefill, rel=1e-12)
-    assert p.prefill_s == pytest.approx(prefill / (0.6 * H100.peak_bf16_flops))
+    eta = CALIBRATED.matmul["gpu"]                       # the calibrated matmul share of the chip's family
+    assert p.assumptions["efficiency"] == eta
+    assert p.prefill_s == pytest.approx(prefill / (eta * H100.peak_bf16_flops))
     read = weights + 2 * 1024 * kv
     assert p.decode_times["memory_s"] == pytest.approx(read / H100.hbm_bandwidth)
     assert p.decode_bytes_by_axis == {} and p.decode_step_s == pytest.approx(read / H100.hbm_bandwidth)

@@ -10,7 +10,6 @@ MHA / GQA / MQA.
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P

@@ -179,8 +179,12 @@ from jaxpar.analysis.plan_command import candidates_figure
 from jaxpar.analysis.search import search
 
 MODEL, N, BATCH, SEQ, HW = "mixtral-8x7b", 64, 256, 4096, "h100"
+# This notebook reads the roofline: every axis group's bytes over its link, so that each bottleneck below is
+# one division. (`jaxpar plan` prices dense data × fsdp × tensor layouts with the calibrated step-time
+# model from mechanisms instead; see the README's layout lab section.)
+ROOFLINE = dict(efficiency=0.6, overlap=0.8)
 start = time.perf_counter()
-ranked, refused = search(MODEL, N, batch=BATCH, seq=SEQ, hardware=HW)
+ranked, refused = search(MODEL, N, batch=BATCH, seq=SEQ, hardware=HW, **ROOFLINE)
 fitting = [c for c in ranked if c.fits]
 print(f"{len(ranked)} layouts estimated, {len(refused)} refused (cannot divide the model), {len(fitting)} fit "
       f"in {HARDWARE[HW].hbm_bytes / 1e9:.0f} GB; {time.perf_counter() - start:.1f} s")
@@ -249,7 +253,7 @@ from jaxpar.analysis.search import estimate
 
 
 def candidate(model, mesh, batch, seq):
-    return estimate(get_model_preset(model, dtype="bfloat16"), mesh, batch=batch, seq=seq, hardware=HW)
+    return estimate(get_model_preset(model, dtype="bfloat16"), mesh, batch=batch, seq=seq, hardware=HW, **ROOFLINE)
 
 
 def bottleneck(c):
@@ -270,7 +274,7 @@ def best_layout(model, n, batch, seq):
     """The search's first candidate (searched once per setting; section 3's is reused)."""
     if (model, n, batch, seq) == (MODEL, N, BATCH, SEQ):
         return ranked[0]
-    return search(model, n, batch=batch, seq=seq, hardware=HW)[0][0]
+    return search(model, n, batch=batch, seq=seq, hardware=HW, **ROOFLINE)[0][0]
 
 
 def mesh_text(mesh):

@@ -5,6 +5,13 @@ fast domain (NVLink inside an NVLink domain; the PCIe slot of a card without NVL
 domain; ICI inside a TPU slice); ``slow_link`` is the per-chip bandwidth across domains (InfiniBand/RoCE
 between GPU nodes; data-center network between TPU slices).
 A mesh axis whose device group fits inside one ``fast_domain`` uses the fast link, otherwise the slow one.
+
+What the mechanism step-time model (``jaxpar.analysis.steptime``) adds: ``family`` (whose calibrated
+constants apply), ``torus_dims`` and ``ici_link`` (a TPU slice is a torus; an ICI link's bandwidth per
+direction: an axis spanning k torus dimensions sends over 2k of them), ``matmul_tile`` (matmul dimensions
+are padded to it: the TPU's 128×128 MXU, a GPU GEMM's 128-wide tiles), ``attention_efficiency`` (a flash
+kernel's throughput relative to a large GEMM's) and ``tensor_overlap`` (whether the compiler runs the
+backward's tensor-parallel all-reduces beside the weight-gradient matmuls).
 """
 from __future__ import annotations
 
@@ -22,35 +29,60 @@ class Hardware:
     fast_link: float             # bytes/s per direction per chip inside the fast domain
     fast_domain: int             # chips joined by the fast link
     slow_link: float             # bytes/s per direction per chip across domains
+    family: str = "gpu"
+    torus_dims: int = 0
+    ici_link: float = 0.0
+    matmul_tile: int = 128
+    attention_efficiency: float = 1.0
+    tensor_overlap: bool = False
 
+
+# FlashAttention-3 (Shah et al., 2024, figs. 5-6): causal attention forward and backward with head dim 128 at
+# 4k-16k tokens runs at roughly 0.75 of what a large bf16 GEMM reaches on an H100 SXM5 (~500-650 against
+# ~750-800 TFLOP/s). Applied to every NVIDIA profile here.
+GPU_ATTENTION = 0.75
 
 HARDWARE = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s
     # (both directions, so 450 GB/s each way) in an 8-GPU HGX node; one 400 Gb/s NDR InfiniBand NIC per GPU.
-    "h100": Hardware("h100", 989e12, 80e9, 3.35e12, 450e9, 8, 50e9),
+    "h100": Hardware("h100", 989e12, 80e9, 3.35e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION),
     # NVIDIA H200 SXM datasheet: the H100's compute and NVLink; 141 GB HBM3e at 4.8 TB/s.
-    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 8, 50e9),
+    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION),
     # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training for 8 GPUs (2.25 PFLOP/s dense BF16 per GPU),
     # 1,440 GB HBM3e (180 GB per GPU) at 8 TB/s each, NVLink 5 1.8 TB/s (900 GB/s each way), 400 Gb/s IB per GPU.
-    "b200": Hardware("b200", 2.25e15, 180e9, 8e12, 900e9, 8, 50e9),
+    "b200": Hardware("b200", 2.25e15, 180e9, 8e12, 900e9, 8, 50e9, attention_efficiency=GPU_ATTENTION),
     # NVIDIA H100 PCIe product brief and datasheet (PCIe column): 1,513 TFLOP/s BF16 with sparsity (756 dense),
     # 80 GB HBM2e at 2.0 TB/s, PCIe Gen5 x16 128 GB/s (both directions, so 64 GB/s each way): the fast link
     # of a server whose 8 cards talk over PCIe (no NVLink bridges). Across nodes one 200 Gb/s NIC per GPU
     # (25 GB/s; an assumption, not from the datasheet: PCIe servers vary).
-    "h100-pcie": Hardware("h100-pcie", 756e12, 80e9, 2.0e12, 64e9, 8, 25e9),
+    "h100-pcie": Hardware("h100-pcie", 756e12, 80e9, 2.0e12, 64e9, 8, 25e9, attention_efficiency=GPU_ATTENTION),
     # NVIDIA L40S datasheet: 362.05 TFLOP/s BF16 dense (733 with sparsity), 48 GB GDDR6 at 864 GB/s, PCIe
     # Gen4 x16 64 GB/s bidirectional (32 GB/s each way), no NVLink; 8 cards a server. Across nodes one
     # 200 Gb/s NIC per GPU (25 GB/s; an assumption, as for h100-pcie).
-    "l40s": Hardware("l40s", 362.05e12, 48e9, 864e9, 32e9, 8, 25e9),
+    "l40s": Hardware("l40s", 362.05e12, 48e9, 864e9, 32e9, 8, 25e9, attention_efficiency=GPU_ATTENTION),
     # Google Cloud TPU v5e docs: 197 TFLOP/s BF16, 16 GB HBM2 at 819 GB/s, 1,600 Gbps ICI per chip over
     # 4 links (45-50 GB/s per link and direction), 256-chip pods; DCN about 25 Gbps per chip (estimate).
-    "tpu-v5e": Hardware("tpu-v5e", 197e12, 16e9, 819e9, 45e9, 256, 3.1e9),
+    # An ICI link: 1,600 Gbps per chip in one direction over 4 links = 50 GB/s; a 16×16 2D torus.
+    "tpu-v5e": Hardware("tpu-v5e", 197e12, 16e9, 819e9, 45e9, 256, 3.1e9, family="tpu", torus_dims=2,
+                        ici_link=50e9, tensor_overlap=True),
     # Google Cloud TPU v5p docs: 459 TFLOP/s BF16, 95 GB HBM2e at 2,765 GB/s, 4,800 Gbps ICI per chip over
     # 6 links (about 90-100 GB/s per link), 3D torus slices up to 8,960 chips; DCN 50 Gbps per chip (estimate).
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 95e9, 2.765e12, 90e9, 8960, 6.25e9),
+    # The v5p page's table: 1,200 GB/s bidirectional ICI per chip over 6 links = 100 GB/s per link and
+    # direction; DCN 50 Gbps per chip; slices 4×4×4 (64 chips), 4×4×8, 4×8×8, 8×8×8, 8×8×16, 8×16×16.
+    "tpu-v5p": Hardware("tpu-v5p", 459e12, 95e9, 2.765e12, 90e9, 8960, 6.25e9, family="tpu", torus_dims=3,
+                        ici_link=100e9, tensor_overlap=True),
     # Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s BF16, 32 GB HBM at 1,640 GB/s, 3,584 Gbps ICI per
     # chip over 4 links (about 90-112 GB/s per link), 256-chip pods; DCN about 50 Gbps per chip (estimate).
-    "tpu-v6e": Hardware("tpu-v6e", 918e12, 32e9, 1.64e12, 90e9, 256, 6.25e9),
+    "tpu-v6e": Hardware("tpu-v6e", 918e12, 32e9, 1.64e12, 90e9, 256, 6.25e9, family="tpu", torus_dims=2,
+                        ici_link=112e9, tensor_overlap=True),
+    # Published runs' machines (``benchmarks/published_runs.json``):
+    # Google Cloud A3 (a3-highgpu-8g): 8 × H100 SXM5 80 GB on NVLink 4; GPUDirect-TCPX over 4 NICs of
+    # 200 Gbps for the 8 GPUs, so 100 Gbps (12.5 GB/s) per GPU across nodes.
+    "h100-a3": Hardware("h100-a3", 989e12, 80e9, 3.35e12, 450e9, 8, 12.5e9, attention_efficiency=GPU_ATTENTION),
+    # Meta's Grand Teton, as torchtitan's benchmarks/llama3_h100_202412_torchtitan.md describes it: H100 with
+    # 96 GB HBM2e at 2.4 TB/s, NVLink inside the 8-GPU host, 400 Gb/s RDMA per GPU, 500 W power limit (its
+    # real peak lies between the SXM's 989 and the NVL's 835 TFLOP/s, the page says: the midpoint, 912).
+    "h100-gt": Hardware("h100-gt", 912e12, 96e9, 2.4e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION),
 }
 
 

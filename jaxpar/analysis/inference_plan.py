@@ -86,8 +86,9 @@ def _abstract(cfg, layout):
 
 
 def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware: str, devices: int | None = None,
-                   efficiency: float = 0.6, **model_overrides) -> InferencePlan:
-    """Compile and read ``model``'s prefill and decode under ``mesh`` (module doc) and predict them."""
+                   efficiency: float | None = None, **model_overrides) -> InferencePlan:
+    """Compile and read ``model``'s prefill and decode under ``mesh`` (module doc) and predict them;
+    ``efficiency`` defaults to the chip family's calibrated matmul share (``calibration.CALIBRATED``)."""
     import jax
 
     from jaxpar.analysis import analyze_compiled
@@ -96,7 +97,10 @@ def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware:
     from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout
     from jaxpar.models import get_model_preset
 
+    from jaxpar.analysis.calibration import CALIBRATED
+
     hw = get_hardware(hardware)
+    efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
     cfg = get_model_preset(model, **({"dtype": "bfloat16", "param_dtype": "bfloat16"} | model_overrides))
     name, built = build_inference_mesh(mesh, devices=None if devices is None else jax.devices()[:devices])
     cfg = generation_config(cfg, sequence_split=built.shape["sequence"] > 1)
@@ -167,7 +171,7 @@ def format_inference_plan(p: InferencePlan) -> str:
 
 
 def search_inference(model: str, devices: int, *, batch: int, context: int, hardware: str,
-                     max_step_s: float | None = None, efficiency: float = 0.6, **model_overrides):
+                     max_step_s: float | None = None, efficiency: float | None = None, **model_overrides):
     """Every split of ``devices`` over data × tensor (× expert for a MoE model), each compiled and read
     by ``plan_inference``. Returns (ranked plans, refused (mesh, reason) pairs): first the layouts that fit
     and meet ``max_step_s`` (the decode step, i.e. the inter-token latency), by tokens/s, best first; then

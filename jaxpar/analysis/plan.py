@@ -203,12 +203,35 @@ def _pipeline_traffic(report, costs, acts, shape, rules, act_scale):
     return measured, others + sends["critical_path"]
 
 
+def step_times(cfg, shape: dict, dcn: dict, measured: dict, *, batch: int, seq: int, hw: Hardware, flops: float,
+               bytes_accessed: float, efficiency: float | None, overlap: float | None, bubble: float = 0.0,
+               stage_bytes: float | None = None) -> tuple[dict, dict]:
+    """(times, assumptions): the mechanism model (``jaxpar.analysis.steptime``) where it describes the model
+    and layout and neither ``efficiency`` nor ``overlap`` is given; otherwise the roofline ``predict`` with
+    the calibrated matmul share of the chip's family (or ``efficiency``) and ``overlap`` (default 0.8)."""
+    from jaxpar.analysis.calibration import CALIBRATED
+    from jaxpar.analysis.steptime import mechanism_times, workload_of
+
+    base = dict(compute_dtype=cfg.dtype, remat=cfg.remat.value)
+    ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}
+    work = workload_of(cfg, ici, batch=batch, seq=seq, dcn=dcn) if efficiency is None and overlap is None else None
+    if work is not None:
+        times = mechanism_times(work, hw)
+        return times, base | dict(model="mechanisms", calibration=times["calibration"])
+    efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
+    overlap = 0.8 if overlap is None else overlap
+    times = predict(measured, flops=flops, bytes_accessed=bytes_accessed, mesh=shape, hw=hw, efficiency=efficiency,
+                    overlap=overlap, bubble=bubble, stage_bytes=stage_bytes)
+    return times, base | dict(model="roofline", efficiency=efficiency, overlap=overlap)
+
+
 def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices: int | None = None,
-         efficiency: float = 0.6, overlap: float = 0.8, schedule: str | None = None, microbatches: int | None = None,
-         virtual_stages: int | None = None, **model_overrides) -> Plan:
+         efficiency: float | None = None, overlap: float | None = None, schedule: str | None = None,
+         microbatches: int | None = None, virtual_stages: int | None = None, **model_overrides) -> Plan:
     """Compile and analyse ``model`` under ``mesh`` on the simulated devices JAX has (or the first
     ``devices``) and predict it on ``hardware`` (see the module docstring). With ``stage`` > 1 the step
-    runs ``schedule`` over ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s)."""
+    runs ``schedule`` over ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s).
+    ``efficiency``/``overlap``: force the roofline with these (``step_times``)."""
     import jax
 
     from jaxpar.analysis import analyze_compiled
@@ -221,7 +244,8 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
 
     hw = get_hardware(hardware)
     cfg = get_model_preset(model, **({"dtype": "bfloat16"} | model_overrides))
-    layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=batch, seq=seq,
+    preset = resolve_mesh_arg(mesh)
+    layout = make_layout(cfg, preset, batch=batch, seq=seq,
                          devices=None if devices is None else jax.devices()[:devices])
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
     default = PipelineConfig()
@@ -246,14 +270,15 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
     memory = memory_parts(cfg, shardings, acts, shape, token_axes)
     if costs:
         costs["memory"] = memory
-    times = predict(measured, flops=train_flops, bytes_accessed=hbm, mesh=shape, hw=hw, efficiency=efficiency,
-                    overlap=overlap, bubble=costs["executor_bubble_fraction"] if costs else 0.0, stage_bytes=stage_path)
+    times, assumptions = step_times(cfg, shape, preset.mesh.dcn_sizes(), measured, batch=batch, seq=seq, hw=hw,
+                                    flops=train_flops, bytes_accessed=hbm, efficiency=efficiency, overlap=overlap,
+                                    bubble=costs["executor_bubble_fraction"] if costs else 0.0, stage_bytes=stage_path)
     return _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, per_device, train_flops,
-                      model_flops, hbm, times, costs, cfg, efficiency, overlap)
+                      model_flops, hbm, times, costs, assumptions)
 
 
 def _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, per_device, train_flops, model_flops,
-               hbm, times, costs, cfg, efficiency, overlap) -> Plan:
+               hbm, times, costs, assumptions) -> Plan:
     ratio = {k: measured.get(k, 0.0) / v for k, v in minimum.items() if v}
     estimate = memory["state"] + memory["activations"]
     return Plan(model=model, mesh={a: v for a, v in shape.items() if v > 1}, batch=batch, seq=seq, hardware=hw.name,
@@ -266,5 +291,4 @@ def _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, 
                 link_by_axis={k: link_of(k, shape, hw)[0] for k in measured},
                 predicted_step_s=times["step_s"], predicted_tokens_per_s=batch * seq / times["step_s"],
                 predicted_mfu=model_flops / (times["step_s"] * hw.peak_bf16_flops), times=times,
-                assumptions=dict(efficiency=efficiency, overlap=overlap, compute_dtype=cfg.dtype,
-                                 remat=cfg.remat.value), pipeline=costs)
+                assumptions=assumptions, pipeline=costs)

@@ -36,9 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
                         "layouts whose decode step (inter-token latency) is within this bound")
     parser.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE)}")
     parser.add_argument("--devices", type=int, default=8, help="simulated devices (default 8)")
-    parser.add_argument("--efficiency", type=float, default=0.6, help="share of peak FLOP/s reached (default 0.6)")
-    parser.add_argument("--overlap", type=float, default=0.8, help="share of compute time that hides "
-                        "weight/gradient traffic (default 0.8)")
+    parser.add_argument("--efficiency", type=float, default=None, help="force the roofline: share of peak FLOP/s "
+                        "reached (default: the step-time model from mechanisms, calibrated on published runs; "
+                        "the roofline with the calibrated matmul share where that model does not apply)")
+    parser.add_argument("--overlap", type=float, default=None, help="force the roofline: share of compute time "
+                        "that hides weight/gradient traffic (default 0.8 in the roofline)")
     parser.add_argument("--schedule", default=None, help="pipeline schedule when the mesh has stage > 1: gpipe, "
                         "1f1b, interleaved or zero_bubble (default 1f1b, as pipeline.schedule)")
     parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default 8, as "
@@ -194,8 +196,16 @@ def format_plan(p) -> str:
     lines += ["", f"compute {t['compute_s'] * 1e3:.1f} ms, memory {t['memory_s'] * 1e3:.1f} ms, exposed "
               f"communication {t['exposed_communication_s'] * 1e3:.1f} ms", *_pipeline_lines(p.pipeline, t)]
     lines += [f"predicted step {p.predicted_step_s * 1e3:.1f} ms: {p.predicted_tokens_per_s:,.0f} tokens/s, "
-              f"MFU {p.predicted_mfu:.1%} (efficiency {p.assumptions['efficiency']}, overlap {p.assumptions['overlap']})"]
+              f"MFU {p.predicted_mfu:.1%} ({_model_line(p.assumptions)})"]
     return "\n".join(lines)
+
+
+def _model_line(a: dict) -> str:
+    if a["model"] == "mechanisms":
+        c = a["calibration"]
+        return (f"step-time model from mechanisms; calibrated matmul share {c['matmul']}, link efficiency "
+                f"{c['collective']}, DCN {c['dcn']}")
+    return f"roofline: efficiency {a['efficiency']}, overlap {a['overlap']}"
 
 
 def _pipeline_lines(pipe, t) -> list[str]:

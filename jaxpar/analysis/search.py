@@ -30,7 +30,7 @@ import numpy as np
 from jaxpar.analysis.costmodel import (hbm_bytes, memory_estimate, minimum_bytes, pipeline_costs, stage_input_bytes,
                                       stage_sends)
 from jaxpar.analysis.hardware import get_hardware
-from jaxpar.analysis.plan import activations_of, pipeline_for, predict
+from jaxpar.analysis.plan import activations_of, pipeline_for, step_times
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import AXES
 
@@ -65,7 +65,7 @@ def default_microbatches(stages: int, rows: int, schedule: str) -> int:
     return max(fits) if rows >= 1 and fits else 4 * stages
 
 
-def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency=0.6, overlap=0.8,
+def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency=None, overlap=None,
              schedule: str = "1f1b", microbatches: int | None = None, virtual_stages: int | None = None, base=None):
     """One candidate's ``Candidate`` (raises ``LayoutError``/``ConfigError`` when the layout cannot divide
     the model, or the pipeline the batch). ``base``: ``base_report(cfg)``, built once for many candidates."""
@@ -92,9 +92,10 @@ def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency
         send = stage_input_bytes(acts, full, rules)
         mean = stage_sends(acts, full["stage"]) / full["stage"] * send
         stage_path = traffic["stage"] - mean + costs["send_ticks"] * send
-    times = predict(traffic, flops=train_flops, bytes_accessed=hbm_bytes(report, acts, full, token_axes), mesh=full,
-                    hw=hw, efficiency=efficiency, overlap=overlap,
-                    bubble=costs["executor_bubble_fraction"] if costs else 0.0, stage_bytes=stage_path)
+    times, _ = step_times(cfg, full, {}, traffic, batch=batch, seq=seq, hw=hw, flops=train_flops,
+                          bytes_accessed=hbm_bytes(report, acts, full, token_axes), efficiency=efficiency,
+                          overlap=overlap, bubble=costs["executor_bubble_fraction"] if costs else 0.0,
+                          stage_bytes=stage_path)
     memory = memory_estimate(cfg, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
     return Candidate({a: n for a, n in mesh.items() if n > 1}, memory <= hw.hbm_bytes, memory, times["step_s"], mfu,
@@ -155,8 +156,8 @@ def _abstract_mesh(shape: dict):
     return jax.sharding.AbstractMesh(sizes, AXES)
 
 
-def search(model: str, devices: int, *, batch: int, seq: int, hardware: str, efficiency: float = 0.6,
-           overlap: float = 0.8, schedule: str | None = None, microbatches: int | None = None,
+def search(model: str, devices: int, *, batch: int, seq: int, hardware: str, efficiency: float | None = None,
+           overlap: float | None = None, schedule: str | None = None, microbatches: int | None = None,
            virtual_stages: int | None = None, **overrides) -> tuple[list, list]:
     """(ranked candidates: fitting ones by predicted step time, then the rest by memory; refused
     factorizations with their reasons). ``schedule``, ``microbatches``, ``virtual_stages``: the pipeline of

@@ -1,0 +1,261 @@
+"""A training step's time from its mechanisms: what each device computes, reads and sends, layer by layer,
+and which of it can run at the same time.
+
+One transformer layer on one device, per step (T: tokens per tensor group, t: the tensor split):
+    matmuls       q/k/v, attention output, MLP in (2 matrices gated, 1 plain), MLP out: [T, K] × [K, N] each at
+                  ``matmul_seconds`` (a roofline: the chip's matmul efficiency on padded shapes, or the HBM
+                  traffic of the three operands, whichever is slower)
+    attention     4·T·S·H/t·D_h FLOPs forward, halved when causal (flash kernels skip the masked blocks), at
+                  the chip's attention efficiency; backward 2.5× forward (5 matmuls against 2)
+    elementwise   norms, residual adds, rotary embedding and the MLP activation read and write
+                  8·D/t + (m−1+1)·F/t + 2·(H+H_kv)·D_h/t values a token forward (``elementwise_values``),
+                  twice that backward, over HBM (activations split over tensor as MaxText's and ours are)
+    backward      2× the forward matmuls (input gradient + weight gradient), 2.5× attention, 2× elementwise
+    recompute     the share of the forward each remat policy runs again (``RECOMPUTE``)
+Per step: L layers, the LM head (forward and backward, cross entropy in f32 over HBM), the optimizer
+(Adam: 28 bytes of HBM traffic per local parameter element).
+
+Communication, and what hides it (the mechanisms the issue names; nothing is a global overlap share):
+    fsdp       weights gathered forward and again backward, gradients reduce-scattered: a layer's gather
+               is prefetched behind the previous layer's forward, the backward's gather and
+               reduce-scatter behind the layer's backward (async collective fusion on TPU, the latency-
+               hiding scheduler on GPU XLA, FSDP2's prefetch): exposed only what exceeds that compute
+    data       (ICI) gradients all-reduced per layer behind the backward, like fsdp's reduce-scatter
+    tensor     two all-reduces of [T, D] per forward (and per recomputed forward), two per backward. The
+               forward's sit between dependent matmuls: exposed. The backward's can run beside the
+               weight-gradient matmuls, which do not depend on them, where the platform overlaps them
+               (``Chip.tensor_overlap``: TPU async collective fusion; GPU without async TP: exposed)
+    dcn        the gradient all-reduce across slices or nodes, at the end of the step: exposed
+Links: an ICI axis on a TPU torus uses both directions of every torus dimension it spans
+(``axis_bandwidth``); a GPU axis inside a node its NVLink/PCIe per direction, across nodes the NIC.
+Collective efficiency (achieved share of a link) and the matmul peak share are the calibrated constants
+(``Calibration``); everything else is a spec sheet or a count (``jaxpar.analysis.hardware``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+# share of the forward run again in the backward: (matmuls, attention, elementwise)
+RECOMPUTE = {
+    "none": (0.0, 0.0, 0.0),
+    "dots": (0.0, 1.0, 1.0),         # matmul outputs kept (MaxText "minimal", jaxpar remat=dots)
+    "full": (1.0, 1.0, 1.0),         # every layer recomputed from its input
+    "dots_flash": (0.0, 0.0, 1.0),   # matmul and flash-attention outputs kept (MaxText "minimal_flash")
+    "op_sac": (0.5, 0.0, 1.0),       # torchtitan selective op AC: every other matmul output and attention kept
+    "half": (0.5, 0.5, 0.5),         # torchtitan selective layer AC (every second layer recomputed)
+    "attn": (None, 0.0, 1.0),        # jaxpar remat=attn: q/k/v and attention output kept, the MLP recomputed
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A dense decoder-only transformer's step: the model's shape, the batch, the layout, the remat policy.
+    ``mesh``: ICI sizes of data, fsdp, tensor (1 when absent); ``dcn``: across-slice (or across-node) sizes."""
+    embed_dim: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    mlp_matrices: int                # 3 gated (SwiGLU), 2 plain (relu/gelu)
+    num_layers: int
+    vocab: int
+    batch: int                       # sequences per step, all devices
+    seq: int
+    mesh: dict
+    dcn: dict = dataclasses.field(default_factory=dict)
+    remat: str = "full"
+    weight_bytes: int = 4            # as the FSDP gather moves weights (f32 params: 4; FSDP2 bf16: 2)
+    grad_bytes: int = 4
+    act_bytes: int = 2
+    causal: bool = True
+    tied: bool = True                # logits through the input embedding
+
+    def size(self, axis: str) -> int:
+        return int(self.mesh.get(axis, 1)) * int(self.dcn.get(axis, 1))
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.size(a) for a in set(self.mesh) | set(self.dcn))
+
+    @property
+    def layer_params(self) -> int:
+        d, hd = self.embed_dim, self.head_dim
+        return d * hd * (2 * self.num_heads + 2 * self.kv_heads) + self.mlp_matrices * d * self.mlp_dim
+
+    def check(self) -> None:
+        from jaxpar.errors import ConfigError
+        for axis, n in {**self.mesh, **{f"dcn.{a}": v for a, v in self.dcn.items()}}.items():
+            if axis.removeprefix("dcn.") not in ("data", "fsdp", "tensor") or int(n) < 1:
+                raise ConfigError(f"mesh: {axis}={n}: the step-time model takes data, fsdp and tensor sizes ≥ 1")
+        if self.remat not in RECOMPUTE:
+            raise ConfigError(f"remat={self.remat!r}: known policies are {', '.join(RECOMPUTE)}")
+        split = self.size("data") * self.size("fsdp")
+        if self.batch % split:
+            raise ConfigError(f"batch={self.batch}: not divisible by the {split} devices data × fsdp split it over")
+        t = self.size("tensor")
+        for name in ("num_heads", "mlp_dim", "vocab"):
+            if getattr(self, name) % t:
+                raise ConfigError(f"{name}={getattr(self, name)}: not divisible by tensor={t}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The fitted constants (``jaxpar.analysis.calibration`` fits them on published runs): the share of
+    peak a large well-shaped matmul reaches, and the share of a link's bandwidth a collective reaches,
+    on the fast links and on DCN/IB. Keyed by the chip's family (``Chip.family``)."""
+    matmul: dict
+    collective: dict
+    dcn: dict
+
+
+def elementwise_values(w: Workload) -> float:
+    """Values read or written per token per layer forward, on one device (see the module docstring)."""
+    t = w.size("tensor")
+    return (8 * w.embed_dim + w.mlp_matrices * w.mlp_dim + 2 * (w.num_heads + w.kv_heads) * w.head_dim) / t
+
+
+def matmul_seconds(m, k, n, chip, efficiency):
+    """[m, k] × [k, n] in bf16: padded to the chip's tile, at ``efficiency`` × peak, or its operands over
+    HBM, whichever is slower (``efficiency`` may be a numpy array: the calibration's grid)."""
+    tile = chip.matmul_tile
+    padded = math.prod(math.ceil(x / tile) * tile for x in (m, k, n))
+    compute = 2.0 * padded / (chip.peak_bf16_flops * efficiency)
+    return np.maximum(compute, 2.0 * (m * k + k * n + m * n) / chip.hbm_bandwidth)
+
+
+def torus_split(chip, chips: int) -> list[int]:
+    """A slice's torus sides: chip counts are powers of two; the smallest side doubles first
+    (v5p-128 = 64 chips = 4×4×4, v5p-256 = 4×4×8, ... as the TPU docs list them; v5e-256 = 16×16)."""
+    sides = [1] * chip.torus_dims
+    while math.prod(sides) < chips:
+        sides[sides.index(min(sides))] *= 2
+    return sides
+
+
+def axis_links(w: Workload, chip) -> dict[str, float]:
+    """Bandwidth one device sends at, per mesh axis, before the collective efficiency. TPU: axes take torus
+    sides innermost first (tensor, then fsdp, then data); an axis uses both directions of each side it
+    spans, whole or in part. GPU: inside a node (the group of an axis and everything inside it fits in
+    ``fast_domain``) the fast link, else the NIC."""
+    out, hw = {}, chip
+    inner = 1
+    if chip.torus_dims:
+        sides = torus_split(chip, math.prod(int(w.mesh.get(a, 1)) for a in w.mesh))
+    for axis in ("tensor", "fsdp", "data"):
+        n = int(w.mesh.get(axis, 1))
+        if chip.torus_dims:
+            out[axis] = 2 * chip.ici_link * max(_take_sides(n, sides), 1)
+        else:
+            inner *= n
+            out[axis] = hw.fast_link if inner <= hw.fast_domain else hw.slow_link
+    return out
+
+
+def _take_sides(n: int, sides: list[int]) -> int:
+    """How many torus sides an axis of ``n`` chips spans, taking them out of ``sides``: a side of exactly n if
+    there is one, else the smallest sides first (the last one in part, its rest left for the next axis)."""
+    sides[:] = sorted(x for x in sides if x > 1)
+    if n in sides:
+        sides.remove(n)
+        return 1
+    spanned = 0
+    while n > 1 and sides:
+        take = math.gcd(sides[0], n)
+        spanned += 1
+        n //= take
+        sides[0] //= take
+        sides[:] = sorted(x for x in sides if x > 1)
+    return spanned
+
+
+def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
+    """The step's parts in seconds and their sum ``step_s`` (arrays when ``cal`` holds arrays)."""
+    hw, fam = chip, chip.family
+    eta, eps, eps_dcn = cal.matmul[fam], cal.collective[fam], cal.dcn[fam]
+    t, f, d = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1))
+    tokens = w.batch * w.seq / (w.size("data") * w.size("fsdp"))         # per tensor group
+    D, Dh = w.embed_dim, w.head_dim
+    shapes = [(D, (w.num_heads + 2 * w.kv_heads) * Dh // t), (w.num_heads * Dh // t, D),
+              (D, (w.mlp_matrices - 1) * w.mlp_dim // t), (w.mlp_dim // t, D)]
+    mm = sum(matmul_seconds(tokens, k, n, chip, eta) for k, n in shapes)
+    att_flops = 4.0 * tokens * w.seq * w.num_heads / t * Dh * (0.5 if w.causal else 1.0)
+    att = att_flops / (hw.peak_bf16_flops * eta * chip.attention_efficiency)
+    ew = elementwise_values(w) * tokens * w.act_bytes / hw.hbm_bandwidth
+    r_mm, r_att, r_ew = RECOMPUTE[w.remat]
+    if r_mm is None:                                   # the MLP's share of the forward matmuls
+        mlp = w.mlp_matrices * w.mlp_dim
+        r_mm = mlp / (mlp + (2 * w.num_heads + 2 * w.kv_heads) * Dh)
+    fwd = mm + att + ew
+    recompute = r_mm * mm + r_att * att + r_ew * ew
+    bwd = 2 * mm + 2.5 * att + 2 * ew
+
+    bw = {a: b * (eps_dcn if b == hw.slow_link and not chip.torus_dims else eps) for a, b in axis_links(w, chip).items()}
+    wl = w.layer_params / t
+    gather = (f - 1) / f * wl * w.weight_bytes / bw["fsdp"] if f > 1 else 0.0
+    scatter = (f - 1) / f * wl * w.grad_bytes / bw["fsdp"] if f > 1 else 0.0
+    reduce = 2 * (d - 1) / d * wl / f * w.grad_bytes / bw["data"] if d > 1 else 0.0
+    tp = 2 * 2 * (t - 1) / t * tokens * D * w.act_bytes / bw["tensor"] if t > 1 else 0.0
+    tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp      # beside the weight-gradient matmuls
+    layer_fwd = fwd + tp + np.maximum(0.0, gather - fwd)
+    layer_bwd = recompute + bwd + r_mm * tp + tp_bwd + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)
+
+    head = 3 * matmul_seconds(tokens, D, w.vocab // t, chip, eta) + 4 * 4 * tokens * w.vocab / t / hw.hbm_bandwidth
+    params = w.num_layers * w.layer_params + (1 if w.tied else 2) * w.vocab * D
+    local = params / (t * f)
+    optimizer = 28 * local / hw.hbm_bandwidth
+    n_dcn = math.prod(int(v) for v in w.dcn.values()) if w.dcn else 1
+    dcn = 2 * (n_dcn - 1) / n_dcn * local / d * w.grad_bytes / (hw.slow_link * eps_dcn) if n_dcn > 1 else 0.0
+    layers = w.num_layers * (layer_fwd + layer_bwd)
+    parts = dict(matmul_s=w.num_layers * (1 + 2 + r_mm) * mm, attention_s=w.num_layers * (1 + 2.5 + r_att) * att,
+                 elementwise_s=w.num_layers * (1 + 2 + r_ew) * ew, head_s=head, optimizer_s=optimizer,
+                 tensor_exposed_s=w.num_layers * ((1 + r_mm) * tp + tp_bwd),
+                 fsdp_exposed_s=w.num_layers * (np.maximum(0.0, gather - fwd)
+                                                + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)),
+                 dcn_exposed_s=dcn)
+    return parts | dict(step_s=layers + head + optimizer + dcn)
+
+
+def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: bool = False) -> float:
+    """Per device per step, as MFU counts them: 6 per weight per token plus attention, 12·L·H·D_h·S per
+    token, halved when ``causal_attention``. The vocabulary matrix of the logits is a weight; an untied
+    input embedding is a lookup and counts only with ``count_embedding`` (MaxText counts every parameter)."""
+    vocab_mats = 2 if count_embedding and not w.tied else 1
+    params = w.num_layers * w.layer_params + vocab_mats * w.vocab * w.embed_dim
+    tokens = w.batch * w.seq / w.devices
+    att = 12 * w.num_layers * w.num_heads * w.head_dim * w.seq * (0.5 if causal_attention else 1.0)
+    return tokens * (6 * params + att)
+
+
+def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None) -> Workload | None:
+    """The ``Workload`` of a jaxpar dense model under ``mesh`` (axis sizes), or None where the model does not
+    describe it: mixture-of-experts or MLA models, and meshes that split over stage, sequence or expert."""
+    if getattr(cfg, "moe", None) is not None or getattr(cfg, "uses_mla", False):
+        return None
+    sizes = {a: int(n) for a, n in mesh.items() if int(n) > 1}
+    if set(sizes) - {"data", "fsdp", "tensor"}:
+        return None
+    return Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                    mlp_dim=cfg.mlp_dim, mlp_matrices=3, num_layers=cfg.num_layers, vocab=cfg.padded_vocab, batch=batch,
+                    seq=seq, mesh=sizes, dcn={a: int(n) for a, n in (dcn or {}).items() if int(n) > 1},
+                    remat=cfg.remat.value, weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
+                    act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
+                    causal=cfg.sliding_window is None)
+
+
+def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
+    """``step_seconds`` under the published calibration (``jaxpar.analysis.calibration.CALIBRATED``), in
+    the keys ``jaxpar.analysis.plan.predict`` reports: compute (matmuls, attention, LM head), memory
+    (elementwise work and the optimizer over HBM), exposed communication per kind, and the parts."""
+    from jaxpar.analysis.calibration import CALIBRATED
+
+    cal = cal or CALIBRATED
+    parts = {k: float(v) for k, v in step_seconds(w, chip, cal).items()}
+    exposed = {k.removesuffix("_exposed_s"): v for k, v in parts.items() if k.endswith("_exposed_s")}
+    return dict(compute_s=parts["matmul_s"] + parts["attention_s"] + parts["head_s"],
+                memory_s=parts["elementwise_s"] + parts["optimizer_s"], bubble_fraction=0.0,
+                communication_s=exposed, exposed_communication_s=sum(exposed.values()), step_s=parts["step_s"],
+                parts=parts, calibration=dict(matmul=cal.matmul[chip.family], collective=cal.collective[chip.family],
+                                              dcn=cal.dcn[chip.family]))

@@ -47,8 +47,7 @@ class Run:
 def load_runs(path: str | Path = RUNS) -> list[Run]:
     runs = []
     for r in json.loads(Path(path).read_text())["runs"]:
-        shape = dict(r["shape"])
-        w = Workload(**{k: v for k, v in shape.items()}, batch=r["batch"], seq=r["seq"], mesh=r["mesh"],
+        w = Workload(**r["shape"], batch=r["batch"], seq=r["seq"], mesh=r["mesh"],
                      dcn=r.get("dcn", {}), remat=r["remat"], weight_bytes=r.get("weight_bytes", 4))
         w.check()
         hw = get_hardware(r["hardware"])
@@ -62,7 +61,8 @@ def measured_step(w: Workload, hw, published: dict) -> float:
     if "tokens_per_s_per_device" in published:
         return w.batch * w.seq / w.devices / published["tokens_per_s_per_device"]
     conv = published["convention"]
-    flops = model_flops(w, causal_attention=conv["attention"] == "causal", count_embedding=conv["embedding"] == "counted")
+    flops = model_flops(w, causal_attention=conv["attention"] == "causal",
+                        count_embedding=conv["embedding"] == "counted")
     rate = published["mfu"] * hw.peak_bf16_flops if "mfu" in published else published["tflops_per_device"] * 1e12
     return flops / rate
 
@@ -113,8 +113,8 @@ def leave_one_out(runs: list[Run] | None = None) -> list[dict]:
             keep = [k for k in range(len(idx)) if k != j]
             point = fit([runs[idx[k]] for k in keep], preds[keep], points)
             g = points.index(point)
-            rows[i] = dict(name=runs[i].name, hardware=runs[i].hardware, fitted=dict(zip(("matmul", "collective", "dcn"),
-                                                                                         map(float, point))),
+            fitted = dict(zip(("matmul", "collective", "dcn"), map(float, point)))
+            rows[i] = dict(name=runs[i].name, hardware=runs[i].hardware, fitted=fitted,
                            measured_step_s=runs[i].measured_step_s, predicted_step_s=float(preds[j, g]),
                            error=runs[i].measured_step_s / float(preds[j, g]) - 1)
     return rows

@@ -8,7 +8,7 @@ One transformer layer on one device, per step (T: tokens per tensor group, t: th
     attention     4·T·S·H/t·D_h FLOPs forward, halved when causal (flash kernels skip the masked blocks), at
                   the chip's attention efficiency; backward 2.5× forward (5 matmuls against 2)
     elementwise   norms, residual adds, rotary embedding and the MLP activation read and write
-                  8·D/t + (m−1+1)·F/t + 2·(H+H_kv)·D_h/t values a token forward (``elementwise_values``),
+                  8·D/t + m·F/t + 2·(H+H_kv)·D_h/t values (m: MLP matrices) a token forward (``elementwise_values``),
                   twice that backward, over HBM (activations split over tensor as MaxText's and ours are)
     backward      2× the forward matmuls (input gradient + weight gradient), 2.5× attention, 2× elementwise
     recompute     the share of the forward each remat policy runs again (``RECOMPUTE``)
@@ -24,10 +24,10 @@ Communication, and what hides it (the mechanisms the issue names; nothing is a g
     tensor     two all-reduces of [T, D] per forward (and per recomputed forward), two per backward. The
                forward's sit between dependent matmuls: exposed. The backward's can run beside the
                weight-gradient matmuls, which do not depend on them, where the platform overlaps them
-               (``Chip.tensor_overlap``: TPU async collective fusion; GPU without async TP: exposed)
+               (``Hardware.tensor_overlap``: TPU async collective fusion; GPU without async TP: exposed)
     dcn        the gradient all-reduce across slices or nodes, at the end of the step: exposed
 Links: an ICI axis on a TPU torus uses both directions of every torus dimension it spans
-(``axis_bandwidth``); a GPU axis inside a node its NVLink/PCIe per direction, across nodes the NIC.
+(``axis_links``); a GPU axis inside a node its NVLink/PCIe per direction, across nodes the NIC.
 Collective efficiency (achieved share of a link) and the matmul peak share are the calibrated constants
 (``Calibration``); everything else is a spec sheet or a count (``jaxpar.analysis.hardware``).
 """
@@ -80,6 +80,11 @@ class Workload:
     def devices(self) -> int:
         return math.prod(self.size(a) for a in set(self.mesh) | set(self.dcn))
 
+    def params(self, vocab_matrices: int | None = None) -> int:
+        """Weights of the matmuls: the layers and ``vocab_matrices`` [V, D] matrices (default: 1 tied, 2 not)."""
+        vocab_matrices = (1 if self.tied else 2) if vocab_matrices is None else vocab_matrices
+        return self.num_layers * self.layer_params + vocab_matrices * self.vocab * self.embed_dim
+
     @property
     def layer_params(self) -> int:
         d, hd = self.embed_dim, self.head_dim
@@ -105,7 +110,7 @@ class Workload:
 class Calibration:
     """The fitted constants (``jaxpar.analysis.calibration`` fits them on published runs): the share of
     peak a large well-shaped matmul reaches, and the share of a link's bandwidth a collective reaches,
-    on the fast links and on DCN/IB. Keyed by the chip's family (``Chip.family``)."""
+    on the fast links and on DCN/IB. Keyed by the chip's family (``Hardware.family``)."""
     matmul: dict
     collective: dict
     dcn: dict
@@ -135,23 +140,22 @@ def torus_split(chip, chips: int) -> list[int]:
     return sides
 
 
-def axis_links(w: Workload, chip) -> dict[str, float]:
-    """Bandwidth one device sends at, per mesh axis, before the collective efficiency. TPU: axes take torus
-    sides innermost first (tensor, then fsdp, then data); an axis uses both directions of each side it
-    spans, whole or in part. GPU: inside a node (the group of an axis and everything inside it fits in
-    ``fast_domain``) the fast link, else the NIC."""
-    out, hw = {}, chip
-    inner = 1
+def axis_links(w: Workload, chip, *, with_class: bool = False) -> dict:
+    """Bandwidth one device sends at before the collective efficiency, per mesh axis (with ``with_class``:
+    (bandwidth, whether it is the slow link)). TPU: axes take torus sides innermost first (tensor, then
+    fsdp, then data); an axis uses both directions of each side it spans, whole or in part. GPU: inside a
+    node (the group of an axis and everything inside it fits in ``fast_domain``) the fast link, else the NIC."""
+    out, inner = {}, 1
     if chip.torus_dims:
         sides = torus_split(chip, math.prod(int(w.mesh.get(a, 1)) for a in w.mesh))
     for axis in ("tensor", "fsdp", "data"):
         n = int(w.mesh.get(axis, 1))
         if chip.torus_dims:
-            out[axis] = 2 * chip.ici_link * max(_take_sides(n, sides), 1)
+            out[axis] = (2 * chip.ici_link * max(_take_sides(n, sides), 1), False)
         else:
             inner *= n
-            out[axis] = hw.fast_link if inner <= hw.fast_domain else hw.slow_link
-    return out
+            out[axis] = (chip.fast_link, False) if inner <= chip.fast_domain else (chip.slow_link, True)
+    return out if with_class else {a: b for a, (b, _) in out.items()}
 
 
 def _take_sides(n: int, sides: list[int]) -> int:
@@ -164,6 +168,8 @@ def _take_sides(n: int, sides: list[int]) -> int:
     spanned = 0
     while n > 1 and sides:
         take = math.gcd(sides[0], n)
+        if take == 1:                   # not a power-of-two split of this side: priced as spanning it
+            return spanned + 1
         spanned += 1
         n //= take
         sides[0] //= take
@@ -173,7 +179,7 @@ def _take_sides(n: int, sides: list[int]) -> int:
 
 def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     """The step's parts in seconds and their sum ``step_s`` (arrays when ``cal`` holds arrays)."""
-    hw, fam = chip, chip.family
+    fam = chip.family
     eta, eps, eps_dcn = cal.matmul[fam], cal.collective[fam], cal.dcn[fam]
     t, f, d = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1))
     tokens = w.batch * w.seq / (w.size("data") * w.size("fsdp"))         # per tensor group
@@ -182,8 +188,8 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
               (D, (w.mlp_matrices - 1) * w.mlp_dim // t), (w.mlp_dim // t, D)]
     mm = sum(matmul_seconds(tokens, k, n, chip, eta) for k, n in shapes)
     att_flops = 4.0 * tokens * w.seq * w.num_heads / t * Dh * (0.5 if w.causal else 1.0)
-    att = att_flops / (hw.peak_bf16_flops * eta * chip.attention_efficiency)
-    ew = elementwise_values(w) * tokens * w.act_bytes / hw.hbm_bandwidth
+    att = att_flops / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
+    ew = elementwise_values(w) * tokens * w.act_bytes / chip.hbm_bandwidth
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
     if r_mm is None:                                   # the MLP's share of the forward matmuls
         mlp = w.mlp_matrices * w.mlp_dim
@@ -192,38 +198,33 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     recompute = r_mm * mm + r_att * att + r_ew * ew
     bwd = 2 * mm + 2.5 * att + 2 * ew
 
-    bw = {a: b * (eps_dcn if b == hw.slow_link and not chip.torus_dims else eps) for a, b in axis_links(w, chip).items()}
+    bw = {a: b * (eps_dcn if slow else eps) for a, (b, slow) in axis_links(w, chip, with_class=True).items()}
     wl = w.layer_params / t
     gather = (f - 1) / f * wl * w.weight_bytes / bw["fsdp"] if f > 1 else 0.0
     scatter = (f - 1) / f * wl * w.grad_bytes / bw["fsdp"] if f > 1 else 0.0
     reduce = 2 * (d - 1) / d * wl / f * w.grad_bytes / bw["data"] if d > 1 else 0.0
     tp = 2 * 2 * (t - 1) / t * tokens * D * w.act_bytes / bw["tensor"] if t > 1 else 0.0
     tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp      # beside the weight-gradient matmuls
-    layer_fwd = fwd + tp + np.maximum(0.0, gather - fwd)
-    layer_bwd = recompute + bwd + r_mm * tp + tp_bwd + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)
+    # a layer's gather behind the previous forward; the backward's gather, scatter and reduce behind it
+    fsdp = np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)
 
-    head = 3 * matmul_seconds(tokens, D, w.vocab // t, chip, eta) + 4 * 4 * tokens * w.vocab / t / hw.hbm_bandwidth
-    params = w.num_layers * w.layer_params + (1 if w.tied else 2) * w.vocab * D
-    local = params / (t * f)
-    optimizer = 28 * local / hw.hbm_bandwidth
+    local = w.params() / (t * f)
     n_dcn = math.prod(int(v) for v in w.dcn.values()) if w.dcn else 1
-    dcn = 2 * (n_dcn - 1) / n_dcn * local / d * w.grad_bytes / (hw.slow_link * eps_dcn) if n_dcn > 1 else 0.0
-    layers = w.num_layers * (layer_fwd + layer_bwd)
-    parts = dict(matmul_s=w.num_layers * (1 + 2 + r_mm) * mm, attention_s=w.num_layers * (1 + 2.5 + r_att) * att,
-                 elementwise_s=w.num_layers * (1 + 2 + r_ew) * ew, head_s=head, optimizer_s=optimizer,
-                 tensor_exposed_s=w.num_layers * ((1 + r_mm) * tp + tp_bwd),
-                 fsdp_exposed_s=w.num_layers * (np.maximum(0.0, gather - fwd)
-                                                + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)),
-                 dcn_exposed_s=dcn)
-    return parts | dict(step_s=layers + head + optimizer + dcn)
+    dcn = 2 * (n_dcn - 1) / n_dcn * local / d * w.grad_bytes / (chip.slow_link * eps_dcn) if n_dcn > 1 else 0.0
+    L = w.num_layers
+    head = 3 * matmul_seconds(tokens, D, w.vocab // t, chip, eta) + 16 * tokens * w.vocab / t / chip.hbm_bandwidth
+    parts = dict(matmul_s=L * (1 + 2 + r_mm) * mm, attention_s=L * (1 + 2.5 + r_att) * att,
+                 elementwise_s=L * (1 + 2 + r_ew) * ew, head_s=head,
+                 optimizer_s=28 * local / chip.hbm_bandwidth,
+                 tensor_exposed_s=L * ((1 + r_mm) * tp + tp_bwd), fsdp_exposed_s=L * fsdp, dcn_exposed_s=dcn)
+    return parts | dict(step_s=sum(parts.values()))
 
 
 def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: bool = False) -> float:
     """Per device per step, as MFU counts them: 6 per weight per token plus attention, 12·L·H·D_h·S per
     token, halved when ``causal_attention``. The vocabulary matrix of the logits is a weight; an untied
     input embedding is a lookup and counts only with ``count_embedding`` (MaxText counts every parameter)."""
-    vocab_mats = 2 if count_embedding and not w.tied else 1
-    params = w.num_layers * w.layer_params + vocab_mats * w.vocab * w.embed_dim
+    params = w.params(2 if count_embedding and not w.tied else 1)
     tokens = w.batch * w.seq / w.devices
     att = 12 * w.num_layers * w.num_heads * w.head_dim * w.seq * (0.5 if causal_attention else 1.0)
     return tokens * (6 * params + att)

@@ -136,11 +136,13 @@ def test_search_ranks_a_hand_made_case(tmp_path, capsys):
     for c in ranked:                      # the step's parts come with it
         t = c.times
         assert t["step_s"] == c.predicted_step_s
-        if "parts" in t:                  # data/fsdp/tensor: the mechanism model, its parts in sequence
-            assert set(c.mesh) <= {"data", "fsdp", "tensor"}
-            assert t["step_s"] == pytest.approx(t["compute_s"] + t["memory_s"] + t["exposed_communication_s"])
+        if "parts" in t:                  # data/fsdp/tensor/stage: the mechanism model, its parts in sequence
+            assert set(c.mesh) <= {"data", "fsdp", "tensor", "stage"}
+            assert t["step_s"] == pytest.approx(t["compute_s"] + t["memory_s"] + t["exposed_communication_s"]
+                                                + t["parts"]["bubble_s"])
+            assert (t["parts"]["bubble_s"] > 0) == ("stage" in c.mesh)
         else:                             # the roofline: busy time plus exposed communication
-            assert set(c.mesh) & {"stage", "sequence", "expert"}
+            assert set(c.mesh) & {"sequence", "expert"}
             assert t["step_s"] == pytest.approx(max(t["compute_s"], t["memory_s"]) / (1 - t["bubble_fraction"])
                                                 + t["exposed_communication_s"])
     from jaxpar.analysis.plan_command import candidates_figure
@@ -181,10 +183,18 @@ def test_stage_sends_and_bubble_of_a_compiled_pipeline():
     assert pipe["executor_bubble_fraction"] == pytest.approx(1 - 4 * (1 + t_b) / (2 + 8 * t_b))
     assert pipe["executor_bubble_fraction"] == pytest.approx(pipe["lockstep_bubble_fraction"])
     assert pipe["peak_in_flight"] == 2 and pipe["memory"]["stage_buffers"] == (2 + 1 + 2) * 32 * 64 * 2
-    t = p.times
-    assert t["bubble_fraction"] == pipe["executor_bubble_fraction"]
-    assert p.predicted_step_s == pytest.approx(max(t["compute_s"], t["memory_s"]) / (1 - t["bubble_fraction"])
-                                               + t["exposed_communication_s"])
+    # the step from mechanisms: the stage's busy time stretched by the executor's bubble, and the stage
+    # traffic on the critical path (the sends, the replicated parameters' all-reduce) over NVLink
+    t, parts = p.times, p.times["parts"]
+    assert t["bubble_fraction"] == pipe["executor_bubble_fraction"] and p.assumptions["model"] == "mechanisms"
+    b = t["bubble_fraction"]
+    busy = sum(v for k, v in parts.items() if k not in ("bubble_s", "optimizer_s", "dcn_exposed_s",
+                                                          "stage_exposed_s", "step_s"))
+    assert parts["bubble_s"] == pytest.approx(busy * b / (1 - b))
+    others = p.bytes_by_axis["stage"] - pipe["stage_bytes_per_device"]
+    critical = others + pipe["stage_critical_path_bytes"]
+    assert parts["stage_exposed_s"] == pytest.approx(critical / HARDWARE["h100"].fast_link)
+    assert p.predicted_step_s == pytest.approx(sum(v for k, v in parts.items() if k != "step_s"))
     assert p.flops_per_device == pytest.approx(4 * (1 + t_b) * (540_672 / 3 - 32_768) / 2 * 32)
 
 

@@ -1,7 +1,8 @@
 """Calibrating the step-time model on published runs, and its leave-one-out error.
 
 ``benchmarks/published_runs.json`` holds runs whose configuration was published with their speed
-(MaxText's TPU v5e/v5p tables and A3 GPU runs, torchtitan's H100 tables): the model's shape, batch,
+(MaxText's TPU v5e/v5p tables and A3 GPU runs, torchtitan's H100 tables, Megatron-LM's A100 weak-scaling
+table with tensor and pipeline parallelism): the model's shape, batch,
 layout, remat policy, and the speed as published — MFU or TFLOP/s under the publisher's FLOP convention,
 or tokens/s. Each becomes a measured step time. ``jaxpar.analysis.steptime`` predicts them from the
 mechanisms; what no spec sheet gives is fitted per chip family (``Calibration``): the share of peak a large
@@ -23,6 +24,8 @@ import numpy as np
 from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.steptime import Calibration, Workload, model_flops, step_seconds
 
+# run fields beyond shape, batch, seq, layout and remat, as ``Workload`` names them (its defaults otherwise)
+OPTIONAL = ("weight_bytes", "grad_bytes", "act_bytes", "microbatch", "virtual_stages", "flash", "dcn_overlap")
 RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json"
 # descending link efficiencies: among equally good points the fit keeps the fastest links (a run whose
 # collectives are all hidden says nothing about them)
@@ -30,9 +33,12 @@ GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.rou
             dcn=np.round(np.arange(1.0, 0.0499, -0.05), 2))
 
 
-# ``calibrate()`` on benchmarks/published_runs.json (tests/test_steptime.py checks they agree): only the
-# matmul share moved off its bound; the links fit best at their spec-sheet bandwidths.
-CALIBRATED = Calibration(matmul=dict(tpu=0.83, gpu=0.54), collective=dict(tpu=1.0, gpu=1.0), dcn=dict(tpu=1.0, gpu=1.0))
+# ``calibrate()`` on benchmarks/published_runs.json (tests/test_steptime.py checks they agree). TPU and H100:
+# only the matmul share moved off its bound, the links fit best at their spec-sheet bandwidths. A100
+# (Megatron-LM's runs, whose tensor all-reduces and cross-node gradient reduction are exposed): NVLink
+# collectives at half the link, InfiniBand at 0.65 of the NICs.
+CALIBRATED = Calibration(matmul=dict(tpu=0.83, gpu=0.54, a100=0.69), collective=dict(tpu=1.0, gpu=1.0, a100=0.5),
+                         dcn=dict(tpu=1.0, gpu=1.0, a100=0.65))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +53,8 @@ class Run:
 def load_runs(path: str | Path = RUNS) -> list[Run]:
     runs = []
     for r in json.loads(Path(path).read_text())["runs"]:
-        w = Workload(**r["shape"], batch=r["batch"], seq=r["seq"], mesh=r["mesh"],
-                     dcn=r.get("dcn", {}), remat=r["remat"], weight_bytes=r.get("weight_bytes", 4))
+        w = Workload(**r["shape"], batch=r["batch"], seq=r["seq"], mesh=r["mesh"], dcn=r.get("dcn", {}),
+                     remat=r["remat"], **{k: r[k] for k in OPTIONAL if k in r})
         w.check()
         hw = get_hardware(r["hardware"])
         runs.append(Run(r["name"], r["hardware"], w, measured_step(w, hw, r["published"]), r["source"]))
@@ -62,7 +68,8 @@ def measured_step(w: Workload, hw, published: dict) -> float:
         return w.batch * w.seq / w.devices / published["tokens_per_s_per_device"]
     conv = published["convention"]
     flops = model_flops(w, causal_attention=conv["attention"] == "causal",
-                        count_embedding=conv["embedding"] == "counted")
+                        count_embedding=conv["embedding"] == "counted",
+                        recomputed_forward=conv.get("recompute") == "full")
     rate = published["mfu"] * hw.peak_bf16_flops if "mfu" in published else published["tflops_per_device"] * 1e12
     return flops / rate
 

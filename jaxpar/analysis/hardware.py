@@ -75,6 +75,12 @@ HARDWARE = {
     # chip over 4 links (about 90-112 GB/s per link), 256-chip pods; DCN about 50 Gbps per chip (estimate).
     "tpu-v6e": Hardware("tpu-v6e", 918e12, 32e9, 1.64e12, 90e9, 256, 6.25e9, family="tpu", torus_dims=2,
                         ici_link=112e9, tensor_overlap=True),
+    # NVIDIA A100 SXM4 80 GB datasheet: 312 TFLOP/s dense BF16/FP16, 2,039 GB/s HBM2e, NVLink 3 600 GB/s (300 GB/s
+    # each way) in an 8-GPU DGX A100 node with eight 200 Gb/s HDR InfiniBand NICs (25 GB/s per GPU): NVIDIA's
+    # Selene, where Megatron-LM's 2021 runs were measured (Narayanan et al., SC21, §5). A chip of its own
+    # family for calibration (its GEMMs reach a larger share of peak than the H100's). FlashAttention-2 (Dao,
+    # 2023, fig. 4) runs causal forward + backward at roughly 0.8 of what a large GEMM reaches on it.
+    "a100": Hardware("a100", 312e12, 80e9, 2.039e12, 300e9, 8, 25e9, family="a100", attention_efficiency=0.8),
     # Published runs' machines (``benchmarks/published_runs.json``):
     # Google Cloud A3 (a3-highgpu-8g): 8 × H100 SXM5 80 GB on NVLink 4; GPUDirect-TCPX over 4 NICs of
     # 200 Gbps for the 8 GPUs, so 100 Gbps (12.5 GB/s) per GPU across nodes.

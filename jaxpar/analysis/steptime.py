@@ -7,6 +7,9 @@ One transformer layer on one device, per step (T: tokens per tensor group, t: th
                   traffic of the three operands, whichever is slower)
     attention     4·T·S·H/t·D_h FLOPs forward, halved when causal (flash kernels skip the masked blocks), at
                   the chip's attention efficiency; backward 2.5× forward (5 matmuls against 2)
+                  (without a flash kernel, ``Workload.flash`` False: every score, causal or not, computed at the
+                  GEMM share, and the [S] scores of each query and head written, soft-maxed, dropped out and
+                  read back over HBM: ``SCORE_BYTES`` each)
     elementwise   norms, residual adds, rotary embedding and the MLP activation read and write
                   8·D/t + m·F/t + 2·(H+H_kv)·D_h/t values (m: MLP matrices) a token forward (``elementwise_values``),
                   twice that backward, over HBM (activations split over tensor as MaxText's and ours are)
@@ -14,6 +17,15 @@ One transformer layer on one device, per step (T: tokens per tensor group, t: th
     recompute     the share of the forward each remat policy runs again (``RECOMPUTE``)
 Per step: L layers, the LM head (forward and backward, cross entropy in f32 over HBM), the optimizer
 (Adam: 28 bytes of HBM traffic per local parameter element).
+
+Pipelines (``stage`` p > 1, m microbatches a step, v layer chunks a device): a device runs L/p layers on
+every microbatch, the last stage the LM head as well (it sets the pace: the stages' busy time is the last
+one's); each chunk boundary sends a microbatch's [T, D] activations forward and their gradient back over
+the stage link, split over tensor (Megatron's scatter/gather), exposed. The schedule idles
+(p − 1)/(v·m + p − 1) of the step (1F1B, interleaved when v > 1; ``Workload.bubble`` where a schedule
+table gives its own), so the bubble adds busy × bubble/(1 − bubble). jaxpar's own executor recomputes a
+chunk's forward in its backward (``Workload.stage_recompute``) and its sends on the critical path are read
+from the compiled program (``Workload.stage_bytes``, ``jaxpar.analysis.plan``).
 
 Communication, and what hides it (the mechanisms the issue names; nothing is a global overlap share):
     fsdp       weights gathered forward and again backward, gradients reduce-scattered: a layer's gather
@@ -25,7 +37,8 @@ Communication, and what hides it (the mechanisms the issue names; nothing is a g
                forward's sit between dependent matmuls: exposed. The backward's can run beside the
                weight-gradient matmuls, which do not depend on them, where the platform overlaps them
                (``Hardware.tensor_overlap``: TPU async collective fusion; GPU without async TP: exposed)
-    dcn        the gradient all-reduce across slices or nodes, at the end of the step: exposed
+    dcn        the gradient all-reduce across slices or nodes, at the end of the step: exposed, or behind
+               the last microbatch's backward where buckets overlap it (``Workload.dcn_overlap``: torch DDP)
 Links: an ICI axis on a TPU torus uses both directions of every torus dimension it spans
 (``axis_links``); a GPU axis inside a node its NVLink/PCIe per direction, across nodes the NIC.
 Collective efficiency (achieved share of a link) and the matmul peak share are the calibrated constants
@@ -37,6 +50,12 @@ import dataclasses
 import math
 
 import numpy as np
+
+# HBM bytes per attention score in a forward without a flash kernel (fp16, Megatron-LM 2021): QKᵀ writes it
+# (2), the fused scale-mask-softmax reads and writes it (4), dropout reads and writes it with a 1-byte
+# mask (5), the AV matmul reads it (2)
+SCORE_BYTES = 13
+AXES = ("data", "fsdp", "tensor", "stage")
 
 # share of the forward run again in the backward: (matmuls, attention, elementwise)
 RECOMPUTE = {
@@ -72,6 +91,13 @@ class Workload:
     act_bytes: int = 2
     causal: bool = True
     tied: bool = True                # logits through the input embedding
+    microbatch: int = 0              # sequences a microbatch holds (0: a replica's whole batch at once)
+    virtual_stages: int = 1          # layer chunks per stage device (v > 1: the interleaved schedule)
+    bubble: float | None = None      # the schedule's idle share where a table gives it (default 1F1B's)
+    flash: bool = True               # attention in a flash kernel (False: scores materialized in HBM)
+    dcn_overlap: bool = False        # DCN gradient reduction behind the backward (torch DDP's buckets)
+    stage_recompute: bool = False    # each backward recomputes its chunk's forward first (jaxpar's executor)
+    stage_bytes: float | None = None  # stage sends on the step's critical path, where a program gives them
 
     def size(self, axis: str) -> int:
         return int(self.mesh.get(axis, 1)) * int(self.dcn.get(axis, 1))
@@ -79,6 +105,11 @@ class Workload:
     @property
     def devices(self) -> int:
         return math.prod(self.size(a) for a in set(self.mesh) | set(self.dcn))
+
+    @property
+    def microbatches(self) -> int:
+        seqs = self.batch // (self.size("data") * self.size("fsdp"))
+        return seqs // self.microbatch if self.microbatch else 1
 
     def params(self, vocab_matrices: int | None = None) -> int:
         """Weights of the matmuls: the layers and ``vocab_matrices`` [V, D] matrices (default: 1 tied, 2 not)."""
@@ -93,13 +124,17 @@ class Workload:
     def check(self) -> None:
         from jaxpar.errors import ConfigError
         for axis, n in {**self.mesh, **{f"dcn.{a}": v for a, v in self.dcn.items()}}.items():
-            if axis.removeprefix("dcn.") not in ("data", "fsdp", "tensor") or int(n) < 1:
-                raise ConfigError(f"mesh: {axis}={n}: the step-time model takes data, fsdp and tensor sizes ≥ 1")
+            if axis.removeprefix("dcn.") not in AXES or int(n) < 1:
+                raise ConfigError(f"mesh: {axis}={n}: the step-time model takes {', '.join(AXES)} sizes ≥ 1")
         if self.remat not in RECOMPUTE:
             raise ConfigError(f"remat={self.remat!r}: known policies are {', '.join(RECOMPUTE)}")
-        split = self.size("data") * self.size("fsdp")
+        split = self.size("data") * self.size("fsdp") * max(self.microbatch, 1)
         if self.batch % split:
-            raise ConfigError(f"batch={self.batch}: not divisible by the {split} devices data × fsdp split it over")
+            raise ConfigError(f"batch={self.batch}: not divisible by the {split} sequences of data × fsdp × "
+                              f"microbatch={self.microbatch}")
+        chunks = self.size("stage") * self.virtual_stages
+        if self.num_layers % chunks:
+            raise ConfigError(f"num_layers={self.num_layers}: not divisible by stage × virtual_stages = {chunks}")
         t = self.size("tensor")
         for name in ("num_heads", "mlp_dim", "vocab"):
             if getattr(self, name) % t:
@@ -143,12 +178,12 @@ def torus_split(chip, chips: int) -> list[int]:
 def axis_links(w: Workload, chip, *, with_class: bool = False) -> dict:
     """Bandwidth one device sends at before the collective efficiency, per mesh axis (with ``with_class``:
     (bandwidth, whether it is the slow link)). TPU: axes take torus sides innermost first (tensor, then
-    fsdp, then data); an axis uses both directions of each side it spans, whole or in part. GPU: inside a
+    fsdp, data, stage); an axis uses both directions of each side it spans, whole or in part. GPU: inside a
     node (the group of an axis and everything inside it fits in ``fast_domain``) the fast link, else the NIC."""
     out, inner = {}, 1
     if chip.torus_dims:
         sides = torus_split(chip, math.prod(int(w.mesh.get(a, 1)) for a in w.mesh))
-    for axis in ("tensor", "fsdp", "data"):
+    for axis in ("tensor", "fsdp", "data", "stage"):
         n = int(w.mesh.get(axis, 1))
         if chip.torus_dims:
             out[axis] = (2 * chip.ici_link * max(_take_sides(n, sides), 1), False)
@@ -177,23 +212,42 @@ def _take_sides(n: int, sides: list[int]) -> int:
     return spanned
 
 
+def layer_forward(w: Workload, chip, eta, tokens: float) -> tuple:
+    """One layer's forward on ``tokens`` tokens of one tensor group, in seconds: (matmuls, attention,
+    elementwise work); ``eta`` the matmul share of peak."""
+    t, D, Dh = w.size("tensor"), w.embed_dim, w.head_dim
+    shapes = [(D, (w.num_heads + 2 * w.kv_heads) * Dh // t), (w.num_heads * Dh // t, D),
+              (D, (w.mlp_matrices - 1) * w.mlp_dim // t), (w.mlp_dim // t, D)]
+    mm = sum(matmul_seconds(tokens, k, n, chip, eta) for k, n in shapes)
+    att_flops = 4.0 * tokens * w.seq * w.num_heads / t * Dh
+    if w.flash:
+        att = att_flops * (0.5 if w.causal else 1.0) / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
+    else:
+        att = (att_flops / (chip.peak_bf16_flops * eta)
+               + tokens * w.seq * w.num_heads / t * SCORE_BYTES / chip.hbm_bandwidth)
+    return mm, att, elementwise_values(w) * tokens * w.act_bytes / chip.hbm_bandwidth
+
+
+def bubble_of(w: Workload) -> float:
+    """The pipeline's idle share: the schedule table's where given, else 1F1B's (p − 1)/(v·m + p − 1)."""
+    p = w.size("stage")
+    return w.bubble if w.bubble is not None else (p - 1) / (w.virtual_stages * w.microbatches + p - 1)
+
+
 def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     """The step's parts in seconds and their sum ``step_s`` (arrays when ``cal`` holds arrays)."""
     fam = chip.family
     eta, eps, eps_dcn = cal.matmul[fam], cal.collective[fam], cal.dcn[fam]
-    t, f, d = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1))
-    tokens = w.batch * w.seq / (w.size("data") * w.size("fsdp"))         # per tensor group
-    D, Dh = w.embed_dim, w.head_dim
-    shapes = [(D, (w.num_heads + 2 * w.kv_heads) * Dh // t), (w.num_heads * Dh // t, D),
-              (D, (w.mlp_matrices - 1) * w.mlp_dim // t), (w.mlp_dim // t, D)]
-    mm = sum(matmul_seconds(tokens, k, n, chip, eta) for k, n in shapes)
-    att_flops = 4.0 * tokens * w.seq * w.num_heads / t * Dh * (0.5 if w.causal else 1.0)
-    att = att_flops / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
-    ew = elementwise_values(w) * tokens * w.act_bytes / chip.hbm_bandwidth
+    t, f, d, p = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("stage")
+    m, v = w.microbatches, w.virtual_stages
+    tokens = w.batch * w.seq / (w.size("data") * w.size("fsdp") * m)   # per tensor group and microbatch
+    mm, att, ew = layer_forward(w, chip, eta, tokens)
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
     if r_mm is None:                                   # the MLP's share of the forward matmuls
         mlp = w.mlp_matrices * w.mlp_dim
-        r_mm = mlp / (mlp + (2 * w.num_heads + 2 * w.kv_heads) * Dh)
+        r_mm = mlp / (mlp + (2 * w.num_heads + 2 * w.kv_heads) * w.head_dim)
+    if w.stage_recompute and p > 1:
+        r_mm, r_att, r_ew = r_mm + 1, r_att + 1, r_ew + 1
     fwd = mm + att + ew
     recompute = r_mm * mm + r_att * att + r_ew * ew
     bwd = 2 * mm + 2.5 * att + 2 * ew
@@ -203,47 +257,68 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     gather = (f - 1) / f * wl * w.weight_bytes / bw["fsdp"] if f > 1 else 0.0
     scatter = (f - 1) / f * wl * w.grad_bytes / bw["fsdp"] if f > 1 else 0.0
     reduce = 2 * (d - 1) / d * wl / f * w.grad_bytes / bw["data"] if d > 1 else 0.0
-    tp = 2 * 2 * (t - 1) / t * tokens * D * w.act_bytes / bw["tensor"] if t > 1 else 0.0
+    tp = 2 * 2 * (t - 1) / t * tokens * w.embed_dim * w.act_bytes / bw["tensor"] if t > 1 else 0.0
     tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp      # beside the weight-gradient matmuls
     # a layer's gather behind the previous forward; the backward's gather, scatter and reduce behind it
     fsdp = np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)
+    stage_bw = bw["stage"] if int(w.mesh.get("stage", 1)) > 1 else chip.slow_link * eps_dcn
+    send = 2 * v * tokens * w.embed_dim * w.act_bytes / t / stage_bw if p > 1 and w.stage_bytes is None else 0.0
 
-    local = w.params() / (t * f)
-    n_dcn = math.prod(int(v) for v in w.dcn.values()) if w.dcn else 1
+    L = w.num_layers / p                               # a stage's layers; the last stage's LM head on top
+    head = (3 * matmul_seconds(tokens, w.embed_dim, w.vocab // t, chip, eta)
+            + 16 * tokens * w.vocab / t / chip.hbm_bandwidth)
+    parts = {k: m * x for k, x in dict(
+        matmul_s=L * (1 + 2 + r_mm) * mm, attention_s=L * (1 + 2.5 + r_att) * att,
+        elementwise_s=L * (1 + 2 + r_ew) * ew, head_s=head, tensor_exposed_s=L * ((1 + r_mm) * tp + tp_bwd),
+        fsdp_exposed_s=L * fsdp, stage_exposed_s=send).items()}
+    busy = sum(parts.values())
+    bubble = bubble_of(w)
+    local = w.params() / (t * f * p)
+    n_dcn = math.prod(int(w.dcn.get(a, 1)) for a in ("data", "fsdp"))
     dcn = 2 * (n_dcn - 1) / n_dcn * local / d * w.grad_bytes / (chip.slow_link * eps_dcn) if n_dcn > 1 else 0.0
-    L = w.num_layers
-    head = 3 * matmul_seconds(tokens, D, w.vocab // t, chip, eta) + 16 * tokens * w.vocab / t / chip.hbm_bandwidth
-    parts = dict(matmul_s=L * (1 + 2 + r_mm) * mm, attention_s=L * (1 + 2.5 + r_att) * att,
-                 elementwise_s=L * (1 + 2 + r_ew) * ew, head_s=head,
-                 optimizer_s=28 * local / chip.hbm_bandwidth,
-                 tensor_exposed_s=L * ((1 + r_mm) * tp + tp_bwd), fsdp_exposed_s=L * fsdp, dcn_exposed_s=dcn)
+    if w.dcn_overlap:                                  # buckets reduced behind the last microbatch's backward
+        dcn = np.maximum(0.0, dcn - L * (bwd + recompute))
+    if w.stage_bytes is not None:                      # counted over every tick already: not stretched
+        parts["stage_exposed_s"] = w.stage_bytes / stage_bw
+    parts |= dict(bubble_s=busy * bubble / (1 - bubble), optimizer_s=28 * local / chip.hbm_bandwidth, dcn_exposed_s=dcn)
     return parts | dict(step_s=sum(parts.values()))
 
 
-def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: bool = False) -> float:
+def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: bool = False,
+                recomputed_forward: bool = False) -> float:
     """Per device per step, as MFU counts them: 6 per weight per token plus attention, 12·L·H·D_h·S per
     token, halved when ``causal_attention``. The vocabulary matrix of the logits is a weight; an untied
-    input embedding is a lookup and counts only with ``count_embedding`` (MaxText counts every parameter)."""
+    input embedding is a lookup and counts only with ``count_embedding`` (MaxText counts every parameter).
+    ``recomputed_forward``: the layers' forward once more (Megatron-LM's Eq. 3 counts full recompute)."""
     params = w.params(2 if count_embedding and not w.tied else 1)
     tokens = w.batch * w.seq / w.devices
     att = 12 * w.num_layers * w.num_heads * w.head_dim * w.seq * (0.5 if causal_attention else 1.0)
-    return tokens * (6 * params + att)
+    extra = (2 * w.num_layers * w.layer_params + att / 3) if recomputed_forward else 0.0
+    return tokens * (6 * params + att + extra)
 
 
-def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None) -> Workload | None:
-    """The ``Workload`` of a jaxpar dense model under ``mesh`` (axis sizes), or None where the model does not
-    describe it: mixture-of-experts or MLA models, and meshes that split over stage, sequence or expert."""
+def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None,
+                pipeline: dict | None = None) -> Workload | None:
+    """The ``Workload`` of a jaxpar dense model under ``mesh`` (ICI axis sizes), or None where the model does
+    not describe it: mixture-of-experts or MLA models, and meshes that split over sequence or expert.
+    ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and stage_bytes of the executor."""
     if getattr(cfg, "moe", None) is not None or getattr(cfg, "uses_mla", False):
         return None
+    dcn = {a: int(n) for a, n in (dcn or {}).items() if int(n) > 1}
     sizes = {a: int(n) for a, n in mesh.items() if int(n) > 1}
-    if set(sizes) - {"data", "fsdp", "tensor"}:
+    if set(sizes) - set(AXES) or set(dcn) - set(AXES):
         return None
+    pipe = {}
+    if pipeline and sizes.get("stage", 1) * dcn.get("stage", 1) > 1:
+        replicas = sizes.get("data", 1) * sizes.get("fsdp", 1) * dcn.get("data", 1) * dcn.get("fsdp", 1)
+        pipe = dict(microbatch=batch // (replicas * pipeline["microbatches"]), stage_recompute=True,
+                    **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")})
     return Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                     mlp_dim=cfg.mlp_dim, mlp_matrices=3, num_layers=cfg.num_layers, vocab=cfg.padded_vocab, batch=batch,
-                    seq=seq, mesh=sizes, dcn={a: int(n) for a, n in (dcn or {}).items() if int(n) > 1},
-                    remat=cfg.remat.value, weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
+                    seq=seq, mesh=sizes, dcn=dcn, remat=cfg.remat.value,
+                    weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
                     act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
-                    causal=cfg.sliding_window is None)
+                    causal=cfg.sliding_window is None, **pipe)
 
 
 def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
@@ -256,7 +331,8 @@ def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
     parts = {k: float(v) for k, v in step_seconds(w, chip, cal).items()}
     exposed = {k.removesuffix("_exposed_s"): v for k, v in parts.items() if k.endswith("_exposed_s")}
     return dict(compute_s=parts["matmul_s"] + parts["attention_s"] + parts["head_s"],
-                memory_s=parts["elementwise_s"] + parts["optimizer_s"], bubble_fraction=0.0,
+                memory_s=parts["elementwise_s"] + parts["optimizer_s"],
+                bubble_fraction=bubble_of(w),
                 communication_s=exposed, exposed_communication_s=sum(exposed.values()), step_s=parts["step_s"],
                 parts=parts, calibration=dict(matmul=cal.matmul[chip.family], collective=cal.collective[chip.family],
                                               dcn=cal.dcn[chip.family]))

@@ -73,8 +73,10 @@ HARDWARE = {
                         ici_link=100e9, tensor_overlap=True),
     # Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s BF16, 32 GB HBM at 1,640 GB/s, 3,584 Gbps ICI per
     # chip over 4 links (about 90-112 GB/s per link), 256-chip pods; DCN about 50 Gbps per chip (estimate).
-    "tpu-v6e": Hardware("tpu-v6e", 918e12, 32e9, 1.64e12, 90e9, 256, 6.25e9, family="tpu", torus_dims=2,
-                        ici_link=112e9, tensor_overlap=True),
+    # Trillium doubled the MXU to 256×256 (Google's Trillium announcement, 2024): matmuls pad to 256. A family
+    # of its own for calibration: MaxText's v6e recipes reach a smaller share of its peak than v5e/v5p runs.
+    "tpu-v6e": Hardware("tpu-v6e", 918e12, 32e9, 1.64e12, 90e9, 256, 6.25e9, family="tpu-v6e", torus_dims=2,
+                        ici_link=112e9, matmul_tile=256, tensor_overlap=True),
     # NVIDIA A100 SXM4 80 GB datasheet: 312 TFLOP/s dense BF16/FP16, 2,039 GB/s HBM2e, NVLink 3 600 GB/s (300 GB/s
     # each way) in an 8-GPU DGX A100 node with eight 200 Gb/s HDR InfiniBand NICs (25 GB/s per GPU): NVIDIA's
     # Selene, where Megatron-LM's 2021 runs were measured (Narayanan et al., SC21, §5). A chip of its own

@@ -57,7 +57,9 @@ import numpy as np
 SCORE_BYTES = 13
 AXES = ("data", "fsdp", "tensor", "stage")
 
-# share of the forward run again in the backward: (matmuls, attention, elementwise)
+# what the backward runs again of the forward: (matmuls: a share of all, or the ones named among
+# qkv/out/mlp_in/mlp_out; attention; elementwise work)
+MLP = ("mlp_in", "mlp_out")
 RECOMPUTE = {
     "none": (0.0, 0.0, 0.0),
     "dots": (0.0, 1.0, 1.0),         # matmul outputs kept (MaxText "minimal", jaxpar remat=dots)
@@ -65,7 +67,11 @@ RECOMPUTE = {
     "dots_flash": (0.0, 0.0, 1.0),   # matmul and flash-attention outputs kept (MaxText "minimal_flash")
     "op_sac": (0.5, 0.0, 1.0),       # torchtitan selective op AC: every other matmul output and attention kept
     "half": (0.5, 0.5, 0.5),         # torchtitan selective layer AC (every second layer recomputed)
-    "attn": (None, 0.0, 1.0),        # jaxpar remat=attn: q/k/v and attention output kept, the MLP recomputed
+    "attn": (MLP, 0.0, 1.0),         # jaxpar remat=attn: q/k/v and attention output kept, the MLP recomputed
+    # MaxText's host-offloading policies: the named projections offloaded to host memory (the transfers
+    # run beside compute), attention and the rest recomputed
+    "offload_qkv_out": (MLP, 1.0, 1.0),
+    "offload_qkv": (("out", *MLP), 1.0, 1.0),
 }
 
 
@@ -213,12 +219,12 @@ def _take_sides(n: int, sides: list[int]) -> int:
 
 
 def layer_forward(w: Workload, chip, eta, tokens: float) -> tuple:
-    """One layer's forward on ``tokens`` tokens of one tensor group, in seconds: (matmuls, attention,
-    elementwise work); ``eta`` the matmul share of peak."""
+    """One layer's forward on ``tokens`` tokens of one tensor group, in seconds: (the matmuls by name,
+    attention, elementwise work); ``eta`` the matmul share of peak."""
     t, D, Dh = w.size("tensor"), w.embed_dim, w.head_dim
-    shapes = [(D, (w.num_heads + 2 * w.kv_heads) * Dh // t), (w.num_heads * Dh // t, D),
-              (D, (w.mlp_matrices - 1) * w.mlp_dim // t), (w.mlp_dim // t, D)]
-    mm = sum(matmul_seconds(tokens, k, n, chip, eta) for k, n in shapes)
+    shapes = dict(qkv=(D, (w.num_heads + 2 * w.kv_heads) * Dh // t), out=(w.num_heads * Dh // t, D),
+                  mlp_in=(D, (w.mlp_matrices - 1) * w.mlp_dim // t), mlp_out=(w.mlp_dim // t, D))
+    mm = {name: matmul_seconds(tokens, k, n, chip, eta) for name, (k, n) in shapes.items()}
     att_flops = 4.0 * tokens * w.seq * w.num_heads / t * Dh
     if w.flash:
         att = att_flops * (0.5 if w.causal else 1.0) / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
@@ -241,11 +247,11 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     t, f, d, p = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("stage")
     m, v = w.microbatches, w.virtual_stages
     tokens = w.batch * w.seq / (w.size("data") * w.size("fsdp") * m)   # per tensor group and microbatch
-    mm, att, ew = layer_forward(w, chip, eta, tokens)
+    by_name, att, ew = layer_forward(w, chip, eta, tokens)
+    mm = sum(by_name.values())
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
-    if r_mm is None:                                   # the MLP's share of the forward matmuls
-        mlp = w.mlp_matrices * w.mlp_dim
-        r_mm = mlp / (mlp + (2 * w.num_heads + 2 * w.kv_heads) * w.head_dim)
+    if isinstance(r_mm, tuple):                        # the named matmuls' share of the forward's
+        r_mm = sum(by_name[n] for n in r_mm) / mm
     if w.stage_recompute and p > 1:
         r_mm, r_att, r_ew = r_mm + 1, r_att + 1, r_ew + 1
     fwd = mm + att + ew

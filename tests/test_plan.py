@@ -123,7 +123,10 @@ def test_search_ranks_a_hand_made_case(tmp_path, capsys):
 
     assert len(factorizations(8, ("data", "fsdp", "tensor"))) == 10
     ranked, refused = search("llama3-8b", 8, batch=8, seq=2048, hardware="tpu-v6e")
-    assert len(ranked) + len(refused) == len(factorizations(8, ("stage", "data", "fsdp", "sequence", "tensor")))
+    meshes = factorizations(8, ("stage", "data", "fsdp", "sequence", "tensor"))
+    piped = sum(m.get("stage", 1) > 1 for m in meshes)     # each under the four schedules
+    assert len(ranked) + len(refused) == len(meshes) + 3 * piped
+    assert {c.pipeline["schedule"] for c in ranked if c.pipeline} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     fitting = [c for c in ranked if c.fits]
     ways = lambda c, axes: math.prod(c.mesh.get(a, 1) for a in axes)
     assert fitting and all(ways(c, ("fsdp", "tensor")) == 8 for c in fitting if "stage" not in c.mesh)
@@ -235,9 +238,9 @@ def test_stage_minimum_by_hand():
 
 
 def test_search_lists_pipelines_and_refuses_indivisible_stacks(capsys):
-    """tiny with 4 layers on 8 devices: stage=2 and stage=4 layouts are candidates (1F1B, m the largest
-    ≤ 4·p that cuts each data group's rows), every stage=8 one is refused by the layout check naming the
-    layers and stage. stage=2 × data=4: m = 4 (16 rows / data 4); stage bytes per device: 8 sends of
+    """tiny with 4 layers on 8 devices: stage=2 and stage=4 layouts are candidates under every schedule
+    (m the largest ≤ 4·p that cuts each data group's rows), every stage=8 one is refused by the layout
+    check naming the layers and stage. stage=2 × data=4: m = 4 (16 rows / data 4); stage bytes per device: 8 sends of
     1 row × 32 × 64 × 2 B over 2 stages, plus the 32,832 stage-replicated parameters' gradients
     all-reduced (2·1/2 · 4 B each)."""
     from jaxpar.analysis.search import search
@@ -247,10 +250,11 @@ def test_search_lists_pipelines_and_refuses_indivisible_stacks(capsys):
     assert {2, 4} <= stages and 8 not in stages
     eight = [reason for mesh, reason in refused if mesh["stage"] == 8]
     assert eight and all("model.num_layers=4" in r and "stage=8" in r for r in eight), eight
-    (c,) = [c for c in ranked if c.mesh == {"stage": 2, "data": 4}]
-    assert c.pipeline["schedule"] == "1f1b" and c.pipeline["microbatches"] == 4
+    (c,) = [c for c in ranked if c.mesh == {"stage": 2, "data": 4} and c.pipeline["schedule"] == "1f1b"]
+    assert c.pipeline["microbatches"] == 4
     assert c.bytes_by_axis["stage"] == pytest.approx(8 * 32 * 64 * 2 / 2 + 2 * 0.5 * 4 * 32_832)
-    ranked3, refused3 = search("tiny", 8, batch=16, seq=32, hardware="h100", num_layers=4, microbatches=3)
+    ranked3, refused3 = search("tiny", 8, batch=16, seq=32, hardware="h100", num_layers=4, microbatches=3,
+                               schedule="1f1b")
     assert all("stage" not in c.mesh for c in ranked3)
     assert any("pipeline.microbatches=3" in r for _, r in refused3)
     assert main(["plan", "--search", "--model", "tiny", "--devices", "8", "--batch", "16", "--seq", "32",

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument("--overlap", type=float, default=None, help="force the roofline: share of compute time "
                         "that hides weight/gradient traffic (default 0.8 in the roofline)")
     parser.add_argument("--schedule", default=None, help="pipeline schedule when the mesh has stage > 1: gpipe, "
-                        "1f1b, interleaved or zero_bubble (default 1f1b, as pipeline.schedule)")
+                        "1f1b, interleaved or zero_bubble (default 1f1b, as pipeline.schedule; --search: each of them)")
     parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default 8, as "
                         "pipeline.microbatches; --search: the largest m ≤ 4 × stages giving every device "
                         "whole rows)")

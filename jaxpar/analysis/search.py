@@ -2,7 +2,8 @@
 analytically (no compile: a candidate costs one abstract model build) and ranked by predicted step time
 among those that fit.
 
-Estimates per device (the same roofline as ``jaxpar.analysis.plan``, with analytic inputs):
+Estimates per device (the same step-time models as ``jaxpar.analysis.plan``, with analytic inputs: the
+mechanisms where they describe the model and layout, else the roofline):
     memory   16 bytes per local parameter element (float32 parameter, gradient, two Adam moments) plus
              activations: the saved layer inputs under full remat (layers × tokens × D × b_a, split by
              tensor's sequence parallelism), one layer's working set (16 × tokens × max(D, F/t) × b_a),
@@ -13,7 +14,7 @@ Estimates per device (the same roofline as ``jaxpar.analysis.plan``, with analyt
              the rest, naming ``model.num_layers`` and ``stage``): ``schedule`` (1f1b) over m microbatches
              (default the largest m ≤ 4·p that cuts the batch into whole rows per device); compute and
              memory the executor's (``costmodel.pipeline_costs``: stage-granular recompute, the LM head
-             on every stage), stretched by 1/(1 − the executor's bubble); stage sends exposed, counted on
+             on every stage), stretched by the executor's bubble; stage sends exposed, counted on
              the critical path (``jaxpar.analysis.plan``). The minimum traffic of the other axes ignores
              what the executor adds to it: it gathers FSDP weights and reduces data/fsdp gradients once per
              section rather than once per step (``jaxpar plan`` measures it and flags those groups), so
@@ -95,7 +96,7 @@ def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency
     times, _ = step_times(cfg, full, {}, traffic, batch=batch, seq=seq, hw=hw, flops=train_flops,
                           bytes_accessed=hbm_bytes(report, acts, full, token_axes), efficiency=efficiency,
                           overlap=overlap, bubble=costs["executor_bubble_fraction"] if costs else 0.0,
-                          stage_bytes=stage_path)
+                          stage_bytes=stage_path, pipeline=costs)
     memory = memory_estimate(cfg, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
     return Candidate({a: n for a, n in mesh.items() if n > 1}, memory <= hw.hbm_bytes, memory, times["step_s"], mfu,
@@ -161,20 +162,22 @@ def search(model: str, devices: int, *, batch: int, seq: int, hardware: str, eff
            virtual_stages: int | None = None, **overrides) -> tuple[list, list]:
     """(ranked candidates: fitting ones by predicted step time, then the rest by memory; refused
     factorizations with their reasons). ``schedule``, ``microbatches``, ``virtual_stages``: the pipeline of
-    candidates with ``stage`` > 1 (defaults: 1f1b, ``default_microbatches``, 1)."""
+    candidates with ``stage`` > 1 (defaults: every schedule, each a candidate of its own,
+    ``default_microbatches``, 1 chunk a device, 2 interleaved)."""
     from jaxpar.models import get_model_preset
     from jaxpar.pipeline.schedules import Schedule
 
     cfg = get_model_preset(model, **({"dtype": "bfloat16"} | overrides))
-    schedule = Schedule.parse(schedule or "1f1b", field="--schedule")
+    schedules = [Schedule.parse(schedule, field="--schedule")] if schedule else list(Schedule)
     axes = SEARCH_AXES if getattr(cfg, "moe", None) is not None else tuple(a for a in SEARCH_AXES if a != "expert")
     ranked, refused, base = [], [], base_report(cfg)
     for mesh in factorizations(devices, axes):
-        try:
-            ranked.append(estimate(cfg, mesh, batch=batch, seq=seq, hardware=hardware, efficiency=efficiency,
-                                   overlap=overlap, schedule=str(schedule), microbatches=microbatches,
-                                   virtual_stages=virtual_stages, base=base))
-        except JaxparError as err:
-            refused.append((mesh, str(err)))
+        for sched in schedules if mesh.get("stage", 1) > 1 else schedules[:1]:
+            try:
+                ranked.append(estimate(cfg, mesh, batch=batch, seq=seq, hardware=hardware, efficiency=efficiency,
+                                       overlap=overlap, schedule=str(sched), microbatches=microbatches,
+                                       virtual_stages=virtual_stages, base=base))
+            except JaxparError as err:
+                refused.append((mesh | ({"schedule": str(sched)} if mesh.get("stage", 1) > 1 else {}), str(err)))
     ranked.sort(key=lambda c: (not c.fits, c.predicted_step_s if c.fits else c.memory_bytes))
     return ranked, refused

@@ -27,7 +27,11 @@ MODELS = {                                   # name: (preset, model fields, MoE 
     "tiny-moe-dropless": ("tiny-moe", dict(num_layers=4), dict(capacity_factor=None)),
     "tiny-deepseek": ("tiny-deepseek", dict(num_layers=5, first_dense_layers=1), {}),   # 1 dense + 4 MoE
 }
-GRAD_RTOL = {("tiny-deepseek", "stage=4,fsdp=2"): 2e-5}       # see tests/test_pipeline_moe.py
+GRAD_RTOL = {("tiny-deepseek", "stage=4,fsdp=2"): 2e-5,       # see tests/test_pipeline_moe.py
+             # measured 1.05e-5 (attn_norm scale; gpipe and interleaved) and 1.17e-5 (the embedding) at step
+             # 2 on an AMD EPYC host, under 1e-5 on earlier hosts: XLA:CPU's vectorized sums differ by CPU,
+             # and these gradients are sums over every token, taken in another order than one device's
+             ("tiny", "stage=2,fsdp=2,tensor=2"): 2e-5, ("tiny-ulysses", "stage=2,data=2,sequence=2"): 2e-5}
 _REFERENCES: dict = {}
 
 

@@ -67,11 +67,13 @@ def test_pipeline_by_hand():
     v2 = step_seconds(dataclasses.replace(w, virtual_stages=2), H100, CAL)
     assert v2["bubble_s"] == pytest.approx((busy + 4 * send) / 8) and v2["stage_exposed_s"] == pytest.approx(8 * send)
     # jaxpar's executor: its bubble and its critical-path stage bytes as the compiled program gives them,
-    # and every backward recomputes its chunk's forward (one more forward of the layers)
-    ex = step_seconds(dataclasses.replace(w, bubble=0.5, stage_bytes=1e9, stage_recompute=True), H100, CAL)
+    # every backward recomputes its chunk's forward (one more forward of the layers) and runs the head
+    ex = step_seconds(dataclasses.replace(w, bubble=0.5, stage_bytes=1e9, executor=True), H100, CAL)
     assert ex["stage_exposed_s"] == pytest.approx(1e9 / H100.fast_link)
     assert ex["matmul_s"] == pytest.approx(4 * 2 * 4 * fwd_mm) and ex["bubble_s"] == pytest.approx(
         sum(v for k, v in ex.items() if k in ("matmul_s", "attention_s", "elementwise_s", "head_s")))
+    ex2 = step_seconds(dataclasses.replace(w, virtual_stages=2, stage_bytes=1e9, executor=True), H100, CAL)
+    assert ex2["head_s"] == pytest.approx(2 * 4 * head)              # in both chunks' backward
 
 
 def test_attention_without_flash_and_overlapped_gradients():

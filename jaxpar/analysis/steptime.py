@@ -23,9 +23,10 @@ every microbatch, the last stage the LM head as well (it sets the pace: the stag
 one's); each chunk boundary sends a microbatch's [T, D] activations forward and their gradient back over
 the stage link, split over tensor (Megatron's scatter/gather), exposed. The schedule idles
 (p − 1)/(v·m + p − 1) of the step (1F1B, interleaved when v > 1; ``Workload.bubble`` where a schedule
-table gives its own), so the bubble adds busy × bubble/(1 − bubble). jaxpar's own executor recomputes a
-chunk's forward in its backward (``Workload.stage_recompute``) and its sends on the critical path are read
-from the compiled program (``Workload.stage_bytes``, ``jaxpar.analysis.plan``).
+table gives its own), so the bubble adds busy × bubble/(1 − bubble). jaxpar's own executor
+(``Workload.executor``) recomputes a chunk's forward in its backward and runs the LM head (masked) in
+every chunk's backward on every stage; its sends on the critical path are read from the compiled program
+(``Workload.stage_bytes``, ``jaxpar.analysis.plan``).
 
 Communication, and what hides it (the mechanisms the issue names; nothing is a global overlap share):
     fsdp       weights gathered forward and again backward, gradients reduce-scattered: a layer's gather
@@ -102,7 +103,7 @@ class Workload:
     bubble: float | None = None      # the schedule's idle share where a table gives it (default 1F1B's)
     flash: bool = True               # attention in a flash kernel (False: scores materialized in HBM)
     dcn_overlap: bool = False        # DCN gradient reduction behind the backward (torch DDP's buckets)
-    stage_recompute: bool = False    # each backward recomputes its chunk's forward first (jaxpar's executor)
+    executor: bool = False           # jaxpar's pipeline executor (stage recompute, the head in every chunk)
     stage_bytes: float | None = None  # stage sends on the step's critical path, where a program gives them
 
     def size(self, axis: str) -> int:
@@ -252,7 +253,7 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
     if isinstance(r_mm, tuple):                        # the named matmuls' share of the forward's
         r_mm = sum(by_name[n] for n in r_mm) / mm
-    if w.stage_recompute and p > 1:
+    if w.executor and p > 1:                           # each backward recomputes its chunk's forward
         r_mm, r_att, r_ew = r_mm + 1, r_att + 1, r_ew + 1
     fwd = mm + att + ew
     recompute = r_mm * mm + r_att * att + r_ew * ew
@@ -273,6 +274,8 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     L = w.num_layers / p                               # a stage's layers; the last stage's LM head on top
     head = (3 * matmul_seconds(tokens, w.embed_dim, w.vocab // t, chip, eta)
             + 16 * tokens * w.vocab / t / chip.hbm_bandwidth)
+    if w.executor and p > 1:                           # and runs the head (masked) on every stage
+        head = head * v
     parts = {k: m * x for k, x in dict(
         matmul_s=L * (1 + 2 + r_mm) * mm, attention_s=L * (1 + 2.5 + r_att) * att,
         elementwise_s=L * (1 + 2 + r_ew) * ew, head_s=head, tensor_exposed_s=L * ((1 + r_mm) * tp + tp_bwd),
@@ -317,7 +320,7 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
     pipe = {}
     if pipeline and sizes.get("stage", 1) * dcn.get("stage", 1) > 1:
         replicas = sizes.get("data", 1) * sizes.get("fsdp", 1) * dcn.get("data", 1) * dcn.get("fsdp", 1)
-        pipe = dict(microbatch=batch // (replicas * pipeline["microbatches"]), stage_recompute=True,
+        pipe = dict(microbatch=batch // (replicas * pipeline["microbatches"]), executor=True,
                     **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")})
     return Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                     mlp_dim=cfg.mlp_dim, mlp_matrices=3, num_layers=cfg.num_layers, vocab=cfg.padded_vocab, batch=batch,

@@ -12,7 +12,8 @@ from jaxpar.analysis.steptime import (SCORE_BYTES, Calibration, Workload, axis_l
 from jaxpar.errors import ConfigError
 
 V5P, H100 = HARDWARE["tpu-v5p"], HARDWARE["h100"]
-CAL = Calibration({"tpu": 0.8, "tpu-v6e": 0.6, "gpu": 0.5, "a100": 0.7}, {"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5},
+CAL = Calibration({"tpu": 0.8, "tpu-v6e": 0.6, "gpu": 0.5, "a100": 0.7},
+                  {"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5},
                   {"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5})
 SMALL = Workload(embed_dim=1024, num_heads=8, kv_heads=8, head_dim=128, mlp_dim=4096, mlp_matrices=3, num_layers=4,
                  vocab=8192, batch=8, seq=1024, mesh={}, remat="none")
@@ -108,6 +109,32 @@ def test_links_by_topology():
     assert links["tensor"] == 2 * 100e9 and links["fsdp"] == 4 * 100e9
     assert axis_links(dataclasses.replace(SMALL, mesh=dict(fsdp=8)), H100)["fsdp"] == H100.fast_link
     assert axis_links(dataclasses.replace(SMALL, mesh=dict(fsdp=16), batch=16), H100)["fsdp"] == H100.slow_link
+
+
+def test_torus_sides_are_jax_s_own_assignment():
+    """The side rule (``axis_links``) against jax's mesh_utils, which assigns each logical axis of a TPU mesh
+    its physical torus axes (MaxText builds its meshes with it): for every TPU mesh of the published runs,
+    each axis spans as many torus sides under both (tensor=16 on 8×8×8 splits a side under both)."""
+    from jax._src.mesh_utils import _create_device_mesh_for_nd_torus
+
+    meshes = {(r.hardware, tuple(sorted(r.workload.mesh.items())))
+              for r in load_runs() if r.hardware.startswith("tpu")}
+    assert len(meshes) == 15
+    for hardware, mesh in sorted(meshes):
+        mesh, chip = dict(mesh), HARDWARE[hardware]
+        sides = torus_split(chip, math.prod(mesh.values()))
+        order = ("data", "fsdp", "tensor")                     # by increasing network intensity, as jax wants
+        shape = [mesh.get(a, 1) for a in order]
+        physical = np.arange(math.prod(sides)).reshape(sides)
+        try:
+            _, assignment = _create_device_mesh_for_nd_torus(physical, shape)
+        except NotImplementedError:                            # no whole sides fit: jax splits one, as we do
+            _, assignment = _create_device_mesh_for_nd_torus(physical, shape, allow_split_physical_axes=True)
+        w = dataclasses.replace(SMALL, mesh=mesh, batch=math.prod(mesh.values()))
+        links = axis_links(w, chip)
+        for i, axis in enumerate(order):
+            if mesh.get(axis, 1) > 1:
+                assert links[axis] == 2 * chip.ici_link * int((assignment[:, i] > 1).sum()), (hardware, mesh, axis)
 
 
 def test_tensor_traffic_exposed_forward_hidden_backward_on_tpu():

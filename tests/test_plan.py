@@ -198,6 +198,10 @@ def test_stage_sends_and_bubble_of_a_compiled_pipeline():
     critical = others + pipe["stage_critical_path_bytes"]
     assert parts["stage_exposed_s"] == pytest.approx(critical / HARDWARE["h100"].fast_link)
     assert p.predicted_step_s == pytest.approx(sum(v for k, v in parts.items() if k != "step_s"))
+    assert t["pipelined_s"] == pytest.approx(busy + parts["bubble_s"])
+    from jaxpar.analysis.plan_command import format_plan
+    text = format_plan(p)
+    assert f"stretches compute to {t['pipelined_s'] * 1e3:.1f} ms" in text and "from mechanisms" in text
     assert p.flops_per_device == pytest.approx(4 * (1 + t_b) * (540_672 / 3 - 32_768) / 2 * 32)
 
 

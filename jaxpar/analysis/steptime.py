@@ -333,15 +333,17 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
 def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
     """``step_seconds`` under the published calibration (``jaxpar.analysis.calibration.CALIBRATED``), in
     the keys ``jaxpar.analysis.plan.predict`` reports: compute (matmuls, attention, LM head), memory
-    (elementwise work and the optimizer over HBM), exposed communication per kind, and the parts."""
+    (elementwise work and the optimizer over HBM), exposed communication per kind, the stages' busy time
+    with its bubble (``pipelined_s``), and the parts."""
     from jaxpar.analysis.calibration import CALIBRATED
 
     cal = cal or CALIBRATED
     parts = {k: float(v) for k, v in step_seconds(w, chip, cal).items()}
     exposed = {k.removesuffix("_exposed_s"): v for k, v in parts.items() if k.endswith("_exposed_s")}
+    after = parts["optimizer_s"] + parts["dcn_exposed_s"] + (exposed["stage"] if w.stage_bytes is not None else 0.0)
     return dict(compute_s=parts["matmul_s"] + parts["attention_s"] + parts["head_s"],
                 memory_s=parts["elementwise_s"] + parts["optimizer_s"],
-                bubble_fraction=bubble_of(w),
+                bubble_fraction=bubble_of(w), pipelined_s=parts["step_s"] - after,   # the stages, bubble in
                 communication_s=exposed, exposed_communication_s=sum(exposed.values()), step_s=parts["step_s"],
                 parts=parts, calibration=dict(matmul=cal.matmul[chip.family], collective=cal.collective[chip.family],
                                               dcn=cal.dcn[chip.family]))

@@ -24,8 +24,7 @@ import numpy as np
 from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.steptime import Calibration, Workload, model_flops, step_seconds
 
-# run fields beyond shape, batch, seq, layout and remat, as ``Workload`` names them (its defaults otherwise)
-OPTIONAL = ("weight_bytes", "grad_bytes", "act_bytes", "microbatch", "virtual_stages", "flash", "dcn_overlap")
+WORKLOAD_FIELDS = {f.name for f in dataclasses.fields(Workload)}
 RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json"
 # descending link efficiencies: among equally good points the fit keeps the fastest links (a run whose
 # collectives are all hidden says nothing about them)
@@ -56,8 +55,8 @@ class Run:
 def load_runs(path: str | Path = RUNS) -> list[Run]:
     runs = []
     for r in json.loads(Path(path).read_text())["runs"]:
-        w = Workload(**r["shape"], batch=r["batch"], seq=r["seq"], mesh=r["mesh"], dcn=r.get("dcn", {}),
-                     remat=r["remat"], **{k: r[k] for k in OPTIONAL if k in r})
+        # the model's shape, and the run's fields as ``Workload`` names them (its defaults for the rest)
+        w = Workload(**r["shape"], **{k: v for k, v in r.items() if k in WORKLOAD_FIELDS})
         w.check()
         hw = get_hardware(r["hardware"])
         runs.append(Run(r["name"], r["hardware"], w, measured_step(w, hw, r["published"]), r["source"]))

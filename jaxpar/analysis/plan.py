@@ -204,17 +204,19 @@ def _pipeline_traffic(report, costs, acts, shape, rules, act_scale):
 
 
 def step_times(cfg, shape: dict, dcn: dict, measured: dict, *, batch: int, seq: int, hw: Hardware, flops: float,
-               bytes_accessed: float, efficiency: float | None, overlap: float | None, bubble: float = 0.0,
+               bytes_accessed: float, efficiency: float | None, overlap: float | None,
                stage_bytes: float | None = None, pipeline: dict | None = None) -> tuple[dict, dict]:
     """(times, assumptions): the mechanism model (``jaxpar.analysis.steptime``) where it describes the model
     and layout and neither ``efficiency`` nor ``overlap`` is given; otherwise the roofline ``predict`` with
     the calibrated matmul share of the chip's family (or ``efficiency``) and ``overlap`` (default 0.8).
-    ``pipeline``: the executor's costs (``pipeline_costs``) where the mesh has ``stage`` > 1."""
+    ``pipeline``: the executor's costs (``pipeline_costs``) where the mesh has ``stage`` > 1: its bubble
+    stretches the step."""
     from jaxpar.analysis.calibration import CALIBRATED
     from jaxpar.analysis.steptime import mechanism_times, workload_of
 
     base = dict(compute_dtype=cfg.dtype, remat=cfg.remat.value)
     ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}
+    bubble = pipeline["executor_bubble_fraction"] if pipeline else 0.0
     pipe = pipeline and dict(microbatches=pipeline["microbatches"], virtual_stages=pipeline["virtual_stages"],
                              bubble=bubble, stage_bytes=stage_bytes)
     work = (workload_of(cfg, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe)
@@ -276,8 +278,7 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
         costs["memory"] = memory
     times, assumptions = step_times(cfg, shape, preset.mesh.dcn_sizes(), measured, batch=batch, seq=seq, hw=hw,
                                     flops=train_flops, bytes_accessed=hbm, efficiency=efficiency, overlap=overlap,
-                                    bubble=costs["executor_bubble_fraction"] if costs else 0.0, stage_bytes=stage_path,
-                                    pipeline=costs)
+                                    stage_bytes=stage_path, pipeline=costs)
     return _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, per_device, train_flops,
                       model_flops, hbm, times, costs, assumptions)
 

@@ -95,8 +95,7 @@ def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency
         stage_path = traffic["stage"] - mean + costs["send_ticks"] * send
     times, _ = step_times(cfg, full, {}, traffic, batch=batch, seq=seq, hw=hw, flops=train_flops,
                           bytes_accessed=hbm_bytes(report, acts, full, token_axes), efficiency=efficiency,
-                          overlap=overlap, bubble=costs["executor_bubble_fraction"] if costs else 0.0,
-                          stage_bytes=stage_path, pipeline=costs)
+                          overlap=overlap, stage_bytes=stage_path, pipeline=costs)
     memory = memory_estimate(cfg, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
     return Candidate({a: n for a, n in mesh.items() if n > 1}, memory <= hw.hbm_bytes, memory, times["step_s"], mfu,
@@ -172,12 +171,13 @@ def search(model: str, devices: int, *, batch: int, seq: int, hardware: str, eff
     axes = SEARCH_AXES if getattr(cfg, "moe", None) is not None else tuple(a for a in SEARCH_AXES if a != "expert")
     ranked, refused, base = [], [], base_report(cfg)
     for mesh in factorizations(devices, axes):
-        for sched in schedules if mesh.get("stage", 1) > 1 else schedules[:1]:
+        piped = mesh.get("stage", 1) > 1
+        for sched in schedules if piped else schedules[:1]:
             try:
                 ranked.append(estimate(cfg, mesh, batch=batch, seq=seq, hardware=hardware, efficiency=efficiency,
                                        overlap=overlap, schedule=str(sched), microbatches=microbatches,
                                        virtual_stages=virtual_stages, base=base))
             except JaxparError as err:
-                refused.append((mesh | ({"schedule": str(sched)} if mesh.get("stage", 1) > 1 else {}), str(err)))
+                refused.append((mesh | ({"schedule": str(sched)} if piped else {}), str(err)))
     ranked.sort(key=lambda c: (not c.fits, c.predicted_step_s if c.fits else c.memory_bytes))
     return ranked, refused

@@ -5,7 +5,8 @@ The runs, with the configurations that were measured and where each comes from, 
 2023-10-31), its v5p table (32B-1024B on 1-2 slices, 2023-12-15), its Llama2-7B runs on 1-16 A3 nodes
 (8 × H100 each, 2024-04-09), torchtitan's Llama 3.1 8B on 8 and 128 H100s (bf16 with torch.compile,
 2024-12), Megatron-LM's weak-scaling table (GPT 1.7B-1T on 32-3072 A100s, tensor × pipeline × data, SC21)
-and tpu-recipes' MaxText runs on TPU v6e (Llama 3.1 8B/70B, Mistral 7B, GPT-3 175B). Each run is predicted by ``jaxpar.analysis.steptime`` with the constants
+and tpu-recipes' MaxText runs on TPU v6e (Llama 3.1 8B/70B, Mistral 7B, GPT-3 175B, and the MoE
+Mixtral 8x7B and 8x22B). Each run is predicted by ``jaxpar.analysis.steptime`` with the constants
 (``jaxpar.analysis.calibration``) fitted on the other runs of its chip family; the error is the predicted
 speed over the published one, minus 1 (the relative MFU error).
 

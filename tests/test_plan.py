@@ -71,6 +71,23 @@ def test_measured_bytes_against_the_minimum(model, mesh, overrides, low, high):
     assert p.fits and 0 < p.predicted_mfu < 0.6 and p.predicted_step_s > 0
 
 
+def test_moe_plan_in_bf16_prices_the_experts_by_mechanisms():
+    """tiny-moe (bf16, full remat: the plan's defaults) on data=2 × expert=4. Its train step compiles on
+    XLA:CPU (a bf16 gradient reduction of the expert weights over the batch shards once aborted XLA:CPU's
+    all-reduce promotion; the kernels now take the weights as stored), and the step is priced by the
+    mechanism model, the expert all-to-all among its exposed communication."""
+    from jaxpar.analysis.steptime import workload_of
+    from jaxpar.models import get_model_preset
+
+    p = plan("tiny-moe", "data=2,expert=4", batch=16, seq=64, hardware="h100")
+    assert p.assumptions["model"] == "mechanisms" and p.times["communication_s"]["expert"] > 0
+    assert p.times["step_s"] == pytest.approx(p.times["compute_s"] + p.times["memory_s"]
+                                              + p.times["exposed_communication_s"])
+    w = workload_of(get_model_preset("tiny-moe"), dict(data=2, expert=4), batch=16, seq=64)
+    assert (w.experts, w.top_k, w.expert_mlp_dim, w.capacity_factor, w.moe_layers) == (4, 2, 64, 2.0, 2)
+    assert w.slots_per_token == 4 and w.replicas == 8            # C = 2·64·2/4 = 64 slots: E·C/S = 4
+
+
 def test_hlo_reading_equals_a_direct_count():
     """dp: every all-reduce's result bytes, counted straight from the compiled text, equal what the lab
     parsed; ops inside the layer loop run once per layer; the lab's data-axis bytes are 2·7/8 of the total."""

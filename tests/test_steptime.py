@@ -7,8 +7,9 @@ import pytest
 
 from jaxpar.analysis.calibration import CALIBRATED, calibrate, leave_one_out, load_runs, measured_step
 from jaxpar.analysis.hardware import HARDWARE
-from jaxpar.analysis.steptime import (SCORE_BYTES, Calibration, Workload, axis_links, elementwise_values,
-                                      matmul_seconds, model_flops, step_seconds, torus_split)
+from jaxpar.analysis.links import axis_links, torus_split
+from jaxpar.analysis.steptime import (SCORE_BYTES, Calibration, Workload, elementwise_values, matmul_seconds,
+                                      model_flops, step_seconds)
 from jaxpar.errors import ConfigError
 
 V5P, H100 = HARDWARE["tpu-v5p"], HARDWARE["h100"]
@@ -29,7 +30,7 @@ def test_one_device_by_hand():
     assert p["matmul_s"] == pytest.approx(4 * 3 * fwd_mm)                    # forward + 2 × backward, no remat
     assert p["attention_s"] == pytest.approx(4 * 3.5 * att)
     assert p["elementwise_s"] == pytest.approx(4 * 3 * ew)
-    params = 4 * w.layer_params + 8192 * 1024
+    params = 4 * w.layer_params() + 8192 * 1024
     assert p["optimizer_s"] == pytest.approx(28 * params / H100.hbm_bandwidth)
     head = 3 * mm(1024, 8192) + 16 * T * 8192 / H100.hbm_bandwidth
     assert p["head_s"] == pytest.approx(head)
@@ -94,6 +95,41 @@ def test_attention_without_flash_and_overlapped_gradients():
     assert hidden["dcn_exposed_s"] == pytest.approx(max(0.0, exposed - 4 * bwd))
 
 
+MOE = dataclasses.replace(SMALL, num_layers=2, experts=4, top_k=2, expert_mlp_dim=1024, capacity_factor=1.0,
+                          mesh=dict(expert=2))
+
+
+def test_moe_layer_by_hand():
+    """Two MoE layers (4 experts of width 1024, top-2, capacity factor 1) on expert=2 H100s inside a node,
+    no remat. A device holds 4096 tokens and 2 experts; C = 1024·2/4 = 512 slots per expert and sequence,
+    so E·C/S = 2 slots a token: each local expert runs 8192 / 2 = 4096 slots. Dispatch and combine are
+    [E·C, S] × [S, D] per sequence: 8192 × 1024 × 1024 on the device. The all-to-all sends half of the
+    8192 slots' [D] rows out and back, forward and backward, over NVLink (exposed: no async overlap on
+    GPU; on a TPU the backward's would hide behind the experts' weight-gradient matmuls)."""
+    w, T = MOE, 4096
+    mm = lambda m, k, n: 2 * m * k * n / (H100.peak_bf16_flops * 0.5)         # each compute-bound here
+    router = matmul_seconds(T, 1024, 4, H100, 0.5)                            # [T, D] × [D, 4]: HBM-bound
+    fwd_mm = (mm(T, 1024, 3 * 1024) + mm(T, 1024, 1024) + router + 2 * mm(4096, 1024, 2048)
+              + 2 * mm(4096, 1024, 1024) + 2 * mm(8192, 1024, 1024))
+    assert w.slots_per_token == 2 and elementwise_values(w, True) == 8 * 1024 + 2 * 16 * 128 + 3 * 2 * 1024 + 2 * 2
+    p = step_seconds(w, H100, CAL)
+    assert p["matmul_s"] == pytest.approx(2 * (3 * fwd_mm - mm(8192, 1024, 1024)))   # the mask has no gradient
+    a2a = 2 * (1 / 2) * 8192 * 1024 * 2 / H100.fast_link
+    assert p["expert_exposed_s"] == pytest.approx(2 * 2 * a2a)               # forward and backward, both ways
+    tpu_like = step_seconds(w, dataclasses.replace(H100, tensor_overlap=True), CAL)
+    assert tpu_like["expert_exposed_s"] == pytest.approx(2 * a2a)            # a2a < the experts' matmuls
+    rest, experts = 2 * (1024 * 128 * 32 + 1024 * 4) + 8192 * 1024, 2 * 4 * 3 * 1024 * 1024
+    assert w.params() == rest + experts and w.local_params() == rest + experts / 2
+    assert dataclasses.replace(w, expert_fsdp=True).local_params() == (rest + experts) / 2   # MaxText's sharding
+    assert p["optimizer_s"] == pytest.approx(28 * (rest + experts / 2) / H100.hbm_bandwidth)
+    active = rest + experts / 2                                                # 2 of 4 experts a token
+    assert model_flops(w) == pytest.approx(T * (6 * active + 12 * 2 * 8 * 128 * 1024 / 2))
+    dropless = dataclasses.replace(w, capacity_factor=None)                   # k slots, sorted: no einsums
+    assert dropless.slots_per_token == 2 and elementwise_values(dropless, True) == \
+        8 * 1024 + 2 * 16 * 128 + 3 * 2 * 1024 + 4 * 2 * 1024
+    assert step_seconds(dropless, H100, CAL)["matmul_s"] == pytest.approx(2 * 3 * (fwd_mm - 2 * mm(8192, 1024, 1024)))
+
+
 def test_matmul_roofline_and_tiles():
     # a thin matmul is HBM-bound: its operands over the bandwidth
     assert matmul_seconds(8, 8192, 8192, H100, 1.0) == pytest.approx(2 * (8 * 8192 * 2 + 8192 ** 2) / H100.hbm_bandwidth)
@@ -119,11 +155,11 @@ def test_torus_sides_are_jax_s_own_assignment():
 
     meshes = {(r.hardware, tuple(sorted(r.workload.mesh.items())))
               for r in load_runs() if r.hardware.startswith("tpu")}
-    assert len(meshes) == 15
+    assert len(meshes) == 16
     for hardware, mesh in sorted(meshes):
         mesh, chip = dict(mesh), HARDWARE[hardware]
         sides = torus_split(chip, math.prod(mesh.values()))
-        order = ("data", "fsdp", "tensor")                     # by increasing network intensity, as jax wants
+        order = ("data", "fsdp", "tensor", "expert")           # by increasing network intensity, as jax wants
         shape = [mesh.get(a, 1) for a in order]
         physical = np.arange(math.prod(sides)).reshape(sides)
         try:
@@ -181,18 +217,20 @@ def test_published_step_times_by_convention():
 
 
 def test_leave_one_out_over_published_runs():
-    """The README's validation table: 67 runs, each predicted with constants fitted without it."""
+    """The README's validation table: 69 runs, each predicted with constants fitted without it."""
     runs = load_runs()
-    assert len(runs) == 67
+    assert len(runs) == 69
     assert calibrate(runs) == CALIBRATED                    # the constants in the code are the fit's
     rows = leave_one_out(runs)
     err = np.abs([r["error"] for r in rows])
-    assert np.median(err) == pytest.approx(0.055, abs=0.0005)        # goal: ≤ 10%
+    assert np.median(err) == pytest.approx(0.052, abs=0.0005)        # goal: ≤ 10%
     megatron = [e for e, r in zip(err, rows) if r["hardware"] == "a100"]      # tensor × pipeline × data
     assert len(megatron) == 10 and max(megatron) == pytest.approx(0.072, abs=0.0005)
-    v6e = [e for e, r in zip(err, rows) if r["hardware"] == "tpu-v6e"]
-    assert len(v6e) == 10 and max(v6e) == pytest.approx(0.084, abs=0.0005)
-    assert np.sum(err > 0.10) == 15 and np.sum(err > 0.20) == 1      # goal: none > 20%; the README names the one
+    v6e = {r["name"]: r["error"] for r in rows if r["hardware"] == "tpu-v6e"}
+    assert len(v6e) == 12 and max(abs(e) for n, e in v6e.items() if "Mixtral" not in n) == pytest.approx(0.088, abs=0.0005)
+    assert v6e["MaxText Mixtral-8x7B, v6e-256 (capacity 1.25)"] == pytest.approx(-0.033, abs=0.0005)       # MoE
+    assert v6e["MaxText Mixtral-8x22B, v6e-256 (capacity 1.25, expert 4)"] == pytest.approx(-0.162, abs=0.0005)
+    assert np.sum(err > 0.10) == 16 and np.sum(err > 0.20) == 1      # goal: none > 20%; the README names the one
     worst = rows[int(np.argmax(err))]
     assert worst["name"] == "MaxText 128B, 2× v5p-512" and worst["error"] == pytest.approx(0.211, abs=0.0005)
 
@@ -200,12 +238,18 @@ def test_leave_one_out_over_published_runs():
 def test_bad_workloads_are_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"num_layers=4: not divisible by stage × virtual_stages = 8"):
         dataclasses.replace(SMALL, mesh=dict(stage=4), virtual_stages=2).check()
-    with pytest.raises(ConfigError, match="batch=8: not divisible by the 16 sequences of data × fsdp × microbatch=2"):
+    with pytest.raises(ConfigError, match="batch=8: not divisible by the 16 sequences of data × fsdp × expert × microbatch=2"):
         dataclasses.replace(SMALL, mesh=dict(data=8), microbatch=2).check()
     with pytest.raises(ConfigError, match="sequence=2"):
         dataclasses.replace(SMALL, mesh=dict(sequence=2)).check()
     with pytest.raises(ConfigError, match="batch=8: not divisible by the 16 sequences"):
         dataclasses.replace(SMALL, mesh=dict(fsdp=16)).check()
+    with pytest.raises(ConfigError, match="experts=0: not divisible by expert=2"):
+        dataclasses.replace(SMALL, mesh=dict(expert=2)).check()
+    with pytest.raises(ConfigError, match="experts=4: not divisible by expert=8"):
+        dataclasses.replace(MOE, mesh=dict(expert=8)).check()
+    with pytest.raises(ConfigError, match="top_k=5, dense_layers=0"):
+        dataclasses.replace(MOE, top_k=5).check()
     with pytest.raises(ConfigError, match="remat='some'"):
         dataclasses.replace(SMALL, remat="some").check()
     with pytest.raises(ConfigError, match="num_heads=8: not divisible by tensor=16"):

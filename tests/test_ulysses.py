@@ -14,7 +14,6 @@ import functools
 import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P

@@ -180,8 +180,8 @@ from jaxpar.analysis.search import search
 
 MODEL, N, BATCH, SEQ, HW = "mixtral-8x7b", 64, 256, 4096, "h100"
 # This notebook reads the roofline: every axis group's bytes over its link, so that each bottleneck below is
-# one division. (`jaxpar plan` prices dense data × fsdp × tensor layouts with the calibrated step-time
-# model from mechanisms instead; see the README's layout lab section.)
+# one division. (`jaxpar plan` prices layouts without `sequence` with the calibrated step-time model from
+# mechanisms instead, MoE layers and their all-to-all included; see the README's layout lab section.)
 # Pipelines run 1F1B here (the search tries every schedule unless one is named).
 ROOFLINE = dict(efficiency=0.6, overlap=0.8, schedule="1f1b")
 start = time.perf_counter()

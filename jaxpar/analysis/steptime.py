@@ -18,6 +18,16 @@ One transformer layer on one device, per step (T: tokens per tensor group, t: th
 Per step: L layers, the LM head (forward and backward, cross entropy in f32 over HBM), the optimizer
 (Adam: 28 bytes of HBM traffic per local parameter element).
 
+Mixture-of-experts layers (``Workload.experts``; ``expert`` e splits the batch outside them): the MLP is
+replaced by the router, E/e experts per device running the E·C/S capacity slots a token pays for
+(C = ⌈capacity_factor·S·k/E⌉ per expert and sequence, jaxpar's and GShard's rule), or k dropless, the
+shared MLP, and with a capacity the one-hot dispatch and combine einsums, [E·C, S] × [S, D] a sequence
+(the dispatch mask takes no gradient). The slots go to their experts and back by all-to-all over
+``expert``: exposed in the forward, beside the experts' weight-gradient matmuls in the backward where the
+platform overlaps (as tensor's). Expert weights split over expert and fsdp; the others are replicated
+over expert (jaxpar: their gradients all-reduced over it) or split over it like fsdp (``expert_fsdp``:
+MaxText).
+
 Pipelines (``stage`` p > 1, m microbatches a step, v layer chunks a device): a device runs L/p layers on
 every microbatch, the last stage the LM head as well (it sets the pace: the stages' busy time is the last
 one's); each chunk boundary sends a microbatch's [T, D] activations forward and their gradient back over
@@ -40,8 +50,8 @@ Communication, and what hides it (the mechanisms the issue names; nothing is a g
                (``Hardware.tensor_overlap``: TPU async collective fusion; GPU without async TP: exposed)
     dcn        the gradient all-reduce across slices or nodes, at the end of the step: exposed, or behind
                the last microbatch's backward where buckets overlap it (``Workload.dcn_overlap``: torch DDP)
-Links: an ICI axis on a TPU torus uses both directions of every torus dimension it spans
-(``axis_links``); a GPU axis inside a node its NVLink/PCIe per direction, across nodes the NIC.
+Links (``jaxpar.analysis.links``): an ICI axis on a TPU torus uses both directions of every torus
+dimension it spans; a GPU axis inside a node its NVLink/PCIe per direction, across nodes the NIC.
 Collective efficiency (achieved share of a link) and the matmul peak share are the calibrated constants
 (``Calibration``); everything else is a spec sheet or a count (``jaxpar.analysis.hardware``).
 """
@@ -52,15 +62,16 @@ import math
 
 import numpy as np
 
+from jaxpar.analysis.links import axis_links
+
 # HBM bytes per attention score in a forward without a flash kernel (fp16, Megatron-LM 2021): QKᵀ writes it
 # (2), the fused scale-mask-softmax reads and writes it (4), dropout reads and writes it with a 1-byte
 # mask (5), the AV matmul reads it (2)
 SCORE_BYTES = 13
-AXES = ("data", "fsdp", "tensor", "stage")
+AXES = ("data", "fsdp", "tensor", "stage", "expert")
 
-# what the backward runs again of the forward: (matmuls: a share of all, or the ones named among
-# qkv/out/mlp_in/mlp_out; attention; elementwise work)
-MLP = ("mlp_in", "mlp_out")
+# what the backward runs again of the forward: (matmuls: a share of all, or a tuple naming the ones kept, the
+# rest recomputed; attention; elementwise work). Matmul names: ``layer_forward``.
 RECOMPUTE = {
     "none": (0.0, 0.0, 0.0),
     "dots": (0.0, 1.0, 1.0),         # matmul outputs kept (MaxText "minimal", jaxpar remat=dots)
@@ -68,11 +79,11 @@ RECOMPUTE = {
     "dots_flash": (0.0, 0.0, 1.0),   # matmul and flash-attention outputs kept (MaxText "minimal_flash")
     "op_sac": (0.5, 0.0, 1.0),       # torchtitan selective op AC: every other matmul output and attention kept
     "half": (0.5, 0.5, 0.5),         # torchtitan selective layer AC (every second layer recomputed)
-    "attn": (MLP, 0.0, 1.0),         # jaxpar remat=attn: q/k/v and attention output kept, the MLP recomputed
+    "attn": (("qkv", "out"), 0.0, 1.0),  # jaxpar remat=attn: q/k/v and attention output kept, the MLP recomputed
     # MaxText's host-offloading policies: the named projections offloaded to host memory (the transfers
-    # run beside compute), attention and the rest recomputed
-    "offload_qkv_out": (MLP, 1.0, 1.0),
-    "offload_qkv": (("out", *MLP), 1.0, 1.0),
+    # run beside compute), attention and the rest (the MLP or the experts with their routing) recomputed
+    "offload_qkv_out": (("qkv", "out"), 1.0, 1.0),
+    "offload_qkv": (("qkv",), 1.0, 1.0),
 }
 
 
@@ -105,6 +116,15 @@ class Workload:
     dcn_overlap: bool = False        # DCN gradient reduction behind the backward (torch DDP's buckets)
     executor: bool = False           # jaxpar's pipeline executor (stage recompute, the head in every chunk)
     stage_bytes: float | None = None  # stage sends on the step's critical path, where a program gives them
+    # mixture of experts (``experts`` > 0): the last num_layers − dense_layers layers route each token to
+    # top_k of ``experts`` gated MLPs of width expert_mlp_dim, beside an always-on one of shared_mlp_dim
+    experts: int = 0
+    top_k: int = 0
+    expert_mlp_dim: int = 0
+    capacity_factor: float | None = None  # slots per expert per sequence (one-hot dispatch); None: dropless
+    shared_mlp_dim: int = 0
+    dense_layers: int = 0
+    expert_fsdp: bool = False        # ``expert`` shards the other weights like fsdp (MaxText), not replicas
 
     def size(self, axis: str) -> int:
         return int(self.mesh.get(axis, 1)) * int(self.dcn.get(axis, 1))
@@ -114,19 +134,55 @@ class Workload:
         return math.prod(self.size(a) for a in set(self.mesh) | set(self.dcn))
 
     @property
-    def microbatches(self) -> int:
-        seqs = self.batch // (self.size("data") * self.size("fsdp"))
-        return seqs // self.microbatch if self.microbatch else 1
-
-    def params(self, vocab_matrices: int | None = None) -> int:
-        """Weights of the matmuls: the layers and ``vocab_matrices`` [V, D] matrices (default: 1 tied, 2 not)."""
-        vocab_matrices = (1 if self.tied else 2) if vocab_matrices is None else vocab_matrices
-        return self.num_layers * self.layer_params + vocab_matrices * self.vocab * self.embed_dim
+    def replicas(self) -> int:
+        """The ways the batch splits: data × fsdp × expert (outside MoE layers ``expert`` splits it too)."""
+        return self.size("data") * self.size("fsdp") * self.size("expert")
 
     @property
-    def layer_params(self) -> int:
-        d, hd = self.embed_dim, self.head_dim
-        return d * hd * (2 * self.num_heads + 2 * self.kv_heads) + self.mlp_matrices * d * self.mlp_dim
+    def microbatches(self) -> int:
+        seqs = self.batch // self.replicas
+        return seqs // self.microbatch if self.microbatch else 1
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.dense_layers if self.experts else 0
+
+    @property
+    def slots_per_token(self) -> float:
+        """Expert slots a token's place pays for: E·C/S with C = max(1, ceil(capacity_factor·S·k/E)) slots
+        per expert and sequence, or top_k dropless."""
+        if self.capacity_factor is None:
+            return self.top_k
+        return self.experts * max(1, math.ceil(self.capacity_factor * self.seq * self.top_k / self.experts)) / self.seq
+
+    def params(self, vocab_matrices: int | None = None, *, active: bool = False) -> int:
+        """Weights of the matmuls: the layers and ``vocab_matrices`` [V, D] matrices (default: 1 tied, 2 not);
+        ``active``: a MoE layer's top_k experts only (what one token meets, as MFU counts)."""
+        vocab_matrices = (1 if self.tied else 2) if vocab_matrices is None else vocab_matrices
+        moe = self.layer_params(True, active=active) if self.moe_layers else 0
+        return ((self.num_layers - self.moe_layers) * self.layer_params() + self.moe_layers * moe
+                + vocab_matrices * self.vocab * self.embed_dim)
+
+    def layer_params(self, moe: bool = False, *, active: bool = False) -> int:
+        """One layer's weights: attention and MLP, or (``moe``) attention, router, shared MLP and the
+        experts (``expert_params``; top_k of them when ``active``)."""
+        d, hd, m = self.embed_dim, self.head_dim, self.mlp_matrices
+        attention = d * hd * (2 * self.num_heads + 2 * self.kv_heads)
+        if not moe:
+            return attention + m * d * self.mlp_dim
+        experts = self.expert_params * (self.top_k / self.experts if active else 1)
+        return int(attention + d * self.experts + m * d * self.shared_mlp_dim + experts)
+
+    @property
+    def expert_params(self) -> int:
+        return self.experts * self.mlp_matrices * self.embed_dim * self.expert_mlp_dim
+
+    def local_params(self) -> float:
+        """The weights one device holds: split over tensor, fsdp and stage; the experts over ``expert``
+        as well, the rest too where ``expert_fsdp``."""
+        e, experts = self.size("expert"), self.moe_layers * self.expert_params
+        split = self.size("tensor") * self.size("fsdp") * self.size("stage")
+        return (self.params() - experts) / (split * (e if self.expert_fsdp else 1)) + experts / (split * e)
 
     def check(self) -> None:
         from jaxpar.errors import ConfigError
@@ -135,15 +191,21 @@ class Workload:
                 raise ConfigError(f"mesh: {axis}={n}: the step-time model takes {', '.join(AXES)} sizes ≥ 1")
         if self.remat not in RECOMPUTE:
             raise ConfigError(f"remat={self.remat!r}: known policies are {', '.join(RECOMPUTE)}")
-        split = self.size("data") * self.size("fsdp") * max(self.microbatch, 1)
+        split = self.replicas * max(self.microbatch, 1)
         if self.batch % split:
             raise ConfigError(f"batch={self.batch}: not divisible by the {split} sequences of data × fsdp × "
-                              f"microbatch={self.microbatch}")
+                              f"expert × microbatch={self.microbatch}")
+        e = self.size("expert")
+        if self.experts % e or (e > 1 and not self.experts):
+            raise ConfigError(f"experts={self.experts}: not divisible by expert={e}")
+        if self.experts and not (1 <= self.top_k <= self.experts and 0 <= self.dense_layers < self.num_layers):
+            raise ConfigError(f"top_k={self.top_k}, dense_layers={self.dense_layers}: need 1 ≤ top_k ≤ "
+                              f"experts={self.experts} and 0 ≤ dense_layers < num_layers={self.num_layers}")
         chunks = self.size("stage") * self.virtual_stages
         if self.num_layers % chunks:
             raise ConfigError(f"num_layers={self.num_layers}: not divisible by stage × virtual_stages = {chunks}")
         t = self.size("tensor")
-        for name in ("num_heads", "mlp_dim", "vocab"):
+        for name in ("num_heads", "mlp_dim", "vocab", "expert_mlp_dim", "shared_mlp_dim"):
             if getattr(self, name) % t:
                 raise ConfigError(f"{name}={getattr(self, name)}: not divisible by tensor={t}")
 
@@ -158,10 +220,18 @@ class Calibration:
     dcn: dict
 
 
-def elementwise_values(w: Workload) -> float:
-    """Values read or written per token per layer forward, on one device (see the module docstring)."""
-    t = w.size("tensor")
-    return (8 * w.embed_dim + w.mlp_matrices * w.mlp_dim + 2 * (w.num_heads + w.kv_heads) * w.head_dim) / t
+def elementwise_values(w: Workload, moe: bool = False) -> float:
+    """Values read or written per token per layer forward, on one device (see the module docstring). A MoE
+    layer: its experts' activations for each slot a token pays for, the shared MLP's, and the routing's
+    own: the one-hot dispatch and combine masks (E·C/S values each per token), or the dropless sort and
+    unsort of each token's k copies (4·k·D)."""
+    t, D = w.size("tensor"), w.embed_dim
+    attention = 8 * D + 2 * (w.num_heads + w.kv_heads) * w.head_dim
+    if not moe:
+        return (attention + w.mlp_matrices * w.mlp_dim) / t
+    mlp = w.mlp_matrices * (w.slots_per_token * w.expert_mlp_dim + w.shared_mlp_dim)
+    routing = 4 * w.top_k * D if w.capacity_factor is None else 2 * w.slots_per_token
+    return (attention + mlp) / t + routing
 
 
 def matmul_seconds(m, k, n, chip, efficiency):
@@ -173,66 +243,36 @@ def matmul_seconds(m, k, n, chip, efficiency):
     return np.maximum(compute, 2.0 * (m * k + k * n + m * n) / chip.hbm_bandwidth)
 
 
-def torus_split(chip, chips: int) -> list[int]:
-    """A slice's torus sides: chip counts are powers of two; the smallest side doubles first
-    (v5p-128 = 64 chips = 4×4×4, v5p-256 = 4×4×8, ... as the TPU docs list them; v5e-256 = 16×16)."""
-    sides = [1] * chip.torus_dims
-    while math.prod(sides) < chips:
-        sides[sides.index(min(sides))] *= 2
-    return sides
-
-
-def axis_links(w: Workload, chip, *, with_class: bool = False) -> dict:
-    """Bandwidth one device sends at before the collective efficiency, per mesh axis (with ``with_class``:
-    (bandwidth, whether it is the slow link)). TPU: axes take torus sides innermost first (tensor, then
-    fsdp, data, stage); an axis uses both directions of each side it spans, whole or in part. GPU: inside a
-    node (the group of an axis and everything inside it fits in ``fast_domain``) the fast link, else the NIC."""
-    out, inner = {}, 1
-    if chip.torus_dims:
-        sides = torus_split(chip, math.prod(int(w.mesh.get(a, 1)) for a in w.mesh))
-    for axis in ("tensor", "fsdp", "data", "stage"):
-        n = int(w.mesh.get(axis, 1))
-        if chip.torus_dims:
-            out[axis] = (2 * chip.ici_link * max(_take_sides(n, sides), 1), False)
-        else:
-            inner *= n
-            out[axis] = (chip.fast_link, False) if inner <= chip.fast_domain else (chip.slow_link, True)
-    return out if with_class else {a: b for a, (b, _) in out.items()}
-
-
-def _take_sides(n: int, sides: list[int]) -> int:
-    """How many torus sides an axis of ``n`` chips spans, taking them out of ``sides``: a side of exactly n if
-    there is one, else the smallest sides first (the last one in part, its rest left for the next axis)."""
-    sides[:] = sorted(x for x in sides if x > 1)
-    if n in sides:
-        sides.remove(n)
-        return 1
-    spanned = 0
-    while n > 1 and sides:
-        take = math.gcd(sides[0], n)
-        if take == 1:                   # not a power-of-two split of this side: priced as spanning it
-            return spanned + 1
-        spanned += 1
-        n //= take
-        sides[0] //= take
-        sides[:] = sorted(x for x in sides if x > 1)
-    return spanned
-
-
-def layer_forward(w: Workload, chip, eta, tokens: float) -> tuple:
+def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False) -> tuple:
     """One layer's forward on ``tokens`` tokens of one tensor group, in seconds: (the matmuls by name,
-    attention, elementwise work); ``eta`` the matmul share of peak."""
+    attention, elementwise work); ``eta`` the matmul share of peak. A MoE layer (``moe``) replaces the MLP
+    with the router, the experts on their slots (each device runs E/e experts on E·C/S·T slots in all, the
+    e − 1 other devices' tokens included) and the shared MLP; with a capacity, the one-hot dispatch and
+    combine einsums ([E·C, S] × [S, D] per sequence)."""
     t, D, Dh = w.size("tensor"), w.embed_dim, w.head_dim
-    shapes = dict(qkv=(D, (w.num_heads + 2 * w.kv_heads) * Dh // t), out=(w.num_heads * Dh // t, D),
-                  mlp_in=(D, (w.mlp_matrices - 1) * w.mlp_dim // t), mlp_out=(w.mlp_dim // t, D))
+    shapes = dict(qkv=(D, (w.num_heads + 2 * w.kv_heads) * Dh // t), out=(w.num_heads * Dh // t, D))
     mm = {name: matmul_seconds(tokens, k, n, chip, eta) for name, (k, n) in shapes.items()}
+    if not moe:
+        mm |= dict(mlp_in=matmul_seconds(tokens, D, (w.mlp_matrices - 1) * w.mlp_dim // t, chip, eta),
+                   mlp_out=matmul_seconds(tokens, w.mlp_dim // t, D, chip, eta))
+    else:
+        local, slots = w.experts // w.size("expert"), w.slots_per_token * tokens
+        each = slots / local                              # slots of one local expert
+        mm |= dict(router=matmul_seconds(tokens, D, w.experts, chip, eta),
+                   experts_in=local * matmul_seconds(each, D, (w.mlp_matrices - 1) * w.expert_mlp_dim // t, chip, eta),
+                   experts_out=local * matmul_seconds(each, w.expert_mlp_dim // t, D, chip, eta))
+        if w.capacity_factor is not None:
+            mm["dispatch"] = mm["combine"] = matmul_seconds(slots, w.seq, D // t, chip, eta)
+        if w.shared_mlp_dim:
+            mm |= dict(shared_in=matmul_seconds(tokens, D, (w.mlp_matrices - 1) * w.shared_mlp_dim // t, chip, eta),
+                       shared_out=matmul_seconds(tokens, w.shared_mlp_dim // t, D, chip, eta))
     att_flops = 4.0 * tokens * w.seq * w.num_heads / t * Dh
     if w.flash:
         att = att_flops * (0.5 if w.causal else 1.0) / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
     else:
         att = (att_flops / (chip.peak_bf16_flops * eta)
                + tokens * w.seq * w.num_heads / t * SCORE_BYTES / chip.hbm_bandwidth)
-    return mm, att, elementwise_values(w) * tokens * w.act_bytes / chip.hbm_bandwidth
+    return mm, att, elementwise_values(w, moe) * tokens * w.act_bytes / chip.hbm_bandwidth
 
 
 def bubble_of(w: Workload) -> float:
@@ -241,52 +281,78 @@ def bubble_of(w: Workload) -> float:
     return w.bubble if w.bubble is not None else (p - 1) / (w.virtual_stages * w.microbatches + p - 1)
 
 
-def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
-    """The step's parts in seconds and their sum ``step_s`` (arrays when ``cal`` holds arrays)."""
-    fam = chip.family
-    eta, eps, eps_dcn = cal.matmul[fam], cal.collective[fam], cal.dcn[fam]
-    t, f, d, p = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("stage")
-    m, v = w.microbatches, w.virtual_stages
-    tokens = w.batch * w.seq / (w.size("data") * w.size("fsdp") * m)   # per tensor group and microbatch
-    by_name, att, ew = layer_forward(w, chip, eta, tokens)
+def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, moe: bool = False) -> dict:
+    """One layer (``moe``: a MoE one) on one microbatch of ``tokens`` tokens per tensor group, forward,
+    recompute and backward: its compute and exposed communication in seconds, and ``hides_s``, the
+    backward and recompute that gradient traffic can hide behind. ``bw``: per axis, the bandwidth a
+    collective reaches."""
+    t, f, d, e = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("expert")
+    by_name, att, ew = layer_forward(w, chip, cal.matmul[chip.family], tokens, moe)
     mm = sum(by_name.values())
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
-    if isinstance(r_mm, tuple):                        # the named matmuls' share of the forward's
-        r_mm = sum(by_name[n] for n in r_mm) / mm
-    if w.executor and p > 1:                           # each backward recomputes its chunk's forward
-        r_mm, r_att, r_ew = r_mm + 1, r_att + 1, r_ew + 1
+    r_x = r_mm                                         # the experts' share (their all-to-all runs again too)
+    if isinstance(r_mm, tuple):                        # the named matmuls kept, the others recomputed
+        r_x = float("experts_in" not in r_mm)
+        r_mm = sum(v for name, v in by_name.items() if name not in r_mm) / mm
+    if w.executor and w.size("stage") > 1:             # each backward recomputes its chunk's forward
+        r_mm, r_att, r_ew, r_x = r_mm + 1, r_att + 1, r_ew + 1, r_x + 1
     fwd = mm + att + ew
     recompute = r_mm * mm + r_att * att + r_ew * ew
-    bwd = 2 * mm + 2.5 * att + 2 * ew
+    mm_bwd = 2 * mm - by_name.get("dispatch", 0.0)   # input and weight gradients; the dispatch mask has none
+    bwd = mm_bwd + 2.5 * att + 2 * ew
 
-    bw = {a: b * (eps_dcn if slow else eps) for a, (b, slow) in axis_links(w, chip, with_class=True).items()}
-    wl = w.layer_params / t
-    gather = (f - 1) / f * wl * w.weight_bytes / bw["fsdp"] if f > 1 else 0.0
-    scatter = (f - 1) / f * wl * w.grad_bytes / bw["fsdp"] if f > 1 else 0.0
-    reduce = 2 * (d - 1) / d * wl / f * w.grad_bytes / bw["data"] if d > 1 else 0.0
+    # weights per tensor shard: the experts split over expert and fsdp, the rest over fsdp (and expert)
+    experts = w.expert_params / t if moe else 0.0
+    rest = w.layer_params(moe) / t - experts
+    g = f * e if w.expert_fsdp else f
+    gathered = (g - 1) / g * rest + (f - 1) / f * experts / e
+    gather, scatter = gathered * w.weight_bytes / bw["fsdp"], gathered * w.grad_bytes / bw["fsdp"]
+    held = rest / g + experts / (e * f)
+    reduce = 2 * (d - 1) / d * held * w.grad_bytes / bw["data"]
+    if e > 1 and not w.expert_fsdp:                    # the rest's replicas over expert reduce their gradients
+        reduce = reduce + 2 * (e - 1) / e * rest / f * w.grad_bytes / bw["expert"]
     tp = 2 * 2 * (t - 1) / t * tokens * w.embed_dim * w.act_bytes / bw["tensor"] if t > 1 else 0.0
     tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp      # beside the weight-gradient matmuls
     # a layer's gather behind the previous forward; the backward's gather, scatter and reduce behind it
     fsdp = np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)
+    # expert all-to-all: the slots out to their experts and back (dispatch, combine); in the forward between
+    # dependent matmuls, in the backward beside the experts' weight-gradient matmuls where the platform
+    # overlaps them, as tensor's
+    a2a = (2 * (e - 1) / e * w.slots_per_token * tokens * w.embed_dim / t * w.act_bytes / bw["expert"]
+           if moe and e > 1 else 0.0)
+    experts_mm = by_name.get("experts_in", 0.0) + by_name.get("experts_out", 0.0)
+    a2a_bwd = np.maximum(0.0, a2a - experts_mm) if chip.tensor_overlap else a2a
+    return dict(matmul_s=(1 + r_mm) * mm + mm_bwd, attention_s=(3.5 + r_att) * att, elementwise_s=(3 + r_ew) * ew,
+                tensor_exposed_s=(1 + r_mm) * tp + tp_bwd, fsdp_exposed_s=fsdp, expert_exposed_s=(1 + r_x) * a2a + a2a_bwd,
+                hides_s=bwd + recompute)
+
+
+def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
+    """The step's parts in seconds and their sum ``step_s`` (arrays when ``cal`` holds arrays)."""
+    eps, eps_dcn = cal.collective[chip.family], cal.dcn[chip.family]
+    t, d, p = w.size("tensor"), int(w.mesh.get("data", 1)), w.size("stage")
+    m, v = w.microbatches, w.virtual_stages
+    tokens = w.batch * w.seq / (w.replicas * m)       # per tensor group and microbatch
+    bw = {a: b * (eps_dcn if slow else eps) for a, (b, slow) in axis_links(w, chip, with_class=True).items()}
+    layers = {}                                        # a stage's layers; the last stage's LM head on top
+    for moe, n in ((False, w.num_layers - w.moe_layers), (True, w.moe_layers)):
+        for k, x in (layer_seconds(w, chip, cal, bw, tokens, moe).items() if n else ()):
+            layers[k] = layers.get(k, 0.0) + n / p * x
+    hides = layers.pop("hides_s")
     stage_bw = bw["stage"] if int(w.mesh.get("stage", 1)) > 1 else chip.slow_link * eps_dcn
     send = 2 * v * tokens * w.embed_dim * w.act_bytes / t / stage_bw if p > 1 and w.stage_bytes is None else 0.0
-
-    L = w.num_layers / p                               # a stage's layers; the last stage's LM head on top
-    head = (3 * matmul_seconds(tokens, w.embed_dim, w.vocab // t, chip, eta)
+    head = (3 * matmul_seconds(tokens, w.embed_dim, w.vocab // t, chip, cal.matmul[chip.family])
             + 16 * tokens * w.vocab / t / chip.hbm_bandwidth)
     if w.executor and p > 1:                           # and runs the head (masked) on every stage
         head = head * v
-    parts = {k: m * x for k, x in dict(
-        matmul_s=L * (1 + 2 + r_mm) * mm, attention_s=L * (1 + 2.5 + r_att) * att,
-        elementwise_s=L * (1 + 2 + r_ew) * ew, head_s=head, tensor_exposed_s=L * ((1 + r_mm) * tp + tp_bwd),
-        fsdp_exposed_s=L * fsdp, stage_exposed_s=send).items()}
+    parts = {k: m * x for k, x in dict(layers, head_s=head, stage_exposed_s=send).items()}
     busy = sum(parts.values())
     bubble = bubble_of(w)
-    local = w.params() / (t * f * p)
+    local = w.local_params()
     n_dcn = math.prod(int(w.dcn.get(a, 1)) for a in ("data", "fsdp"))
     dcn = 2 * (n_dcn - 1) / n_dcn * local / d * w.grad_bytes / (chip.slow_link * eps_dcn) if n_dcn > 1 else 0.0
     if w.dcn_overlap:                                  # buckets reduced behind the last microbatch's backward
-        dcn = np.maximum(0.0, dcn - L * (bwd + recompute))
+        dcn = np.maximum(0.0, dcn - hides)
     if w.stage_bytes is not None:                      # counted over every tick already: not stretched
         parts["stage_exposed_s"] = w.stage_bytes / stage_bw
     parts |= dict(bubble_s=busy * bubble / (1 - bubble), optimizer_s=28 * local / chip.hbm_bandwidth, dcn_exposed_s=dcn)
@@ -299,35 +365,40 @@ def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: 
     token, halved when ``causal_attention``. The vocabulary matrix of the logits is a weight; an untied
     input embedding is a lookup and counts only with ``count_embedding`` (MaxText counts every parameter).
     ``recomputed_forward``: the layers' forward once more (Megatron-LM's Eq. 3 counts full recompute)."""
-    params = w.params(2 if count_embedding and not w.tied else 1)
+    params = w.params(2 if count_embedding and not w.tied else 1, active=True)
     tokens = w.batch * w.seq / w.devices
     att = 12 * w.num_layers * w.num_heads * w.head_dim * w.seq * (0.5 if causal_attention else 1.0)
-    extra = (2 * w.num_layers * w.layer_params + att / 3) if recomputed_forward else 0.0
+    extra = (2 * w.params(0, active=True) + att / 3) if recomputed_forward else 0.0
     return tokens * (6 * params + att + extra)
 
 
 def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None,
                 pipeline: dict | None = None) -> Workload | None:
-    """The ``Workload`` of a jaxpar dense model under ``mesh`` (ICI axis sizes), or None where the model does
-    not describe it: mixture-of-experts or MLA models, and meshes that split over sequence or expert.
+    """The ``Workload`` of a jaxpar model under ``mesh`` (ICI axis sizes), or None where the model does not
+    describe it: MLA attention, expert-choice routing, and meshes that split over sequence.
     ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and stage_bytes of the executor."""
-    if getattr(cfg, "moe", None) is not None or getattr(cfg, "uses_mla", False):
+    moe = getattr(cfg, "moe", None)
+    if getattr(cfg, "uses_mla", False) or (moe is not None and moe.router == "expert_choice"):
         return None
     dcn = {a: int(n) for a, n in (dcn or {}).items() if int(n) > 1}
     sizes = {a: int(n) for a, n in mesh.items() if int(n) > 1}
     if set(sizes) - set(AXES) or set(dcn) - set(AXES):
         return None
-    pipe = {}
+    pipe, experts = {}, {}
     if pipeline and sizes.get("stage", 1) * dcn.get("stage", 1) > 1:
-        replicas = sizes.get("data", 1) * sizes.get("fsdp", 1) * dcn.get("data", 1) * dcn.get("fsdp", 1)
+        replicas = math.prod(sizes.get(a, 1) * dcn.get(a, 1) for a in ("data", "fsdp", "expert"))
         pipe = dict(microbatch=batch // (replicas * pipeline["microbatches"]), executor=True,
                     **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")})
+    if moe is not None:
+        experts = dict(experts=moe.num_experts, top_k=moe.top_k, expert_mlp_dim=moe.mlp_dim,
+                       capacity_factor=moe.capacity_factor, shared_mlp_dim=moe.num_shared_experts * moe.shared_mlp_dim,
+                       dense_layers=cfg.first_dense_layers)
     return Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                     mlp_dim=cfg.mlp_dim, mlp_matrices=3, num_layers=cfg.num_layers, vocab=cfg.padded_vocab, batch=batch,
                     seq=seq, mesh=sizes, dcn=dcn, remat=cfg.remat.value,
                     weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
                     act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
-                    causal=cfg.sliding_window is None, **pipe)
+                    causal=cfg.sliding_window is None, **pipe, **experts)
 
 
 def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:

@@ -259,12 +259,15 @@ class MoE(nnx.Module):
         expert, the experts run where they live (``jaxpar.parallel.moe.experts_apply``: all-to-all
         over the expert axis when it is split), and the results weighed back."""
         buf = constrain(jnp.einsum("btec,btd->becd", dispatch, x), ("batch", None, None, "act_embed"))
-        out = experts_apply(buf, self.gate_up[...].astype(self.dtype), self.down[...].astype(self.dtype))
+        # the weights enter the kernels as stored and are cast inside: their gradients' reduction over the
+        # batch shards then runs in the parameter dtype (XLA:CPU aborts promoting a bf16 one, and f32 is
+        # the precision gradients are summed in everywhere else)
+        out = experts_apply(buf, self.gate_up[...], self.down[...])
         out = constrain(out, ("batch", None, None, "act_embed"))                     # [B, E, C, D]
         return jnp.einsum("btec,becd->btd", combine, out)
 
     def _dropless(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
         """Every assignment runs (``jaxpar.parallel.dropless``: grouped matmuls, and the ragged
         exchange over the expert axis when it is split); the outputs are weighed and summed."""
-        out = dropless_apply(x, idx, self.gate_up[...].astype(self.dtype), self.down[...].astype(self.dtype))
+        out = dropless_apply(x, idx, self.gate_up[...], self.down[...])        # cast inside, as above
         return jnp.einsum("btkd,btk->btd", out, weight.astype(self.dtype))

@@ -60,10 +60,10 @@ def ragged_exchange_available(mesh) -> bool:
 
 def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """rows [R, D] sorted by expert, sizes [E] (sum ≤ R) -> [R, D]; gate_up [E, D, 2, F], down [E, F, D].
-    Rows past sum(sizes) come out zero."""
+    Rows past sum(sizes) come out zero. The weights are cast to the rows' dtype here, inside the kernel."""
     e, d, _, f = gate_up.shape
-    h = jax.lax.ragged_dot(rows, gate_up.reshape(e, d, 2 * f), sizes).reshape(-1, 2, f)
-    return jax.lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], down, sizes)
+    h = jax.lax.ragged_dot(rows, gate_up.reshape(e, d, 2 * f).astype(rows.dtype), sizes).reshape(-1, 2, f)
+    return jax.lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], down.astype(rows.dtype), sizes)
 
 
 def _sort_by_expert(ids: jax.Array, num_experts: int):

@@ -130,6 +130,37 @@ def test_moe_layer_by_hand():
     assert step_seconds(dropless, H100, CAL)["matmul_s"] == pytest.approx(2 * 3 * (fwd_mm - 2 * mm(8192, 1024, 1024)))
 
 
+def test_context_parallel_by_hand():
+    """SMALL on sequence=4 H100s in a node, no remat: 2048 local tokens a device. Ring attention over zig-zag
+    storage: each device computes 9 of its 16 (query half, key half) tiles (``ring_work``), so 9/16 of its
+    queries' full attention. Forward: 3 sends of the local K/V (2048 × 2 × 8 × 128 values in bf16) beside
+    the attention; backward: K/V with float32 dK/dV 3 times, and the dK/dV home once, beside 2.5× the
+    attention. Ulysses: q, k, v and the output, 3/4 of 2048 × 32 × 128 values a pass, exposed both ways.
+    Allgather (jaxpar's ``none``: GSPMD gathers the K/V): 3 devices' K/V in, their gradients out, exposed;
+    natural order, so the last device's queries see 3.5 of 4 blocks."""
+    w, T = dataclasses.replace(SMALL, mesh=dict(sequence=4)), 2048
+    assert w.attention_share == 9 / 16 and dataclasses.replace(w, cp_order="contiguous").attention_share == 15 / 16
+    att = 4 * T * 1024 * 8 * 128 * 9 / 16 / (H100.peak_bf16_flops * 0.5 * 0.75)
+    p = step_seconds(w, H100, CAL)
+    assert p["attention_s"] == pytest.approx(4 * 3.5 * att)
+    kv = T * 2 * 8 * 128
+    fwd = max(0.0, 3 * kv * 2 / H100.fast_link - att)
+    bwd = max(0.0, (3 * kv * 6 + kv * 4) / H100.fast_link - 2.5 * att)
+    assert fwd > 0 and bwd > 0 and p["sequence_exposed_s"] == pytest.approx(4 * (fwd + bwd))
+    assert p["fsdp_exposed_s"] == 0                          # the gradient all-reduce over sequence hides
+    u = step_seconds(dataclasses.replace(w, context_parallel="ulysses"), H100, CAL)
+    a2a = 3 / 4 * T * 32 * 128 * 2 / H100.fast_link
+    assert u["sequence_exposed_s"] == pytest.approx(4 * 2 * a2a) and u["attention_s"] == pytest.approx(4 * 3.5 * att * 8 / 9)
+    g = step_seconds(dataclasses.replace(w, context_parallel="allgather"), H100, CAL)    # GSPMD's gather
+    assert dataclasses.replace(w, context_parallel="allgather").attention_share == 3.5 / 4   # the last chunk's
+    assert g["sequence_exposed_s"] == pytest.approx(4 * 2 * 3 * kv * 2 / H100.fast_link)
+    tpu = step_seconds(w, V5P, CAL)                         # the ring sends one way over one 100 GB/s link
+    att_tpu = 4 * T * 1024 * 8 * 128 * 9 / 16 / (V5P.peak_bf16_flops * 0.8)
+    assert axis_links(w, V5P)["sequence"] == 4 * 100e9
+    assert tpu["sequence_exposed_s"] == pytest.approx(4 * (3 * kv * 2 / 100e9 - att_tpu + (3 * kv * 6 + kv * 4) / 100e9
+                                                           - 2.5 * att_tpu))
+
+
 def test_matmul_roofline_and_tiles():
     # a thin matmul is HBM-bound: its operands over the bandwidth
     assert matmul_seconds(8, 8192, 8192, H100, 1.0) == pytest.approx(2 * (8 * 8192 * 2 + 8192 ** 2) / H100.hbm_bandwidth)
@@ -240,8 +271,10 @@ def test_bad_workloads_are_refused_naming_the_field():
         dataclasses.replace(SMALL, mesh=dict(stage=4), virtual_stages=2).check()
     with pytest.raises(ConfigError, match="batch=8: not divisible by the 16 sequences of data × fsdp × expert × microbatch=2"):
         dataclasses.replace(SMALL, mesh=dict(data=8), microbatch=2).check()
-    with pytest.raises(ConfigError, match="sequence=2"):
-        dataclasses.replace(SMALL, mesh=dict(sequence=2)).check()
+    with pytest.raises(ConfigError, match="context_parallel='pipe', cp_order='zigzag': sequence=2"):
+        dataclasses.replace(SMALL, mesh=dict(sequence=2), context_parallel="pipe").check()
+    with pytest.raises(ConfigError, match="seq=1020: not divisible by the sequence=4 blocks"):
+        dataclasses.replace(SMALL, mesh=dict(sequence=4), seq=1020).check()
     with pytest.raises(ConfigError, match="batch=8: not divisible by the 16 sequences"):
         dataclasses.replace(SMALL, mesh=dict(fsdp=16)).check()
     with pytest.raises(ConfigError, match="experts=0: not divisible by expert=2"):

@@ -1,10 +1,10 @@
 """Which links a mesh axis sends over, for the step-time model (``jaxpar.analysis.steptime``).
 
-A TPU slice is a torus whose sides are powers of two (``torus_split``); a mesh axis takes torus sides
-innermost first (tensor, expert, fsdp, data, stage) and sends over both directions of each side it spans
-(``axis_links``; tests/test_steptime.py checks the rule against jax's own ``mesh_utils`` assignment). On a
-GPU an axis whose group, with every axis inside it, fits one NVLink/PCIe domain uses the fast link, else
-the NIC.
+A TPU slice is a torus whose sides are powers of two (``torus_split``). A mesh axis takes torus sides
+innermost first (tensor, sequence, expert, fsdp, data, stage) and sends over both directions of each
+side it spans (``axis_links``; tests/test_steptime.py checks the rule against jax's own ``mesh_utils``
+assignment). On a GPU an axis whose group, with every axis inside it, fits one NVLink/PCIe domain uses the
+fast link, else the NIC.
 """
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ def torus_split(chip, chips: int) -> list[int]:
 def axis_links(w, chip, *, with_class: bool = False) -> dict:
     """Bandwidth one device sends at before the collective efficiency, per mesh axis of the workload ``w``
     (``jaxpar.analysis.steptime.Workload``; with ``with_class``: (bandwidth, whether it is the slow link)).
-    TPU: axes take torus sides innermost first (tensor, expert, fsdp, data, stage); an axis uses both directions of each side it spans, whole or in part. GPU: inside a
-    node (the group of an axis and everything inside it fits in ``fast_domain``) the fast link, else the NIC."""
+    TPU: axes take torus sides innermost first (tensor, sequence, expert, fsdp, data, stage, jaxpar's
+    order); an axis uses both directions of each side it spans, whole or in part. GPU: inside a node (the
+    group of an axis and everything inside it fits in ``fast_domain``) the fast link, else the NIC."""
     out, inner = {}, 1
     if chip.torus_dims:
         sides = torus_split(chip, math.prod(int(w.mesh.get(a, 1)) for a in w.mesh))
-    for axis in ("tensor", "expert", "fsdp", "data", "stage"):
+    for axis in ("tensor", "sequence", "expert", "fsdp", "data", "stage"):
         n = int(w.mesh.get(axis, 1))
         if chip.torus_dims:
             out[axis] = (2 * chip.ici_link * max(_take_sides(n, sides), 1), False)

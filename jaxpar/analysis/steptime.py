@@ -68,7 +68,8 @@ from jaxpar.analysis.links import axis_links
 # (2), the fused scale-mask-softmax reads and writes it (4), dropout reads and writes it with a 1-byte
 # mask (5), the AV matmul reads it (2)
 SCORE_BYTES = 13
-AXES = ("data", "fsdp", "tensor", "stage", "expert")
+AXES = ("data", "fsdp", "tensor", "stage", "expert", "sequence")
+CONTEXT = ("ring", "ulysses", "allgather")
 
 # what the backward runs again of the forward: (matmuls: a share of all, or a tuple naming the ones kept, the
 # rest recomputed; attention; elementwise work). Matmul names: ``layer_forward``.
@@ -125,6 +126,11 @@ class Workload:
     shared_mlp_dim: int = 0
     dense_layers: int = 0
     expert_fsdp: bool = False        # ``expert`` shards the other weights like fsdp (MaxText), not replicas
+    # context parallelism (``sequence`` > 1): ring (K/V blocks around the ring, the sequence stored in
+    # ``cp_order``), ulysses (all-to-all from positions to heads and back) or allgather (every device
+    # gathers the full K/V, the sequence in its natural order: what GSPMD does for jaxpar's ``none``)
+    context_parallel: str = "ring"
+    cp_order: str = "zigzag"
 
     def size(self, axis: str) -> int:
         return int(self.mesh.get(axis, 1)) * int(self.dcn.get(axis, 1))
@@ -142,6 +148,22 @@ class Workload:
     def microbatches(self) -> int:
         seqs = self.batch // self.replicas
         return seqs // self.microbatch if self.microbatch else 1
+
+    @property
+    def attention_share(self) -> float:
+        """The share of its queries' full attention over all S keys a device computes: half when causal
+        (flash kernels skip masked blocks); under ring attention the busiest device's live tiles of its
+        4n (query half, key half) pairs, by the kernel's own rule (``jaxpar.parallel.ring.ring_work``);
+        gathered K/V in natural order, the last device's: (n − 1/2)/n."""
+        n = self.size("sequence")
+        if not self.causal:
+            return 1.0
+        if n == 1 or self.context_parallel == "ulysses":
+            return 0.5
+        if self.context_parallel == "allgather":
+            return (n - 0.5) / n
+        from jaxpar.parallel.ring import ring_work
+        return float(ring_work(4 * n, n, self.cp_order).max()) / (4 * n)
 
     @property
     def moe_layers(self) -> int:
@@ -204,6 +226,15 @@ class Workload:
         chunks = self.size("stage") * self.virtual_stages
         if self.num_layers % chunks:
             raise ConfigError(f"num_layers={self.num_layers}: not divisible by stage × virtual_stages = {chunks}")
+        n = self.size("sequence")
+        if n > 1 and (self.context_parallel not in CONTEXT or self.cp_order not in ("zigzag", "contiguous")):
+            raise ConfigError(f"context_parallel={self.context_parallel!r}, cp_order={self.cp_order!r}: sequence={n} "
+                              f"takes {', '.join(CONTEXT)} (cp_order zigzag or contiguous)")
+        if n > 1 and self.context_parallel == "ulysses" and self.num_heads % (n * self.size("tensor")):
+            raise ConfigError(f"num_heads={self.num_heads}: ulysses needs them divisible by sequence × tensor = "
+                              f"{n * self.size('tensor')}")
+        if self.seq % (2 * n if n > 1 and self.context_parallel == "ring" and self.cp_order == "zigzag" else n):
+            raise ConfigError(f"seq={self.seq}: not divisible by the sequence={n} blocks (2 each, zigzag)")
         t = self.size("tensor")
         for name in ("num_heads", "mlp_dim", "vocab", "expert_mlp_dim", "shared_mlp_dim"):
             if getattr(self, name) % t:
@@ -268,7 +299,7 @@ def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False) -> t
                        shared_out=matmul_seconds(tokens, w.shared_mlp_dim // t, D, chip, eta))
     att_flops = 4.0 * tokens * w.seq * w.num_heads / t * Dh
     if w.flash:
-        att = att_flops * (0.5 if w.causal else 1.0) / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
+        att = att_flops * w.attention_share / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
     else:
         att = (att_flops / (chip.peak_bf16_flops * eta)
                + tokens * w.seq * w.num_heads / t * SCORE_BYTES / chip.hbm_bandwidth)
@@ -311,6 +342,9 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     reduce = 2 * (d - 1) / d * held * w.grad_bytes / bw["data"]
     if e > 1 and not w.expert_fsdp:                    # the rest's replicas over expert reduce their gradients
         reduce = reduce + 2 * (e - 1) / e * rest / f * w.grad_bytes / bw["expert"]
+    n = w.size("sequence")
+    if n > 1:                                          # every weight is replicated over sequence
+        reduce = reduce + 2 * (n - 1) / n * held * w.grad_bytes / bw["sequence"]
     tp = 2 * 2 * (t - 1) / t * tokens * w.embed_dim * w.act_bytes / bw["tensor"] if t > 1 else 0.0
     tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp      # beside the weight-gradient matmuls
     # a layer's gather behind the previous forward; the backward's gather, scatter and reduce behind it
@@ -322,9 +356,31 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
            if moe and e > 1 else 0.0)
     experts_mm = by_name.get("experts_in", 0.0) + by_name.get("experts_out", 0.0)
     a2a_bwd = np.maximum(0.0, a2a - experts_mm) if chip.tensor_overlap else a2a
+    cp = context_seconds(w, chip, bw, tokens, att) if n > 1 else (0.0, 0.0)
     return dict(matmul_s=(1 + r_mm) * mm + mm_bwd, attention_s=(3.5 + r_att) * att, elementwise_s=(3 + r_ew) * ew,
                 tensor_exposed_s=(1 + r_mm) * tp + tp_bwd, fsdp_exposed_s=fsdp, expert_exposed_s=(1 + r_x) * a2a + a2a_bwd,
-                hides_s=bwd + recompute)
+                sequence_exposed_s=(1 + r_att) * cp[0] + cp[1], hides_s=bwd + recompute)
+
+
+def context_seconds(w: Workload, chip, bw: dict, tokens: float, att: float) -> tuple:
+    """Exposed context-parallel traffic of one layer's (forward, backward); ``att`` its forward attention.
+    Ring: n − 1 sends of the local K/V to the next device, each beside a block's attention, exposed only
+    what exceeds the layer's attention; backward, the K/V with their float32 dK/dV accumulators (one more
+    send brings those home), beside the attention backward. A ring sends one way to one neighbour: on a
+    torus one ICI link's direction, on a GPU the per-direction link. Ulysses: q, k, v to head-split and
+    the output back, all-to-alls between dependent ops: exposed, forward and backward alike. Allgather:
+    the other devices' K/V gathered before attention, their gradients reduce-scattered after it: exposed."""
+    n, t, Dh = w.size("sequence"), w.size("tensor"), w.head_dim
+    kv = tokens * 2 * w.kv_heads * Dh / t
+    if w.context_parallel == "ulysses":
+        a2a = (n - 1) / n * tokens * (2 * w.num_heads + 2 * w.kv_heads) * Dh / t * w.act_bytes / bw["sequence"]
+        return a2a, a2a
+    if w.context_parallel == "allgather":
+        return (n - 1) * kv * w.act_bytes / bw["sequence"], (n - 1) * kv * w.act_bytes / bw["sequence"]
+    link = bw["sequence"] * (chip.ici_link / axis_links(w, chip)["sequence"] if chip.torus_dims else 1.0)
+    fwd = (n - 1) * kv * w.act_bytes / link
+    bwd = ((n - 1) * kv * (w.act_bytes + 4) + kv * 4) / link
+    return np.maximum(0.0, fwd - att), np.maximum(0.0, bwd - 2.5 * att)
 
 
 def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
@@ -332,7 +388,7 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     eps, eps_dcn = cal.collective[chip.family], cal.dcn[chip.family]
     t, d, p = w.size("tensor"), int(w.mesh.get("data", 1)), w.size("stage")
     m, v = w.microbatches, w.virtual_stages
-    tokens = w.batch * w.seq / (w.replicas * m)       # per tensor group and microbatch
+    tokens = w.batch * w.seq / (w.replicas * w.size("sequence") * m)   # per tensor group and microbatch
     bw = {a: b * (eps_dcn if slow else eps) for a, (b, slow) in axis_links(w, chip, with_class=True).items()}
     layers = {}                                        # a stage's layers; the last stage's LM head on top
     for moe, n in ((False, w.num_layers - w.moe_layers), (True, w.moe_layers)):
@@ -375,13 +431,15 @@ def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: 
 def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None,
                 pipeline: dict | None = None) -> Workload | None:
     """The ``Workload`` of a jaxpar model under ``mesh`` (ICI axis sizes), or None where the model does not
-    describe it: MLA attention, expert-choice routing, and meshes that split over sequence.
+    describe it: MLA attention and expert-choice routing. A split sequence without ring or Ulysses attention
+    is GSPMD's: the full K/V gathered on every device (``allgather``).
     ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and stage_bytes of the executor."""
     moe = getattr(cfg, "moe", None)
     if getattr(cfg, "uses_mla", False) or (moe is not None and moe.router == "expert_choice"):
         return None
     dcn = {a: int(n) for a, n in (dcn or {}).items() if int(n) > 1}
     sizes = {a: int(n) for a, n in mesh.items() if int(n) > 1}
+    cp = str(getattr(cfg, "context_parallel", "none"))
     if set(sizes) - set(AXES) or set(dcn) - set(AXES):
         return None
     pipe, experts = {}, {}
@@ -398,7 +456,8 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
                     seq=seq, mesh=sizes, dcn=dcn, remat=cfg.remat.value,
                     weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
                     act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
-                    causal=cfg.sliding_window is None, **pipe, **experts)
+                    causal=cfg.sliding_window is None, context_parallel="allgather" if cp == "none" else cp,
+                    cp_order=str(getattr(cfg, "cp_order", "zigzag")), **pipe, **experts)
 
 
 def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:

@@ -35,3 +35,12 @@ def test_pcie_cards_against_their_datasheets():
 def test_unknown_hardware_names_the_closest():
     with pytest.raises(LayoutError, match="h100-pcie"):
         get_hardware("h100-pci")
+
+
+def test_tpu7x_against_its_page():
+    """Google Cloud's TPU7x page, per chip: 2,307 dense BF16 TFLOP/s, 192 GiB of HBM at 7,380 GB/s, 1,200 GB/s of
+    bidirectional ICI (6 links of a 3D torus, so 100 GB/s per link and direction, v5p's) and 100 Gb/s of DCN."""
+    hw = HARDWARE["tpu7x"]
+    assert (hw.peak_bf16_flops, hw.hbm_bytes, hw.hbm_bandwidth) == (2307e12, 192 * 2 ** 30, 7.38e12)
+    assert hw.torus_dims == 3 and 2 * 2 * hw.torus_dims * hw.ici_link == 1200e9 and hw.slow_link * 8 == 100e9
+    assert hw.ici_link == HARDWARE["tpu-v5p"].ici_link

@@ -36,8 +36,10 @@ def test_one_device_by_hand():
     assert p["head_s"] == pytest.approx(head)
     assert p["tensor_exposed_s"] == p["fsdp_exposed_s"] == p["dcn_exposed_s"] == 0
     assert p["step_s"] == pytest.approx(4 * (3 * fwd_mm + 3.5 * att + 3 * ew) + head + p["optimizer_s"])
-    full = step_seconds(dataclasses.replace(w, remat="full"), H100, CAL)     # full remat: one more forward
-    assert full["step_s"] - p["step_s"] == pytest.approx(4 * (fwd_mm + att + ew))
+    full = step_seconds(dataclasses.replace(w, remat="full"), H100, CAL)     # full remat: one more forward,
+    assert full["step_s"] - p["step_s"] == pytest.approx(4 * (fwd_mm - mm(4096, 1024) + att + ew))   # but mlp_out
+    torch = step_seconds(dataclasses.replace(w, remat="full", remat_dce=False), H100, CAL)     # all of it
+    assert torch["step_s"] - p["step_s"] == pytest.approx(4 * (fwd_mm + att + ew))
     assert elementwise_values(w) == 8 * 1024 + 3 * 4096 + 2 * 16 * 128
 
 
@@ -137,7 +139,7 @@ def test_context_parallel_by_hand():
     the attention; backward: K/V with float32 dK/dV 3 times, and the dK/dV home once, beside 2.5× the
     attention. Ulysses: q, k, v and the output, 3/4 of 2048 × 32 × 128 values a pass, exposed both ways.
     Allgather (jaxpar's ``none``: GSPMD gathers the K/V): 3 devices' K/V in, their gradients out, exposed;
-    natural order, so the last device's queries see 3.5 of 4 blocks."""
+    natural order, so the last device's queries see 3.5 of 4 blocks (a balanced order, MaxText's, halves it)."""
     w, T = dataclasses.replace(SMALL, mesh=dict(sequence=4)), 2048
     assert w.attention_share == 9 / 16 and dataclasses.replace(w, cp_order="contiguous").attention_share == 15 / 16
     att = 4 * T * 1024 * 8 * 128 * 9 / 16 / (H100.peak_bf16_flops * 0.5 * 0.75)
@@ -151,8 +153,10 @@ def test_context_parallel_by_hand():
     u = step_seconds(dataclasses.replace(w, context_parallel="ulysses"), H100, CAL)
     a2a = 3 / 4 * T * 32 * 128 * 2 / H100.fast_link
     assert u["sequence_exposed_s"] == pytest.approx(4 * 2 * a2a) and u["attention_s"] == pytest.approx(4 * 3.5 * att * 8 / 9)
-    g = step_seconds(dataclasses.replace(w, context_parallel="allgather"), H100, CAL)    # GSPMD's gather
-    assert dataclasses.replace(w, context_parallel="allgather").attention_share == 3.5 / 4   # the last chunk's
+    gspmd = dataclasses.replace(w, context_parallel="allgather", cp_order="contiguous")      # GSPMD's gather
+    g = step_seconds(gspmd, H100, CAL)
+    assert gspmd.attention_share == 3.5 / 4                                                  # the last chunk's
+    assert dataclasses.replace(gspmd, cp_order="zigzag").attention_share == 0.5              # MaxText's, balanced
     assert g["sequence_exposed_s"] == pytest.approx(4 * 2 * 3 * kv * 2 / H100.fast_link)
     tpu = step_seconds(w, V5P, CAL)                         # the ring sends one way over one 100 GB/s link
     att_tpu = 4 * T * 1024 * 8 * 128 * 9 / 16 / (V5P.peak_bf16_flops * 0.8)
@@ -186,11 +190,11 @@ def test_torus_sides_are_jax_s_own_assignment():
 
     meshes = {(r.hardware, tuple(sorted(r.workload.mesh.items())))
               for r in load_runs() if r.hardware.startswith("tpu")}
-    assert len(meshes) == 16
+    assert len(meshes) == 19
     for hardware, mesh in sorted(meshes):
         mesh, chip = dict(mesh), HARDWARE[hardware]
         sides = torus_split(chip, math.prod(mesh.values()))
-        order = ("data", "fsdp", "tensor", "expert")           # by increasing network intensity, as jax wants
+        order = ("data", "fsdp", "sequence", "tensor", "expert")   # by increasing network intensity, as jax wants
         shape = [mesh.get(a, 1) for a in order]
         physical = np.arange(math.prod(sides)).reshape(sides)
         try:
@@ -248,22 +252,54 @@ def test_published_step_times_by_convention():
 
 
 def test_leave_one_out_over_published_runs():
-    """The README's validation table: 69 runs, each predicted with constants fitted without it."""
+    """The README's validation table: 74 runs, each predicted with constants fitted without it; two of them
+    (named, each with its reason in the JSON) enter no fit."""
     runs = load_runs()
-    assert len(runs) == 69
+    assert len(runs) == 74
     assert calibrate(runs) == CALIBRATED                    # the constants in the code are the fit's
     rows = leave_one_out(runs)
-    err = np.abs([r["error"] for r in rows])
-    assert np.median(err) == pytest.approx(0.052, abs=0.0005)        # goal: ≤ 10%
-    megatron = [e for e, r in zip(err, rows) if r["hardware"] == "a100"]      # tensor × pipeline × data
+    err = np.abs([r["error"] for r in rows if r["in_fit"]])
+    assert len(err) == 72 and np.median(err) == pytest.approx(0.050, abs=0.0005)     # goal: ≤ 10%
+    assert np.sum(err > 0.10) == 15 and np.sum(err > 0.20) == 0                      # goal: none > 20%
+    by = {r["name"]: r["error"] for r in rows}
+    megatron = [abs(r["error"]) for r in rows if r["hardware"] == "a100"]            # tensor × pipeline × data
     assert len(megatron) == 10 and max(megatron) == pytest.approx(0.072, abs=0.0005)
-    v6e = {r["name"]: r["error"] for r in rows if r["hardware"] == "tpu-v6e"}
-    assert len(v6e) == 12 and max(abs(e) for n, e in v6e.items() if "Mixtral" not in n) == pytest.approx(0.088, abs=0.0005)
-    assert v6e["MaxText Mixtral-8x7B, v6e-256 (capacity 1.25)"] == pytest.approx(-0.033, abs=0.0005)       # MoE
-    assert v6e["MaxText Mixtral-8x22B, v6e-256 (capacity 1.25, expert 4)"] == pytest.approx(-0.162, abs=0.0005)
-    assert np.sum(err > 0.10) == 16 and np.sum(err > 0.20) == 1      # goal: none > 20%; the README names the one
-    worst = rows[int(np.argmax(err))]
-    assert worst["name"] == "MaxText 128B, 2× v5p-512" and worst["error"] == pytest.approx(0.211, abs=0.0005)
+    v6e = [abs(e) for n, e in by.items() if "v6e" in n and "Mixtral" not in n]
+    assert len(v6e) == 10 and max(v6e) == pytest.approx(0.092, abs=0.0005)
+    assert by["MaxText Mixtral-8x7B, v6e-256 (capacity 1.25)"] == pytest.approx(-0.076, abs=0.0005)     # MoE
+    assert by["MaxText Mixtral-8x22B, v6e-256 (capacity 1.25, expert 4)"] == pytest.approx(-0.198, abs=0.0005)
+    assert by["MaxText 128B, 2× v5p-512"] == pytest.approx(0.132, abs=0.0005)
+    ironwood = {n: e for n, e in by.items() if "tpu7x" in n}
+    assert len(ironwood) == 5 and max(abs(e) for n, e in ironwood.items() if "128k" not in n and "Qwen" not in n) \
+        == pytest.approx(0.067, abs=0.0005)
+    assert [r["name"] for r in rows if not r["in_fit"]] == [
+        "MaxText Llama3.1-70B 128k context, tpu7x-4x8x8 (context 8 devices)",
+        "MaxText Qwen3-235B-A22B, tpu7x-4x8x8 (256 chips, dropless)"]
+    assert [round(r["error"], 3) for r in rows if not r["in_fit"]] == [0.404, 0.549]
+
+
+def test_jax_remat_leaves_unread_outputs_out():
+    """``remat_dce``: the compiled train step of tiny (float32, one device) with remat=full runs, over remat=none,
+    one layer's forward (XLA's cost analysis counts the scanned layer loop's body once) without the MLP's
+    output projection, whose output no backward reads: its matmuls but mlp_out, its attention (XLA's, every
+    score), and a little elementwise work (under 1/4 of mlp_out's FLOPs)."""
+    import jax
+
+    from jaxpar.analysis.plan import compile_step
+    from jaxpar.layout import make_layout
+    from jaxpar.meshes import resolve_mesh_arg
+    from jaxpar.models import get_model_preset
+
+    B, S, flops = 8, 64, {}
+    for remat in ("none", "full"):
+        cfg = get_model_preset("tiny", remat=remat, dtype="float32")
+        layout = make_layout(cfg, resolve_mesh_arg("data=1"), batch=B, seq=S, devices=jax.devices()[:1])
+        cost = compile_step(cfg, layout, batch=B, seq=S).cost_analysis()
+        flops[remat] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    D, H, K, Dh, F, T = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, B * S
+    read = 2 * T * (D * H * Dh + D * 2 * K * Dh + H * Dh * D + D * 2 * F) + 4 * T * S * H * Dh
+    mlp_out = 2 * T * F * D
+    assert 0 < flops["full"] - flops["none"] - read < mlp_out / 4
 
 
 def test_bad_workloads_are_refused_naming_the_field():

@@ -77,6 +77,14 @@ HARDWARE = {
     # of its own for calibration: MaxText's v6e recipes reach a smaller share of its peak than v5e/v5p runs.
     "tpu-v6e": Hardware("tpu-v6e", 918e12, 32e9, 1.64e12, 90e9, 256, 6.25e9, family="tpu-v6e", torus_dims=2,
                         ici_link=112e9, matmul_tile=256, tensor_overlap=True),
+    # Google Cloud TPU7x (Ironwood) page: 2,307 TFLOP/s BF16 per chip, 192 GiB HBM at 7,380 GB/s, 1,200 GB/s
+    # bidirectional ICI per chip (v5p's: 6 links, 100 GB/s per link and direction, a 3D torus of 4×4×4
+    # cubes), DCN 100 Gb/s per chip. A chip is two chiplets that JAX sees as two devices: the profile
+    # is per chip, so layouts and batches are counted in chips (2 devices each). The page gives no MXU
+    # size: Trillium's 256 is assumed (the published shapes are multiples of 256 either way). A
+    # calibration family of its own.
+    "tpu7x": Hardware("tpu7x", 2307e12, 192 * 2 ** 30, 7.38e12, 100e9, 9216, 12.5e9, family="tpu7x",
+                      torus_dims=3, ici_link=100e9, matmul_tile=256, tensor_overlap=True),
     # NVIDIA A100 SXM4 80 GB datasheet: 312 TFLOP/s dense BF16/FP16, 2,039 GB/s HBM2e, NVLink 3 600 GB/s (300 GB/s
     # each way) in an 8-GPU DGX A100 node with eight 200 Gb/s HDR InfiniBand NICs (25 GB/s per GPU): NVIDIA's
     # Selene, where Megatron-LM's 2021 runs were measured (Narayanan et al., SC21, §5). A chip of its own

@@ -80,12 +80,19 @@ RECOMPUTE = {
     "dots_flash": (0.0, 0.0, 1.0),   # matmul and flash-attention outputs kept (MaxText "minimal_flash")
     "op_sac": (0.5, 0.0, 1.0),       # torchtitan selective op AC: every other matmul output and attention kept
     "half": (0.5, 0.5, 0.5),         # torchtitan selective layer AC (every second layer recomputed)
-    "attn": (("qkv", "out"), 0.0, 1.0),  # jaxpar remat=attn: q/k/v and attention output kept, the MLP recomputed
-    # MaxText's host-offloading policies: the named projections offloaded to host memory (the transfers
-    # run beside compute), attention and the rest (the MLP or the experts with their routing) recomputed
-    "offload_qkv_out": (("qkv", "out"), 1.0, 1.0),
-    "offload_qkv": (("qkv",), 1.0, 1.0),
+    "attn": (("q", "kv", "out"), 0.0, 1.0),  # jaxpar remat=attn: q/k/v and attention output kept, the MLP recomputed
+    # MaxText's custom policies: the named projections offloaded to host memory (the transfers run beside
+    # compute) or kept on the device, attention (unless its output, "context", is kept) and the rest (the
+    # MLP or the experts with their routing) recomputed
+    "offload_qkv_out": (("q", "kv", "out"), 1.0, 1.0),
+    "offload_qkv": (("q", "kv"), 1.0, 1.0),
+    "keep_qkv_context": (("q", "kv"), 0.0, 1.0),
+    "keep_qkv_context_mlpwo": (("q", "kv", "mlp_out"), 0.0, 1.0),
+    "keep_kv_mlpwo": (("kv", "mlp_out"), 1.0, 1.0),
 }
+# matmuls whose outputs no backward reads (a matmul's gradient needs its input, not its output, and these
+# feed the residual stream only): JAX's remat leaves them out of the recomputed forward (``remat_dce``)
+UNREAD = ("mlp_out", "combine", "shared_out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +138,7 @@ class Workload:
     # gathers the full K/V, the sequence in its natural order: what GSPMD does for jaxpar's ``none``)
     context_parallel: str = "ring"
     cp_order: str = "zigzag"
+    remat_dce: bool = True           # the recomputed forward skips ``UNREAD`` (JAX; torch checkpointing reruns all)
 
     def size(self, axis: str) -> int:
         return int(self.mesh.get(axis, 1)) * int(self.dcn.get(axis, 1))
@@ -154,14 +162,14 @@ class Workload:
         """The share of its queries' full attention over all S keys a device computes: half when causal
         (flash kernels skip masked blocks); under ring attention the busiest device's live tiles of its
         4n (query half, key half) pairs, by the kernel's own rule (``jaxpar.parallel.ring.ring_work``);
-        gathered K/V in natural order, the last device's: (n − 1/2)/n."""
+        gathered K/V in natural order, the last device's: (n − 1/2)/n (half where the order balances it)."""
         n = self.size("sequence")
         if not self.causal:
             return 1.0
         if n == 1 or self.context_parallel == "ulysses":
             return 0.5
-        if self.context_parallel == "allgather":
-            return (n - 0.5) / n
+        if self.context_parallel == "allgather":            # zigzag: load-balanced as a ring's
+            return (n - 0.5) / n if self.cp_order == "contiguous" else 0.5
         from jaxpar.parallel.ring import ring_work
         return float(ring_work(4 * n, n, self.cp_order).max()) / (4 * n)
 
@@ -281,7 +289,7 @@ def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False) -> t
     e − 1 other devices' tokens included) and the shared MLP; with a capacity, the one-hot dispatch and
     combine einsums ([E·C, S] × [S, D] per sequence)."""
     t, D, Dh = w.size("tensor"), w.embed_dim, w.head_dim
-    shapes = dict(qkv=(D, (w.num_heads + 2 * w.kv_heads) * Dh // t), out=(w.num_heads * Dh // t, D))
+    shapes = dict(q=(D, w.num_heads * Dh // t), kv=(D, 2 * w.kv_heads * Dh // t), out=(w.num_heads * Dh // t, D))
     mm = {name: matmul_seconds(tokens, k, n, chip, eta) for name, (k, n) in shapes.items()}
     if not moe:
         mm |= dict(mlp_in=matmul_seconds(tokens, D, (w.mlp_matrices - 1) * w.mlp_dim // t, chip, eta),
@@ -322,9 +330,12 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     mm = sum(by_name.values())
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
     r_x = r_mm                                         # the experts' share (their all-to-all runs again too)
+    unread = UNREAD if w.remat_dce else ()
     if isinstance(r_mm, tuple):                        # the named matmuls kept, the others recomputed
         r_x = float("experts_in" not in r_mm)
-        r_mm = sum(v for name, v in by_name.items() if name not in r_mm) / mm
+        r_mm = sum(v for name, v in by_name.items() if name not in r_mm + unread) / mm
+    else:
+        r_mm = r_mm * sum(v for name, v in by_name.items() if name not in unread) / mm
     if w.executor and w.size("stage") > 1:             # each backward recomputes its chunk's forward
         r_mm, r_att, r_ew, r_x = r_mm + 1, r_att + 1, r_ew + 1, r_x + 1
     fwd = mm + att + ew
@@ -457,7 +468,7 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
                     weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
                     act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
                     causal=cfg.sliding_window is None, context_parallel="allgather" if cp == "none" else cp,
-                    cp_order=str(getattr(cfg, "cp_order", "zigzag")), **pipe, **experts)
+                    cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")), **pipe, **experts)
 
 
 def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:

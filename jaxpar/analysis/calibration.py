@@ -7,7 +7,8 @@ Ironwood table): the model's shape, batch, layout, remat policy, and the speed a
 TFLOP/s under the publisher's FLOP convention, or tokens/s. Each becomes a measured step time.
 ``jaxpar.analysis.steptime`` predicts them from the mechanisms; what no spec sheet gives is fitted per chip
 family (``Calibration``): the share of peak a large matmul reaches, and the share of a link's bandwidth a
-collective reaches on the fast links and on DCN/IB.
+collective reaches on the fast links and on DCN/IB; then, on the runs whose experts are dropless grouped
+matmuls, the share of the matmul share those reach (fitted after the others, which it does not touch).
 
 The fit is a grid search (every combination on ``GRID``, the loss evaluated for all at once: the model
 takes numpy arrays), minimizing the mean squared log error. Leave-one-out: for each run, fit on the other
@@ -31,7 +32,7 @@ RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json
 # descending link efficiencies: among equally good points the fit keeps the fastest links (a run whose
 # collectives are all hidden says nothing about them)
 GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.round(np.arange(1.0, 0.1999, -0.05), 2),
-            dcn=np.round(np.arange(1.0, 0.0499, -0.05), 2))
+            dcn=np.round(np.arange(1.0, 0.0499, -0.05), 2), grouped=np.round(np.arange(1.0, 0.1999, -0.01), 2))
 
 
 # ``calibrate()`` on benchmarks/published_runs.json (tests/test_steptime.py checks they agree). TPU v5e/v5p:
@@ -42,11 +43,14 @@ GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.rou
 # ICI share, and they disagree: GPT-3 175B, whose FSDP gathers outlast the compute they hide behind, fits
 # 0.3; Mixtral 8x22B, whose forward all-to-alls are exposed, fits a share above the link's bandwidth. The
 # fit settles on the bound, 1.0 (the others fit any share); no v6e run crosses DCN. TPU7x (Ironwood, per
-# chip): 0.67, from its three short-context dense runs (the two runs kept out of the fits are named in
-# the JSON with the reason); their FSDP traffic hides at any share, so the links stay at the bound.
+# chip): 0.67, from its three short-context dense runs (the run kept out of the fits is named in
+# the JSON with the reason); their FSDP traffic hides at any share, so the links stay at the bound. Its
+# dropless MoE runs (Qwen3-235B-A22B, DeepSeek-V3 on 128 and 256 chips) run their experts as grouped matmuls
+# (tokamax gmm) at 0.42 of that share, fitted on those three runs after the others.
 CALIBRATED = Calibration(matmul={"tpu": 0.78, "tpu-v6e": 0.58, "gpu": 0.54, "a100": 0.69, "tpu7x": 0.67},
                          collective={"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5, "tpu7x": 1.0},
-                         dcn={"tpu": 0.8, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.65, "tpu7x": 1.0})
+                         dcn={"tpu": 0.8, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.65, "tpu7x": 1.0},
+                         grouped={"tpu7x": 0.42})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,27 @@ def fit(runs: list[Run], preds=None, points=None) -> tuple:
     return points[int(np.argmin(loss))]
 
 
+def grouped(run: Run) -> bool:
+    """Whether the run's experts are dropless grouped matmuls (their share is fitted on its own)."""
+    return bool(run.workload.experts) and run.workload.capacity_factor is None
+
+
+def fit_grouped(runs: list[Run], point: tuple) -> float:
+    """The grouped-matmul share (on ``GRID["grouped"]``) that best fits ``runs``, the family's other
+    constants held at ``point``; 1.0 (the bound) without runs."""
+    if not runs:
+        return 1.0
+    g = GRID["grouped"]
+    loss = sum(np.log(step_seconds(r.workload, get_hardware(r.hardware), _calibration(r, point, g))["step_s"]
+                      / r.measured_step_s) ** 2 for r in runs)
+    return float(g[int(np.argmin(loss))])
+
+
+def _calibration(run: Run, point: tuple, grouped_share) -> Calibration:
+    fam = get_hardware(run.hardware).family
+    return Calibration(*({fam: float(x)} for x in point), grouped={fam: grouped_share})
+
+
 def families(runs: list[Run]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for i, r in enumerate(runs):
@@ -121,10 +146,16 @@ def families(runs: list[Run]) -> dict[str, list[int]]:
 
 
 def calibrate(runs: list[Run] | None = None) -> Calibration:
-    """The constants fitted on all ``runs`` (default: the published ones), per family."""
+    """The constants fitted on all ``runs`` (default: the published ones), per family: matmul share and
+    link shares on the runs without grouped matmuls, then the grouped share on the runs with them."""
     runs = load_runs() if runs is None else runs
-    fitted = {fam: fit([runs[i] for i in idx if runs[i].fitted]) for fam, idx in families(runs).items()}
-    return Calibration(*({fam: float(p[k]) for fam, p in fitted.items()} for k in range(3)))
+    points, shares = {}, {}
+    for fam, idx in families(runs).items():
+        points[fam] = fit([runs[i] for i in idx if runs[i].fitted and not grouped(runs[i])])
+        with_grouped = [runs[i] for i in idx if runs[i].fitted and grouped(runs[i])]
+        if with_grouped:                               # else the bound, 1 (``Calibration.grouped``'s default)
+            shares[fam] = fit_grouped(with_grouped, points[fam])
+    return Calibration(*({fam: float(p[k]) for fam, p in points.items()} for k in range(3)), grouped=shares)
 
 
 def leave_one_out(runs: list[Run] | None = None) -> list[dict]:
@@ -135,11 +166,16 @@ def leave_one_out(runs: list[Run] | None = None) -> list[dict]:
     for fam, idx in families(runs).items():
         preds, points = grid_predictions([runs[i] for i in idx])
         for j, i in enumerate(idx):
-            keep = [k for k in range(len(idx)) if k != j and runs[idx[k]].fitted]
+            keep = [k for k in range(len(idx)) if k != j and runs[idx[k]].fitted and not grouped(runs[idx[k]])]
             point = fit([runs[idx[k]] for k in keep], preds[keep], points)
-            g = points.index(point)
             fitted = dict(zip(("matmul", "collective", "dcn"), map(float, point)))
+            predicted = float(preds[j, points.index(point)])
+            if grouped(runs[i]):
+                share = fit_grouped([runs[k] for k in idx if k != i and runs[k].fitted and grouped(runs[k])], point)
+                fitted["grouped"] = share
+                predicted = float(step_seconds(runs[i].workload, get_hardware(runs[i].hardware),
+                                               _calibration(runs[i], point, share))["step_s"])
             rows[i] = dict(name=runs[i].name, hardware=runs[i].hardware, fitted=fitted,
-                           measured_step_s=runs[i].measured_step_s, predicted_step_s=float(preds[j, g]),
-                           error=runs[i].measured_step_s / float(preds[j, g]) - 1, in_fit=runs[i].fitted)
+                           measured_step_s=runs[i].measured_step_s, predicted_step_s=predicted,
+                           error=runs[i].measured_step_s / predicted - 1, in_fit=runs[i].fitted)
     return rows

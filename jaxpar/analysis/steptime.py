@@ -2,10 +2,11 @@
 and which of it can run at the same time.
 
 One transformer layer on one device, per step (T: tokens per tensor group, t: the tensor split):
-    matmuls       q/k/v, attention output, MLP in (2 matrices gated, 1 plain), MLP out: [T, K] × [K, N] each at
-                  ``matmul_seconds`` (a roofline: the chip's matmul efficiency on padded shapes, or the HBM
-                  traffic of the three operands, whichever is slower)
-    attention     4·T·S·H/t·D_h FLOPs forward, halved when causal (flash kernels skip the masked blocks), at
+    matmuls       q, k/v (MLA: through their latents), attention output, MLP in (2 matrices gated, 1 plain),
+                  MLP out: [T, K] × [K, N] each at ``matmul_seconds`` (a roofline: the chip's matmul efficiency
+                  on padded shapes, or the HBM traffic of the three operands, whichever is slower)
+    attention     2·T·S·H/t·(qk + v) FLOPs forward (4·T·S·H/t·D_h without MLA), halved when causal (flash
+                  kernels skip the masked blocks; ``Workload.attention_share`` under context parallelism), at
                   the chip's attention efficiency; backward 2.5× forward (5 matmuls against 2)
                   (without a flash kernel, ``Workload.flash`` False: every score, causal or not, computed at the
                   GEMM share, and the [S] scores of each query and head written, soft-maxed, dropped out and
@@ -14,7 +15,8 @@ One transformer layer on one device, per step (T: tokens per tensor group, t: th
                   8·D/t + m·F/t + 2·(H+H_kv)·D_h/t values (m: MLP matrices) a token forward (``elementwise_values``),
                   twice that backward, over HBM (activations split over tensor as MaxText's and ours are)
     backward      2× the forward matmuls (input gradient + weight gradient), 2.5× attention, 2× elementwise
-    recompute     the share of the forward each remat policy runs again (``RECOMPUTE``)
+    recompute     the share of the forward each remat policy runs again (``RECOMPUTE``), under JAX without the
+                  matmuls whose outputs no backward reads (``UNREAD``; torch's checkpointing reruns them)
 Per step: L layers, the LM head (forward and backward, cross entropy in f32 over HBM), the optimizer
 (Adam: 28 bytes of HBM traffic per local parameter element).
 
@@ -26,7 +28,10 @@ shared MLP, and with a capacity the one-hot dispatch and combine einsums, [E·C,
 ``expert``: exposed in the forward, beside the experts' weight-gradient matmuls in the backward where the
 platform overlaps (as tensor's). Expert weights split over expert and fsdp; the others are replicated
 over expert (jaxpar: their gradients all-reduced over it) or split over it like fsdp (``expert_fsdp``:
-MaxText).
+MaxText). Dropless experts run as grouped matmuls at ``Calibration.grouped`` of the matmul share.
+
+Context parallelism (``sequence`` n; ``context_seconds``): ring attention's K/V sends beside the blocks'
+attention, Ulysses' all-to-alls, or GSPMD's gathered K/V, and the gradients' all-reduce over sequence.
 
 Pipelines (``stage`` p > 1, m microbatches a step, v layer chunks a device): a device runs L/p layers on
 every microbatch, the last stage the LM head as well (it sets the pace: the stages' busy time is the last
@@ -139,6 +144,12 @@ class Workload:
     context_parallel: str = "ring"
     cp_order: str = "zigzag"
     remat_dce: bool = True           # the recomputed forward skips ``UNREAD`` (JAX; torch checkpointing reruns all)
+    # Multi-head Latent Attention (``kv_lora`` > 0, DeepSeek): head_dim is the no-RoPE query/key width,
+    # qk_rope the RoPE one, v_head the value width; q through a q_lora latent (0: directly)
+    kv_lora: int = 0
+    q_lora: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
 
     def size(self, axis: str) -> int:
         return int(self.mesh.get(axis, 1)) * int(self.dcn.get(axis, 1))
@@ -193,11 +204,35 @@ class Workload:
         return ((self.num_layers - self.moe_layers) * self.layer_params() + self.moe_layers * moe
                 + vocab_matrices * self.vocab * self.embed_dim)
 
+    @property
+    def qk_dim(self) -> int:
+        return self.head_dim + self.qk_rope
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head or self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Key and value values a token holds for attention: 2·H_kv·D_h, or MLA's expanded H·(qk + v)."""
+        return self.num_heads * (self.qk_dim + self.v_dim) if self.kv_lora else 2 * self.kv_heads * self.head_dim
+
+    def attention_shapes(self, t: int = 1) -> dict:
+        """The attention's matmuls, {name: [(K, N), ...]}, on one of ``t`` tensor shards: q, kv, out. MLA's
+        latent down-projections are not split over tensor; their up-projections are."""
+        D, H = self.embed_dim, self.num_heads
+        if not self.kv_lora:
+            return dict(q=[(D, H * self.head_dim // t)], kv=[(D, self.kv_width // t)], out=[(H * self.head_dim // t, D)])
+        q_out = H * self.qk_dim // t
+        q = [(D, self.q_lora), (self.q_lora, q_out)] if self.q_lora else [(D, q_out)]
+        kv = [(D, self.kv_lora + self.qk_rope), (self.kv_lora, H * (self.head_dim + self.v_dim) // t)]
+        return dict(q=q, kv=kv, out=[(H * self.v_dim // t, D)])
+
     def layer_params(self, moe: bool = False, *, active: bool = False) -> int:
         """One layer's weights: attention and MLP, or (``moe``) attention, router, shared MLP and the
         experts (``expert_params``; top_k of them when ``active``)."""
-        d, hd, m = self.embed_dim, self.head_dim, self.mlp_matrices
-        attention = d * hd * (2 * self.num_heads + 2 * self.kv_heads)
+        d, m = self.embed_dim, self.mlp_matrices
+        attention = sum(k * n for shapes in self.attention_shapes().values() for k, n in shapes)
         if not moe:
             return attention + m * d * self.mlp_dim
         experts = self.expert_params * (self.top_k / self.experts if active else 1)
@@ -253,10 +288,12 @@ class Workload:
 class Calibration:
     """The fitted constants (``jaxpar.analysis.calibration`` fits them on published runs): the share of
     peak a large well-shaped matmul reaches, and the share of a link's bandwidth a collective reaches,
-    on the fast links and on DCN/IB. Keyed by the chip's family (``Hardware.family``)."""
+    on the fast links and on DCN/IB. Keyed by the chip's family (``Hardware.family``). ``grouped``: the
+    share of the matmul share that dropless experts' grouped matmuls reach, where runs measure it (else 1)."""
     matmul: dict
     collective: dict
     dcn: dict
+    grouped: dict = dataclasses.field(default_factory=dict)
 
 
 def elementwise_values(w: Workload, moe: bool = False) -> float:
@@ -265,7 +302,7 @@ def elementwise_values(w: Workload, moe: bool = False) -> float:
     own: the one-hot dispatch and combine masks (E·C/S values each per token), or the dropless sort and
     unsort of each token's k copies (4·k·D)."""
     t, D = w.size("tensor"), w.embed_dim
-    attention = 8 * D + 2 * (w.num_heads + w.kv_heads) * w.head_dim
+    attention = 8 * D + w.num_heads * (w.qk_dim + w.v_dim) + w.kv_width
     if not moe:
         return (attention + w.mlp_matrices * w.mlp_dim) / t
     mlp = w.mlp_matrices * (w.slots_per_token * w.expert_mlp_dim + w.shared_mlp_dim)
@@ -282,30 +319,32 @@ def matmul_seconds(m, k, n, chip, efficiency):
     return np.maximum(compute, 2.0 * (m * k + k * n + m * n) / chip.hbm_bandwidth)
 
 
-def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False) -> tuple:
+def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False, grouped=1.0) -> tuple:
     """One layer's forward on ``tokens`` tokens of one tensor group, in seconds: (the matmuls by name,
     attention, elementwise work); ``eta`` the matmul share of peak. A MoE layer (``moe``) replaces the MLP
     with the router, the experts on their slots (each device runs E/e experts on E·C/S·T slots in all, the
     e − 1 other devices' tokens included) and the shared MLP; with a capacity, the one-hot dispatch and
-    combine einsums ([E·C, S] × [S, D] per sequence)."""
-    t, D, Dh = w.size("tensor"), w.embed_dim, w.head_dim
-    shapes = dict(q=(D, w.num_heads * Dh // t), kv=(D, 2 * w.kv_heads * Dh // t), out=(w.num_heads * Dh // t, D))
-    mm = {name: matmul_seconds(tokens, k, n, chip, eta) for name, (k, n) in shapes.items()}
+    combine einsums ([E·C, S] × [S, D] per sequence); dropless, the experts as grouped matmuls at ``grouped``
+    × ``eta``."""
+    t, D = w.size("tensor"), w.embed_dim
+    mm = {name: sum(matmul_seconds(tokens, k, n, chip, eta) for k, n in shapes)
+          for name, shapes in w.attention_shapes(t).items()}
     if not moe:
         mm |= dict(mlp_in=matmul_seconds(tokens, D, (w.mlp_matrices - 1) * w.mlp_dim // t, chip, eta),
                    mlp_out=matmul_seconds(tokens, w.mlp_dim // t, D, chip, eta))
     else:
         local, slots = w.experts // w.size("expert"), w.slots_per_token * tokens
         each = slots / local                              # slots of one local expert
+        eta_x = eta * (grouped if w.capacity_factor is None else 1.0)
         mm |= dict(router=matmul_seconds(tokens, D, w.experts, chip, eta),
-                   experts_in=local * matmul_seconds(each, D, (w.mlp_matrices - 1) * w.expert_mlp_dim // t, chip, eta),
-                   experts_out=local * matmul_seconds(each, w.expert_mlp_dim // t, D, chip, eta))
+                   experts_in=local * matmul_seconds(each, D, (w.mlp_matrices - 1) * w.expert_mlp_dim // t, chip, eta_x),
+                   experts_out=local * matmul_seconds(each, w.expert_mlp_dim // t, D, chip, eta_x))
         if w.capacity_factor is not None:
             mm["dispatch"] = mm["combine"] = matmul_seconds(slots, w.seq, D // t, chip, eta)
         if w.shared_mlp_dim:
             mm |= dict(shared_in=matmul_seconds(tokens, D, (w.mlp_matrices - 1) * w.shared_mlp_dim // t, chip, eta),
                        shared_out=matmul_seconds(tokens, w.shared_mlp_dim // t, D, chip, eta))
-    att_flops = 4.0 * tokens * w.seq * w.num_heads / t * Dh
+    att_flops = 2.0 * tokens * w.seq * w.num_heads / t * (w.qk_dim + w.v_dim)
     if w.flash:
         att = att_flops * w.attention_share / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
     else:
@@ -326,7 +365,7 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     backward and recompute that gradient traffic can hide behind. ``bw``: per axis, the bandwidth a
     collective reaches."""
     t, f, d, e = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("expert")
-    by_name, att, ew = layer_forward(w, chip, cal.matmul[chip.family], tokens, moe)
+    by_name, att, ew = layer_forward(w, chip, cal.matmul[chip.family], tokens, moe, cal.grouped.get(chip.family, 1.0))
     mm = sum(by_name.values())
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
     r_x = r_mm                                         # the experts' share (their all-to-all runs again too)
@@ -381,10 +420,11 @@ def context_seconds(w: Workload, chip, bw: dict, tokens: float, att: float) -> t
     torus one ICI link's direction, on a GPU the per-direction link. Ulysses: q, k, v to head-split and
     the output back, all-to-alls between dependent ops: exposed, forward and backward alike. Allgather:
     the other devices' K/V gathered before attention, their gradients reduce-scattered after it: exposed."""
-    n, t, Dh = w.size("sequence"), w.size("tensor"), w.head_dim
-    kv = tokens * 2 * w.kv_heads * Dh / t
+    n, t = w.size("sequence"), w.size("tensor")
+    kv = tokens * w.kv_width / t
     if w.context_parallel == "ulysses":
-        a2a = (n - 1) / n * tokens * (2 * w.num_heads + 2 * w.kv_heads) * Dh / t * w.act_bytes / bw["sequence"]
+        qkvo = w.num_heads * (w.qk_dim + w.v_dim) + w.kv_width
+        a2a = (n - 1) / n * tokens * qkvo / t * w.act_bytes / bw["sequence"]
         return a2a, a2a
     if w.context_parallel == "allgather":
         return (n - 1) * kv * w.act_bytes / bw["sequence"], (n - 1) * kv * w.act_bytes / bw["sequence"]
@@ -434,7 +474,7 @@ def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: 
     ``recomputed_forward``: the layers' forward once more (Megatron-LM's Eq. 3 counts full recompute)."""
     params = w.params(2 if count_embedding and not w.tied else 1, active=True)
     tokens = w.batch * w.seq / w.devices
-    att = 12 * w.num_layers * w.num_heads * w.head_dim * w.seq * (0.5 if causal_attention else 1.0)
+    att = 6 * w.num_layers * w.num_heads * (w.qk_dim + w.v_dim) * w.seq * (0.5 if causal_attention else 1.0)
     extra = (2 * w.params(0, active=True) + att / 3) if recomputed_forward else 0.0
     return tokens * (6 * params + att + extra)
 
@@ -442,18 +482,18 @@ def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: 
 def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None,
                 pipeline: dict | None = None) -> Workload | None:
     """The ``Workload`` of a jaxpar model under ``mesh`` (ICI axis sizes), or None where the model does not
-    describe it: MLA attention and expert-choice routing. A split sequence without ring or Ulysses attention
+    describe it: expert-choice routing. A split sequence without ring or Ulysses attention
     is GSPMD's: the full K/V gathered on every device (``allgather``).
     ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and stage_bytes of the executor."""
     moe = getattr(cfg, "moe", None)
-    if getattr(cfg, "uses_mla", False) or (moe is not None and moe.router == "expert_choice"):
+    if moe is not None and moe.router == "expert_choice":
         return None
     dcn = {a: int(n) for a, n in (dcn or {}).items() if int(n) > 1}
     sizes = {a: int(n) for a, n in mesh.items() if int(n) > 1}
     cp = str(getattr(cfg, "context_parallel", "none"))
     if set(sizes) - set(AXES) or set(dcn) - set(AXES):
         return None
-    pipe, experts = {}, {}
+    pipe, experts, mla = {}, {}, {}
     if pipeline and sizes.get("stage", 1) * dcn.get("stage", 1) > 1:
         replicas = math.prod(sizes.get(a, 1) * dcn.get(a, 1) for a in ("data", "fsdp", "expert"))
         pipe = dict(microbatch=batch // (replicas * pipeline["microbatches"]), executor=True,
@@ -462,13 +502,18 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
         experts = dict(experts=moe.num_experts, top_k=moe.top_k, expert_mlp_dim=moe.mlp_dim,
                        capacity_factor=moe.capacity_factor, shared_mlp_dim=moe.num_shared_experts * moe.shared_mlp_dim,
                        dense_layers=cfg.first_dense_layers)
-    return Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+    if getattr(cfg, "mla", None) is not None:
+        m = cfg.mla
+        mla = dict(kv_lora=m.kv_lora_rank, q_lora=m.q_lora_rank or 0, qk_rope=m.qk_rope_head_dim, v_head=m.v_head_dim)
+    head_dim = cfg.mla.qk_nope_head_dim if mla else cfg.head_dim
+    return Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=head_dim,
                     mlp_dim=cfg.mlp_dim, mlp_matrices=3, num_layers=cfg.num_layers, vocab=cfg.padded_vocab, batch=batch,
                     seq=seq, mesh=sizes, dcn=dcn, remat=cfg.remat.value,
                     weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
                     act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
                     causal=cfg.sliding_window is None, context_parallel="allgather" if cp == "none" else cp,
-                    cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")), **pipe, **experts)
+                    cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")), **pipe, **experts,
+                    **mla)
 
 
 def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
@@ -487,4 +532,5 @@ def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
                 bubble_fraction=bubble_of(w), pipelined_s=parts["step_s"] - after,   # the stages, bubble in
                 communication_s=exposed, exposed_communication_s=sum(exposed.values()), step_s=parts["step_s"],
                 parts=parts, calibration=dict(matmul=cal.matmul[chip.family], collective=cal.collective[chip.family],
+                                              grouped=cal.grouped.get(chip.family, 1.0),
                                               dcn=cal.dcn[chip.family]))

@@ -76,7 +76,7 @@ def test_moe_plan_in_bf16_prices_the_experts_by_mechanisms():
     XLA:CPU (a bf16 gradient reduction of the expert weights over the batch shards once aborted XLA:CPU's
     all-reduce promotion; the kernels now take the weights as stored), and the step is priced by the
     mechanism model, the expert all-to-all among its exposed communication."""
-    from jaxpar.analysis.steptime import workload_of
+    from jaxpar.analysis.workload import workload_of
     from jaxpar.models import get_model_preset
 
     p = plan("tiny-moe", "data=2,expert=4", batch=16, seq=64, hardware="h100")

@@ -8,8 +8,9 @@ import pytest
 from jaxpar.analysis.calibration import CALIBRATED, calibrate, leave_one_out, load_runs, measured_step
 from jaxpar.analysis.hardware import HARDWARE
 from jaxpar.analysis.links import axis_links, torus_split
-from jaxpar.analysis.steptime import (SCORE_BYTES, Calibration, Workload, elementwise_values, matmul_seconds,
-                                      model_flops, step_seconds)
+from jaxpar.analysis.steptime import (SCORE_BYTES, Calibration, elementwise_values, layer_forward,
+                                      matmul_seconds, model_flops, step_seconds)
+from jaxpar.analysis.workload import Workload, workload_of
 from jaxpar.errors import ConfigError
 
 V5P, H100 = HARDWARE["tpu-v5p"], HARDWARE["h100"]
@@ -285,7 +286,6 @@ def test_mla_and_grouped_experts_by_hand():
     × (128 + 64), k/v through the 512 latent (plus the shared 64-wide RoPE key) to 128 × (128 + 128), the
     output from 128 × 128; attention 2·S·H·(192 + 128) FLOPs a token. A grouped share g makes the dropless
     experts' matmuls 1/g slower and nothing else."""
-    from jaxpar.analysis.steptime import workload_of
     from jaxpar.models import get_model_preset
 
     cfg = get_model_preset("deepseek-v3")
@@ -299,7 +299,6 @@ def test_mla_and_grouped_experts_by_hand():
     tpu7x = HARDWARE["tpu7x"]
     base = Calibration({"tpu7x": 0.6}, {"tpu7x": 1.0}, {"tpu7x": 1.0})
     half = Calibration({"tpu7x": 0.6}, {"tpu7x": 1.0}, {"tpu7x": 1.0}, grouped={"tpu7x": 0.5})
-    from jaxpar.analysis.steptime import layer_forward
     assert w.capacity_factor == 1.25 and step_seconds(w, tpu7x, half) == step_seconds(w, tpu7x, base)   # one-hot
     w = dataclasses.replace(w, capacity_factor=None)                                                  # dropless
     a, b = layer_forward(w, tpu7x, 0.6, 4096, True), layer_forward(w, tpu7x, 0.6, 4096, True, grouped=0.5)

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.analysis.hardware import get_hardware
-from jaxpar.analysis.steptime import Calibration, Workload, model_flops, step_seconds
+from jaxpar.analysis.steptime import Calibration, model_flops, step_seconds
+from jaxpar.analysis.workload import Workload
 
 WORKLOAD_FIELDS = {f.name for f in dataclasses.fields(Workload)}
 RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json"

@@ -212,7 +212,8 @@ def step_times(cfg, shape: dict, dcn: dict, measured: dict, *, batch: int, seq: 
     ``pipeline``: the executor's costs (``pipeline_costs``) where the mesh has ``stage`` > 1: its bubble
     stretches the step."""
     from jaxpar.analysis.calibration import CALIBRATED
-    from jaxpar.analysis.steptime import mechanism_times, workload_of
+    from jaxpar.analysis.steptime import mechanism_times
+    from jaxpar.analysis.workload import workload_of
 
     base = dict(compute_dtype=cfg.dtype, remat=cfg.remat.value)
     ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}

@@ -354,3 +354,22 @@ def test_bad_workloads_are_refused_naming_the_field():
     with pytest.raises(ConfigError, match="num_heads=8: not divisible by tensor=16"):
         dataclasses.replace(SMALL, mesh=dict(tensor=16)).check()
     assert math.isfinite(step_seconds(SMALL, HARDWARE["tpu-v6e"], CAL)["step_s"])
+
+
+def test_readme_validation_table_is_the_json():
+    """Every row of the README's validation table says what benchmarks/results/plan_validation.json says (the
+    JSON itself is what the leave-one-out test recomputes): measured and predicted step, error."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rows = json.loads((root / "benchmarks" / "results" / "plan_validation.json").read_text())["rows"]
+    table = {m.group(1): m.groups()[1:] for m in re.finditer(
+        r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+)% \|", (root / "README.md").read_text(), re.M)}
+    assert len(table) == len(rows) == 76
+    for r in rows:
+        measured, predicted, error = table[r["name"]]
+        assert (float(measured), float(predicted)) == (round(r["measured_step_s"], 3), round(r["predicted_step_s"], 3))
+        assert float(error) == round(100 * r["error"], 1), r["name"]
+    assert [r["name"] for r in rows] == list(table)                  # in the same order

@@ -7,10 +7,10 @@ The runs, with the configurations that were measured and where each comes from, 
 2024-12), Megatron-LM's weak-scaling table (GPT 1.7B-1T on 32-3072 A100s, tensor × pipeline × data, SC21)
 and tpu-recipes' MaxText runs on TPU v6e (Llama 3.1 8B/70B, Mistral 7B, GPT-3 175B, and the MoE
 Mixtral 8x7B and 8x22B), and its TPU7x (Ironwood) table (Llama 3.1 70B at 8k and 128k tokens, 405B,
-Qwen3-235B-A22B, DeepSeek-V3). Each run is predicted by ``jaxpar.analysis.steptime`` with the constants
+Qwen3-235B-A22B, DeepSeek-V3, in bf16 and in FP8). Each run is predicted by ``jaxpar.analysis.steptime`` with the constants
 (``jaxpar.analysis.calibration``) fitted on the other runs of its chip family; the error is the predicted
 speed over the published one, minus 1 (the relative MFU error). The summary gives the errors over all runs
-and over the runs the fits use (one run is predicted but kept out of the fits, with its reason).
+and over the runs the fits use (two runs, the 128k-token one in bf16 and in FP8, are predicted but kept out of the fits, with the reason).
 
     python benchmarks/plan_validation.py > benchmarks/results/plan_validation.json
 """
@@ -37,7 +37,7 @@ def main() -> None:
     summary = dict(errors(rows), fitted_runs=errors([r for r in rows if r["in_fit"]]),
                    not_fitted={r["name"]: r["error"] for r in rows if not r["in_fit"]},
                    calibration=dict(matmul=CALIBRATED.matmul, collective=CALIBRATED.collective, dcn=CALIBRATED.dcn,
-                                    grouped=CALIBRATED.grouped))
+                                    grouped=CALIBRATED.grouped, fp8=CALIBRATED.fp8, grouped_fp8=CALIBRATED.grouped_fp8))
     print(json.dumps(dict(benchmark="plan_validation", summary=summary, rows=rows), indent=1, ensure_ascii=False))
 
 

@@ -8,7 +8,9 @@ TFLOP/s under the publisher's FLOP convention, or tokens/s. Each becomes a measu
 ``jaxpar.analysis.steptime`` predicts them from the mechanisms; what no spec sheet gives is fitted per chip
 family (``Calibration``): the share of peak a large matmul reaches, and the share of a link's bandwidth a
 collective reaches on the fast links and on DCN/IB; then, on the runs whose experts are dropless grouped
-matmuls, the share of the matmul share those reach (fitted after the others, which it does not touch).
+matmuls, the share of the matmul share those reach; on the runs in FP8, the share of the FP8 peak their
+matmuls reach and, for grouped ones, their own grouped share (each fitted after the ones before, which it
+does not touch).
 
 The fit is a grid search (every combination on ``GRID``, the loss evaluated for all at once: the model
 takes numpy arrays), minimizing the mean squared log error. Leave-one-out: for each run, fit on the other
@@ -33,7 +35,8 @@ RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json
 # descending link efficiencies: among equally good points the fit keeps the fastest links (a run whose
 # collectives are all hidden says nothing about them)
 GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.round(np.arange(1.0, 0.1999, -0.05), 2),
-            dcn=np.round(np.arange(1.0, 0.0499, -0.05), 2), grouped=np.round(np.arange(1.0, 0.1999, -0.01), 2))
+            dcn=np.round(np.arange(1.0, 0.0499, -0.05), 2), grouped=np.round(np.arange(1.0, 0.1999, -0.01), 2),
+            fp8=np.round(np.arange(0.20, 1.0001, 0.01), 2), grouped_fp8=np.round(np.arange(1.0, 0.1999, -0.01), 2))
 
 
 # ``calibrate()`` on benchmarks/published_runs.json (tests/test_steptime.py checks they agree). TPU v5e/v5p:
@@ -47,11 +50,14 @@ GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.rou
 # chip): 0.67, from its three short-context dense runs (the run kept out of the fits is named in
 # the JSON with the reason); their FSDP traffic hides at any share, so the links stay at the bound. Its
 # dropless MoE runs (Qwen3-235B-A22B, DeepSeek-V3 on 128 and 256 chips) run their experts as grouped matmuls
-# (tokamax gmm) at 0.42 of that share, fitted on those three runs after the others.
+# (tokamax gmm) at 0.42 of that share, fitted on those three runs after the others. Its FP8 runs (MaxText's
+# fp8_full: every weight matmul in FP8): dense ones at 0.55 of the FP8 peak (fitted on the three dense FP8
+# runs), grouped ones at 0.29 of that (fitted on the three dropless FP8 runs): FP8 speeds the grouped
+# kernels up far less than the dense ones.
 CALIBRATED = Calibration(matmul={"tpu": 0.78, "tpu-v6e": 0.58, "gpu": 0.54, "a100": 0.69, "tpu7x": 0.67},
                          collective={"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5, "tpu7x": 1.0},
                          dcn={"tpu": 0.8, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.65, "tpu7x": 1.0},
-                         grouped={"tpu7x": 0.42})
+                         grouped={"tpu7x": 0.42}, fp8={"tpu7x": 0.55}, grouped_fp8={"tpu7x": 0.29})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,25 +124,40 @@ def fit(runs: list[Run], preds=None, points=None) -> tuple:
     return points[int(np.argmin(loss))]
 
 
-def grouped(run: Run) -> bool:
-    """Whether the run's experts are dropless grouped matmuls (their share is fitted on its own)."""
-    return bool(run.workload.experts) and run.workload.capacity_factor is None
+def kind(run: Run) -> str:
+    """Which stage of the fit a run informs (``STAGES``): its experts dropless grouped matmuls or not, its
+    weight matmuls in FP8 or not."""
+    w = run.workload
+    grouped = bool(w.experts) and w.capacity_factor is None
+    return {(False, False): "base", (True, False): "grouped", (False, True): "fp8", (True, True): "grouped_fp8"}[
+        (grouped, w.fp8)]
 
 
-def fit_grouped(runs: list[Run], point: tuple) -> float:
-    """The grouped-matmul share (on ``GRID["grouped"]``) that best fits ``runs``, the family's other
-    constants held at ``point``; 1.0 (the bound) without runs."""
+# after (matmul, collective, dcn) on the ``base`` runs, each share on its own runs, the earlier ones held
+STAGES = ("grouped", "fp8", "grouped_fp8")
+
+
+def fit_share(runs: list[Run], calibration, grid) -> float | None:
+    """The value on ``grid`` whose ``calibration(value)`` predicts ``runs`` best (None without runs)."""
     if not runs:
-        return 1.0
-    g = GRID["grouped"]
-    loss = sum(np.log(step_seconds(r.workload, get_hardware(r.hardware), _calibration(r, point, g))["step_s"]
+        return None
+    loss = sum(np.log(step_seconds(r.workload, get_hardware(r.hardware), calibration(grid))["step_s"]
                       / r.measured_step_s) ** 2 for r in runs)
-    return float(g[int(np.argmin(loss))])
+    return float(grid[int(np.argmin(loss))])
 
 
-def _calibration(run: Run, point: tuple, grouped_share) -> Calibration:
-    fam = get_hardware(run.hardware).family
-    return Calibration(*({fam: float(x)} for x in point), grouped={fam: grouped_share})
+def fit_family(runs: list[Run], point: tuple) -> Calibration:
+    """One family's constants: ``point`` (matmul, collective, dcn, fitted on its ``base`` runs), then each of
+    ``STAGES`` on its own runs (the grouped share on bf16 grouped runs, the FP8 share on dense FP8 runs, the
+    FP8 grouped share on FP8 grouped runs), the earlier ones held; a stage without runs keeps its default."""
+    fam = get_hardware(runs[0].hardware).family if runs else None
+    cal = Calibration(*({fam: float(x)} for x in point))
+    for stage in STAGES:
+        value = fit_share([r for r in runs if kind(r) == stage],
+                          lambda x, stage=stage: dataclasses.replace(cal, **{stage: {fam: x}}), GRID[stage])
+        if value is not None:
+            cal = dataclasses.replace(cal, **{stage: {fam: value}})
+    return cal
 
 
 def families(runs: list[Run]) -> dict[str, list[int]]:
@@ -147,16 +168,14 @@ def families(runs: list[Run]) -> dict[str, list[int]]:
 
 
 def calibrate(runs: list[Run] | None = None) -> Calibration:
-    """The constants fitted on all ``runs`` (default: the published ones), per family: matmul share and
-    link shares on the runs without grouped matmuls, then the grouped share on the runs with them."""
+    """The constants fitted on all ``runs`` (default: the published ones), per family (``fit_family``)."""
     runs = load_runs() if runs is None else runs
-    points, shares = {}, {}
+    out = Calibration({}, {}, {})
     for fam, idx in families(runs).items():
-        points[fam] = fit([runs[i] for i in idx if runs[i].fitted and not grouped(runs[i])])
-        with_grouped = [runs[i] for i in idx if runs[i].fitted and grouped(runs[i])]
-        if with_grouped:                               # else the bound, 1 (``Calibration.grouped``'s default)
-            shares[fam] = fit_grouped(with_grouped, points[fam])
-    return Calibration(*({fam: float(p[k]) for fam, p in points.items()} for k in range(3)), grouped=shares)
+        fitted = [runs[i] for i in idx if runs[i].fitted]
+        c = fit_family(fitted, fit([r for r in fitted if kind(r) == "base"]))
+        out = Calibration(*({**getattr(out, f.name), **getattr(c, f.name)} for f in dataclasses.fields(Calibration)))
+    return out
 
 
 def leave_one_out(runs: list[Run] | None = None) -> list[dict]:
@@ -167,15 +186,16 @@ def leave_one_out(runs: list[Run] | None = None) -> list[dict]:
     for fam, idx in families(runs).items():
         preds, points = grid_predictions([runs[i] for i in idx])
         for j, i in enumerate(idx):
-            keep = [k for k in range(len(idx)) if k != j and runs[idx[k]].fitted and not grouped(runs[idx[k]])]
+            keep = [k for k in range(len(idx)) if k != j and runs[idx[k]].fitted and kind(runs[idx[k]]) == "base"]
             point = fit([runs[idx[k]] for k in keep], preds[keep], points)
+            cal = fit_family([runs[k] for k in idx if k != i and runs[k].fitted], point)
             fitted = dict(zip(("matmul", "collective", "dcn"), map(float, point)))
-            predicted = float(preds[j, points.index(point)])
-            if grouped(runs[i]):
-                share = fit_grouped([runs[k] for k in idx if k != i and runs[k].fitted and grouped(runs[k])], point)
-                fitted["grouped"] = share
-                predicted = float(step_seconds(runs[i].workload, get_hardware(runs[i].hardware),
-                                               _calibration(runs[i], point, share))["step_s"])
+            w = runs[i].workload
+            grouped = bool(w.experts) and w.capacity_factor is None
+            uses = dict(grouped=grouped and not w.fp8, fp8=w.fp8, grouped_fp8=grouped and w.fp8)
+            fitted |= {f: getattr(cal, f)[fam] for f, used in uses.items() if used and fam in getattr(cal, f)}
+            predicted = (float(preds[j, points.index(point)]) if kind(runs[i]) == "base" else
+                         float(step_seconds(runs[i].workload, get_hardware(runs[i].hardware), cal)["step_s"]))
             rows[i] = dict(name=runs[i].name, hardware=runs[i].hardware, fitted=fitted,
                            measured_step_s=runs[i].measured_step_s, predicted_step_s=predicted,
                            error=runs[i].measured_step_s / predicted - 1, in_fit=runs[i].fitted)

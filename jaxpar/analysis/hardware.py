@@ -35,6 +35,7 @@ class Hardware:
     matmul_tile: int = 128
     attention_efficiency: float = 1.0
     tensor_overlap: bool = False
+    peak_fp8_flops: float = 0.0  # dense FP8 FLOP/s where the chip runs FP8 faster than BF16 (0: it does not)
 
 
 # FlashAttention-3 (Shah et al., 2024, figs. 5-6): causal attention forward and backward with head dim 128 at
@@ -45,9 +46,12 @@ GPU_ATTENTION = 0.75
 HARDWARE = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s
     # (both directions, so 450 GB/s each way) in an 8-GPU HGX node; one 400 Gb/s NDR InfiniBand NIC per GPU.
-    "h100": Hardware("h100", 989e12, 80e9, 3.35e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION),
+    # Dense FP8: 1,979 TFLOP/s (the datasheet's 3,958 with sparsity, halved), on H100 SXM and H200 alike.
+    "h100": Hardware("h100", 989e12, 80e9, 3.35e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION,
+                     peak_fp8_flops=1979e12),
     # NVIDIA H200 SXM datasheet: the H100's compute and NVLink; 141 GB HBM3e at 4.8 TB/s.
-    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION),
+    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION,
+                     peak_fp8_flops=1979e12),
     # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training for 8 GPUs (2.25 PFLOP/s dense BF16 per GPU),
     # 1,440 GB HBM3e (180 GB per GPU) at 8 TB/s each, NVLink 5 1.8 TB/s (900 GB/s each way), 400 Gb/s IB per GPU.
     "b200": Hardware("b200", 2.25e15, 180e9, 8e12, 900e9, 8, 50e9, attention_efficiency=GPU_ATTENTION),
@@ -77,14 +81,14 @@ HARDWARE = {
     # of its own for calibration: MaxText's v6e recipes reach a smaller share of its peak than v5e/v5p runs.
     "tpu-v6e": Hardware("tpu-v6e", 918e12, 32e9, 1.64e12, 90e9, 256, 6.25e9, family="tpu-v6e", torus_dims=2,
                         ici_link=112e9, matmul_tile=256, tensor_overlap=True),
-    # Google Cloud TPU7x (Ironwood) page: 2,307 TFLOP/s BF16 per chip, 192 GiB HBM at 7,380 GB/s, 1,200 GB/s
+    # Google Cloud TPU7x (Ironwood) page: 2,307 TFLOP/s BF16 (4,614 FP8) per chip, 192 GiB HBM at 7,380 GB/s, 1,200 GB/s
     # bidirectional ICI per chip (v5p's: 6 links, 100 GB/s per link and direction, a 3D torus of 4×4×4
     # cubes), DCN 100 Gb/s per chip. A chip is two chiplets that JAX sees as two devices: the profile
     # is per chip, so layouts and batches are counted in chips (2 devices each). The page gives no MXU
     # size: Trillium's 256 is assumed (the published shapes are multiples of 256 either way). A
     # calibration family of its own.
     "tpu7x": Hardware("tpu7x", 2307e12, 192 * 2 ** 30, 7.38e12, 100e9, 9216, 12.5e9, family="tpu7x",
-                      torus_dims=3, ici_link=100e9, matmul_tile=256, tensor_overlap=True),
+                      torus_dims=3, ici_link=100e9, matmul_tile=256, tensor_overlap=True, peak_fp8_flops=4614e12),
     # NVIDIA A100 SXM4 80 GB datasheet: 312 TFLOP/s dense BF16/FP16, 2,039 GB/s HBM2e, NVLink 3 600 GB/s (300 GB/s
     # each way) in an 8-GPU DGX A100 node with eight 200 Gb/s HDR InfiniBand NICs (25 GB/s per GPU): NVIDIA's
     # Selene, where Megatron-LM's 2021 runs were measured (Narayanan et al., SC21, §5). A chip of its own

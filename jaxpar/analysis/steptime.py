@@ -81,11 +81,19 @@ class Calibration:
     """The fitted constants (``jaxpar.analysis.calibration`` fits them on published runs): the share of
     peak a large well-shaped matmul reaches, and the share of a link's bandwidth a collective reaches,
     on the fast links and on DCN/IB. Keyed by the chip's family (``Hardware.family``). ``grouped``: the
-    share of the matmul share that dropless experts' grouped matmuls reach, where runs measure it (else 1)."""
+    share of the matmul share that dropless experts' grouped matmuls reach, where runs measure it (else 1);
+    ``fp8``: the share of the chip's FP8 peak that FP8 matmuls reach, where runs measure it (else ``matmul``);
+    ``grouped_fp8``: ``grouped`` for FP8 grouped matmuls (else ``grouped``)."""
     matmul: dict
     collective: dict
     dcn: dict
     grouped: dict = dataclasses.field(default_factory=dict)
+    fp8: dict = dataclasses.field(default_factory=dict)
+    grouped_fp8: dict = dataclasses.field(default_factory=dict)
+
+    def grouped_share(self, family: str, fp8: bool) -> float:
+        bf16 = self.grouped.get(family, 1.0)
+        return self.grouped_fp8.get(family, bf16) if fp8 else bf16
 
 
 def elementwise_values(w: Workload, moe: bool = False) -> float:
@@ -102,40 +110,47 @@ def elementwise_values(w: Workload, moe: bool = False) -> float:
     return (attention + mlp) / t + routing
 
 
-def matmul_seconds(m, k, n, chip, efficiency):
-    """[m, k] × [k, n] in bf16: padded to the chip's tile, at ``efficiency`` × peak, or its operands over
-    HBM, whichever is slower (``efficiency`` may be a numpy array: the calibration's grid)."""
+def matmul_seconds(m, k, n, chip, efficiency, fp8: bool = False):
+    """[m, k] × [k, n] in bf16 (``fp8``: at the chip's FP8 peak): padded to the chip's tile, at ``efficiency``
+    × peak, or its bf16 operands over HBM, whichever is slower (``efficiency`` may be a numpy array: the
+    calibration's grid)."""
     tile = chip.matmul_tile
     padded = math.prod(math.ceil(x / tile) * tile for x in (m, k, n))
-    compute = 2.0 * padded / (chip.peak_bf16_flops * efficiency)
+    peak = (chip.peak_fp8_flops or chip.peak_bf16_flops) if fp8 else chip.peak_bf16_flops
+    compute = 2.0 * padded / (peak * efficiency)
     return np.maximum(compute, 2.0 * (m * k + k * n + m * n) / chip.hbm_bandwidth)
 
 
-def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False, grouped=1.0) -> tuple:
+def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False, grouped=1.0, eta_fp8=None) -> tuple:
     """One layer's forward on ``tokens`` tokens of one tensor group, in seconds: (the matmuls by name,
     attention, elementwise work); ``eta`` the matmul share of peak. A MoE layer (``moe``) replaces the MLP
     with the router, the experts on their slots (each device runs E/e experts on E·C/S·T slots in all, the
     e − 1 other devices' tokens included) and the shared MLP; with a capacity, the one-hot dispatch and
     combine einsums ([E·C, S] × [S, D] per sequence); dropless, the experts as grouped matmuls at ``grouped``
-    × ``eta``."""
+    × the share. ``Workload.fp8``: the weight matmuls at the FP8 peak and ``eta_fp8`` (the router, the
+    one-hot einsums, attention and the LM head stay in bf16)."""
     t, D = w.size("tensor"), w.embed_dim
-    mm = {name: sum(matmul_seconds(tokens, k, n, chip, eta) for k, n in shapes)
-          for name, shapes in w.attention_shapes(t).items()}
+    share = eta_fp8 if w.fp8 and eta_fp8 is not None else eta
+
+    def weights(m, k, n, scale=1.0):                  # a weight matmul, in FP8 under ``Workload.fp8``
+        return matmul_seconds(m, k, n, chip, share * scale, fp8=w.fp8)
+
+    mm = {name: sum(weights(tokens, k, n) for k, n in shapes) for name, shapes in w.attention_shapes(t).items()}
     if not moe:
-        mm |= dict(mlp_in=matmul_seconds(tokens, D, (w.mlp_matrices - 1) * w.mlp_dim // t, chip, eta),
-                   mlp_out=matmul_seconds(tokens, w.mlp_dim // t, D, chip, eta))
+        mm |= dict(mlp_in=weights(tokens, D, (w.mlp_matrices - 1) * w.mlp_dim // t),
+                   mlp_out=weights(tokens, w.mlp_dim // t, D))
     else:
         local, slots = w.experts // w.size("expert"), w.slots_per_token * tokens
         each = slots / local                              # slots of one local expert
-        eta_x = eta * (grouped if w.capacity_factor is None else 1.0)
+        g = grouped if w.capacity_factor is None else 1.0
         mm |= dict(router=matmul_seconds(tokens, D, w.experts, chip, eta),
-                   experts_in=local * matmul_seconds(each, D, (w.mlp_matrices - 1) * w.expert_mlp_dim // t, chip, eta_x),
-                   experts_out=local * matmul_seconds(each, w.expert_mlp_dim // t, D, chip, eta_x))
+                   experts_in=local * weights(each, D, (w.mlp_matrices - 1) * w.expert_mlp_dim // t, g),
+                   experts_out=local * weights(each, w.expert_mlp_dim // t, D, g))
         if w.capacity_factor is not None:
             mm["dispatch"] = mm["combine"] = matmul_seconds(slots, w.seq, D // t, chip, eta)
         if w.shared_mlp_dim:
-            mm |= dict(shared_in=matmul_seconds(tokens, D, (w.mlp_matrices - 1) * w.shared_mlp_dim // t, chip, eta),
-                       shared_out=matmul_seconds(tokens, w.shared_mlp_dim // t, D, chip, eta))
+            mm |= dict(shared_in=weights(tokens, D, (w.mlp_matrices - 1) * w.shared_mlp_dim // t),
+                       shared_out=weights(tokens, w.shared_mlp_dim // t, D))
     att_flops = 2.0 * tokens * w.seq * w.num_heads / t * (w.qk_dim + w.v_dim)
     if w.flash:
         att = att_flops * w.attention_share / (chip.peak_bf16_flops * eta * chip.attention_efficiency)
@@ -157,7 +172,8 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     backward and recompute that gradient traffic can hide behind. ``bw``: per axis, the bandwidth a
     collective reaches."""
     t, f, d, e = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("expert")
-    by_name, att, ew = layer_forward(w, chip, cal.matmul[chip.family], tokens, moe, cal.grouped.get(chip.family, 1.0))
+    fam = chip.family
+    by_name, att, ew = layer_forward(w, chip, cal.matmul[fam], tokens, moe, cal.grouped_share(fam, w.fp8), cal.fp8.get(fam))
     mm = sum(by_name.values())
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
     r_x = r_mm                                         # the experts' share (their all-to-all runs again too)
@@ -287,5 +303,6 @@ def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
                 bubble_fraction=bubble_of(w), pipelined_s=parts["step_s"] - after,   # the stages, bubble in
                 communication_s=exposed, exposed_communication_s=sum(exposed.values()), step_s=parts["step_s"],
                 parts=parts, calibration=dict(matmul=cal.matmul[chip.family], collective=cal.collective[chip.family],
-                                              grouped=cal.grouped.get(chip.family, 1.0),
+                                              grouped=cal.grouped_share(chip.family, w.fp8),
+                                              fp8=cal.fp8.get(chip.family, cal.matmul[chip.family]),
                                               dcn=cal.dcn[chip.family]))

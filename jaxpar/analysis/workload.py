@@ -83,6 +83,7 @@ class Workload:
     remat_dce: bool = True           # the recomputed forward skips ``UNREAD`` (JAX; torch checkpointing reruns all)
     # Multi-head Latent Attention (``kv_lora`` > 0, DeepSeek): head_dim is the no-RoPE query/key width,
     # qk_rope the RoPE one, v_head the value width; q through a q_lora latent (0: directly)
+    fp8: bool = False                # the layers' weight matmuls in FP8, forward and backward (MaxText's fp8_full)
     kv_lora: int = 0
     q_lora: int = 0
     qk_rope: int = 0

@@ -166,6 +166,21 @@ def test_context_parallel_by_hand():
                                                            - 2.5 * att_tpu))
 
 
+def test_sliding_window_attention_share():
+    """A window of W keys: a query at position p sees min(p + 1, W) of them, (W/S)·(1 − W/2S) of S on average
+    (mistral-7b's 4,096 at 8,192 tokens: 3/8); no window, or one as long as the sequence: causal half. Under
+    ring attention the kernel's live tiles count (``ring_work`` with the window, at the real length)."""
+    from jaxpar.models import get_model_preset
+    from jaxpar.parallel.ring import ring_work
+
+    w = workload_of(get_model_preset("mistral-7b"), dict(fsdp=8), batch=8, seq=8192)
+    assert (w.window, w.causal, w.attention_share) == (4096, True, 0.375)
+    assert dataclasses.replace(w, seq=4096).attention_share == dataclasses.replace(w, window=0).attention_share == 0.5
+    ring = dataclasses.replace(w, mesh=dict(fsdp=2, sequence=4), seq=32768, context_parallel="ring", cp_order="zigzag")
+    assert ring.attention_share == ring_work(32768, 4, "zigzag", window=4096).max() / 16 == 0.25
+    assert dataclasses.replace(ring, context_parallel="allgather").attention_share == 4096 / 32768 * (1 - 4096 / 65536)
+
+
 def test_matmul_roofline_and_tiles():
     # a thin matmul is HBM-bound: its operands over the bandwidth
     assert matmul_seconds(8, 8192, 8192, H100, 1.0) == pytest.approx(2 * (8 * 8192 * 2 + 8192 ** 2) / H100.hbm_bandwidth)

@@ -6,7 +6,8 @@ One transformer layer on one device, per step (T: tokens per tensor group, t: th
                   MLP out: [T, K] × [K, N] each at ``matmul_seconds`` (a roofline: the chip's matmul efficiency
                   on padded shapes, or the HBM traffic of the three operands, whichever is slower)
     attention     2·T·S·H/t·(qk + v) FLOPs forward (4·T·S·H/t·D_h without MLA), halved when causal (flash
-                  kernels skip the masked blocks; ``Workload.attention_share`` under context parallelism), at
+                  kernels skip the masked blocks; ``Workload.attention_share`` under a sliding window or
+                  context parallelism), at
                   the chip's attention efficiency; backward 2.5× forward (5 matmuls against 2)
                   (without a flash kernel, ``Workload.flash`` False: every score, causal or not, computed at the
                   GEMM share, and the [S] scores of each query and head written, soft-maxed, dropped out and

@@ -58,6 +58,7 @@ class Workload:
     grad_bytes: int = 4
     act_bytes: int = 2
     causal: bool = True
+    window: int = 0                  # a sliding window of this many keys (0: every earlier key)
     tied: bool = True                # logits through the input embedding
     microbatch: int = 0              # sequences a microbatch holds (0: a replica's whole batch at once)
     virtual_stages: int = 1          # layer chunks per stage device (v > 1: the interleaved schedule)
@@ -111,15 +112,22 @@ class Workload:
         """The share of its queries' full attention over all S keys a device computes: half when causal
         (flash kernels skip masked blocks); under ring attention the busiest device's live tiles of its
         4n (query half, key half) pairs, by the kernel's own rule (``jaxpar.parallel.ring.ring_work``);
-        gathered K/V in natural order, the last device's: (n − 1/2)/n (half where the order balances it)."""
-        n = self.size("sequence")
+        gathered K/V in natural order, the last device's: (n − 1/2)/n (half where the order balances it).
+        A sliding window of W < S keys: each query's min(p + 1, W) of them, (W/S)·(1 − W/2S) on average (the
+        ring counts its live tiles under the window)."""
+        n, W, S = self.size("sequence"), self.window, self.seq
         if not self.causal:
             return 1.0
+        ring = n > 1 and self.context_parallel == "ring"
+        if W and W < S and not ring:
+            return W / S * (1 - W / (2 * S))
         if n == 1 or self.context_parallel == "ulysses":
             return 0.5
         if self.context_parallel == "allgather":            # zigzag: load-balanced as a ring's
             return (n - 0.5) / n if self.cp_order == "contiguous" else 0.5
         from jaxpar.parallel.ring import ring_work
+        if W and W < S:                                     # the tiles that meet the window, at the real length
+            return float(ring_work(S, n, self.cp_order, window=W).max()) / (4 * n)
         return float(ring_work(4 * n, n, self.cp_order).max()) / (4 * n)
 
     @property
@@ -254,6 +262,6 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
                     seq=seq, mesh=sizes, dcn=dcn, remat=cfg.remat.value,
                     weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
                     act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
-                    causal=cfg.sliding_window is None, context_parallel="allgather" if cp == "none" else cp,
+                    window=cfg.sliding_window or 0, context_parallel="allgather" if cp == "none" else cp,
                     cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")), **pipe, **experts,
                     **mla)

@@ -31,6 +31,7 @@ RECOMPUTE = {
     "keep_qkv_context": (("q", "kv"), 0.0, 1.0),
     "keep_qkv_context_mlpwo": (("q", "kv", "mlp_out"), 0.0, 1.0),
     "keep_kv_mlpwo": (("kv", "mlp_out"), 1.0, 1.0),
+    "keep_mlpwo": (("mlp_out", "experts_out"), 1.0, 1.0),
 }
 # matmuls whose outputs no backward reads (a matmul's gradient needs its input, not its output, and these
 # feed the residual stream only): JAX's remat leaves them out of the recomputed forward (``remat_dce``)
@@ -58,7 +59,8 @@ class Workload:
     grad_bytes: int = 4
     act_bytes: int = 2
     causal: bool = True
-    window: int = 0                  # a sliding window of this many keys (0: every earlier key)
+    window: int = 0                  # a sliding window of this many keys (0: every earlier key) …
+    window_layers: int = 0           # … on this many of the layers (0: all of them; gpt-oss alternates)
     tied: bool = True                # logits through the input embedding
     microbatch: int = 0              # sequences a microbatch holds (0: a replica's whole batch at once)
     virtual_stages: int = 1          # layer chunks per stage device (v > 1: the interleaved schedule)
@@ -114,7 +116,11 @@ class Workload:
         4n (query half, key half) pairs, by the kernel's own rule (``jaxpar.parallel.ring.ring_work``);
         gathered K/V in natural order, the last device's: (n − 1/2)/n (half where the order balances it).
         A sliding window of W < S keys: each query's min(p + 1, W) of them, (W/S)·(1 − W/2S) on average (the
-        ring counts its live tiles under the window)."""
+        ring counts its live tiles under the window); on ``window_layers`` of the layers, the layers' mean."""
+        if self.window and 0 < self.window_layers < self.num_layers:
+            windowed = self.window_layers / self.num_layers
+            full = dataclasses.replace(self, window=0, window_layers=0).attention_share
+            return windowed * dataclasses.replace(self, window_layers=0).attention_share + (1 - windowed) * full
         n, W, S = self.size("sequence"), self.window, self.seq
         if not self.causal:
             return 1.0

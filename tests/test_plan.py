@@ -75,7 +75,8 @@ def test_moe_plan_in_bf16_prices_the_experts_by_mechanisms():
     """tiny-moe (bf16, full remat: the plan's defaults) on data=2 × expert=4. Its train step compiles on
     XLA:CPU (a bf16 gradient reduction of the expert weights over the batch shards once aborted XLA:CPU's
     all-reduce promotion; the kernels now take the weights as stored), and the step is priced by the
-    mechanism model, the expert all-to-all among its exposed communication."""
+    mechanism model, the expert all-to-all among its exposed communication: the bytes the model sends for it
+    are the bytes the compiled program's all-to-alls send."""
     from jaxpar.analysis.workload import workload_of
     from jaxpar.models import get_model_preset
 
@@ -83,9 +84,31 @@ def test_moe_plan_in_bf16_prices_the_experts_by_mechanisms():
     assert p.assumptions["model"] == "mechanisms" and p.times["communication_s"]["expert"] > 0
     assert p.times["step_s"] == pytest.approx(p.times["compute_s"] + p.times["memory_s"]
                                               + p.times["exposed_communication_s"])
-    w = workload_of(get_model_preset("tiny-moe"), dict(data=2, expert=4), batch=16, seq=64)
+    w = workload_of(get_model_preset("tiny-moe", dtype="bfloat16"), dict(data=2, expert=4), batch=16, seq=64)
     assert (w.experts, w.top_k, w.expert_mlp_dim, w.capacity_factor, w.moe_layers) == (4, 2, 64, 2.0, 2)
     assert w.slots_per_token == 4 and w.replicas == 8            # C = 2·64·2/4 = 64 slots: E·C/S = 4
+    # the model's all-to-all, one pass (dispatch and combine, 3/4 of 128 tokens × 4 slots × 64 × 2 B each way),
+    # runs forward, again in full remat's recompute, and backward, in both layers: what the program sends
+    a2a = 2 * 3 / 4 * 4 * 128 * 64 * 2
+    assert p.bytes_by_axis["expert"] == pytest.approx(3 * 2 * a2a, rel=1e-3)
+    assert p.times["parts"]["expert_exposed_s"] == pytest.approx(3 * 2 * a2a / HARDWARE["h100"].fast_link)
+
+
+def test_ring_sends_priced_as_the_program_sends_them():
+    """tiny (float32, no remat) with ring attention over sequence=8: 32 local tokens a device, K/V of
+    2 × 2 heads × 8 = 32 values a token. The step-time model's ring (``steptime.context_seconds``) sends the
+    local K/V 7 times forward, K/V with dK/dV 7 times and dK/dV once more backward, per layer; with the
+    gradients' all-reduce over sequence (2·7/8 of the parameters' float32 bytes, as the lab counts an
+    all-reduce), that is the program's sequence traffic to 1% (the rest: the token indices and segment
+    ids that travel with each block, and the loss)."""
+    from jaxpar.models import get_model_preset
+
+    p = plan("tiny", "cp", batch=8, seq=32, hardware="h100", remat="none", dtype="float32", context_parallel="ring")
+    kv = 32 * 32 * 4
+    ring = 2 * (7 * kv + 7 * 2 * kv + kv)                                  # two layers
+    params = get_model_preset("tiny").num_params(padded=True)
+    assert p.bytes_by_axis["sequence"] == pytest.approx(ring + 2 * 7 / 8 * 4 * params, rel=0.01)
+    assert p.assumptions["model"] == "mechanisms" and p.times["parts"]["sequence_exposed_s"] > 0
 
 
 def test_hlo_reading_equals_a_direct_count():

@@ -94,7 +94,7 @@ def test_moe_plan_in_bf16_prices_the_experts_by_mechanisms():
     assert p.times["parts"]["expert_exposed_s"] == pytest.approx(3 * 2 * a2a / HARDWARE["h100"].fast_link)
 
 
-def test_ring_sends_priced_as_the_program_sends_them():
+def test_context_parallel_sends_priced_as_the_program_sends_them():
     """tiny (float32, no remat) with ring attention over sequence=8: 32 local tokens a device, K/V of
     2 × 2 heads × 8 = 32 values a token. The step-time model's ring (``steptime.context_seconds``) sends the
     local K/V 7 times forward, K/V with dK/dV 7 times and dK/dV once more backward, per layer; with the
@@ -109,6 +109,12 @@ def test_ring_sends_priced_as_the_program_sends_them():
     params = get_model_preset("tiny").num_params(padded=True)
     assert p.bytes_by_axis["sequence"] == pytest.approx(ring + 2 * 7 / 8 * 4 * params, rel=0.01)
     assert p.assumptions["model"] == "mechanisms" and p.times["parts"]["sequence_exposed_s"] > 0
+    # Ulysses over sequence=2 (data=4): q, k, v and the output, 1/2 of 32 tokens × (8 × 16 + 32) values each
+    # way, forward and backward, two layers; the gradients' all-reduce over the pair is 2·1/2 of 4 B a weight
+    u = plan("tiny", "data=4,sequence=2", batch=8, seq=32, hardware="h100", remat="none", dtype="float32",
+             context_parallel="ulysses")
+    a2a = 1 / 2 * 32 * (8 * 16 + 32) * 4
+    assert u.bytes_by_axis["sequence"] - 2 * 1 / 2 * 4 * params == pytest.approx(2 * 2 * a2a, rel=0.01)
 
 
 def test_hlo_reading_equals_a_direct_count():

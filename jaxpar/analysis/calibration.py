@@ -128,13 +128,15 @@ def kind(run: Run) -> str:
     """Which stage of the fit a run informs (``STAGES``): its experts dropless grouped matmuls or not, its
     weight matmuls in FP8 or not."""
     w = run.workload
-    grouped = bool(w.experts) and w.capacity_factor is None
-    return {(False, False): "base", (True, False): "grouped", (False, True): "fp8", (True, True): "grouped_fp8"}[
-        (grouped, w.fp8)]
+    if w.fp8:
+        return "grouped_fp8" if w.dropless else "fp8"
+    return "grouped" if w.dropless else "base"
 
 
 # after (matmul, collective, dcn) on the ``base`` runs, each share on its own runs, the earlier ones held
 STAGES = ("grouped", "fp8", "grouped_fp8")
+# the shares each kind of run is priced with, beyond (matmul, collective, dcn)
+USES = dict(base=(), grouped=("grouped",), fp8=("fp8",), grouped_fp8=("fp8", "grouped_fp8"))
 
 
 def fit_share(runs: list[Run], calibration, grid) -> float | None:
@@ -190,10 +192,7 @@ def leave_one_out(runs: list[Run] | None = None) -> list[dict]:
             point = fit([runs[idx[k]] for k in keep], preds[keep], points)
             cal = fit_family([runs[k] for k in idx if k != i and runs[k].fitted], point)
             fitted = dict(zip(("matmul", "collective", "dcn"), map(float, point)))
-            w = runs[i].workload
-            grouped = bool(w.experts) and w.capacity_factor is None
-            uses = dict(grouped=grouped and not w.fp8, fp8=w.fp8, grouped_fp8=grouped and w.fp8)
-            fitted |= {f: getattr(cal, f)[fam] for f, used in uses.items() if used and fam in getattr(cal, f)}
+            fitted |= {f: getattr(cal, f)[fam] for f in USES[kind(runs[i])] if fam in getattr(cal, f)}
             predicted = (float(preds[j, points.index(point)]) if kind(runs[i]) == "base" else
                          float(step_seconds(runs[i].workload, get_hardware(runs[i].hardware), cal)["step_s"]))
             rows[i] = dict(name=runs[i].name, hardware=runs[i].hardware, fitted=fitted,

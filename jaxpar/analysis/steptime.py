@@ -107,7 +107,7 @@ def elementwise_values(w: Workload, moe: bool = False) -> float:
     if not moe:
         return (attention + w.mlp_matrices * w.mlp_dim) / t
     mlp = w.mlp_matrices * (w.slots_per_token * w.expert_mlp_dim + w.shared_mlp_dim)
-    routing = 4 * w.top_k * D if w.capacity_factor is None else 2 * w.slots_per_token
+    routing = 4 * w.top_k * D if w.dropless else 2 * w.slots_per_token
     return (attention + mlp) / t + routing
 
 
@@ -143,11 +143,11 @@ def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False, grou
     else:
         local, slots = w.experts // w.size("expert"), w.slots_per_token * tokens
         each = slots / local                              # slots of one local expert
-        g = grouped if w.capacity_factor is None else 1.0
+        g = grouped if w.dropless else 1.0
         mm |= dict(router=matmul_seconds(tokens, D, w.experts, chip, eta),
                    experts_in=local * weights(each, D, (w.mlp_matrices - 1) * w.expert_mlp_dim // t, g),
                    experts_out=local * weights(each, w.expert_mlp_dim // t, D, g))
-        if w.capacity_factor is not None:
+        if not w.dropless:
             mm["dispatch"] = mm["combine"] = matmul_seconds(slots, w.seq, D // t, chip, eta)
         if w.shared_mlp_dim:
             mm |= dict(shared_in=weights(tokens, D, (w.mlp_matrices - 1) * w.shared_mlp_dim // t),

@@ -141,10 +141,15 @@ class Workload:
         return self.num_layers - self.dense_layers if self.experts else 0
 
     @property
+    def dropless(self) -> bool:
+        """Experts without a capacity: every assignment runs, as grouped matmuls over sorted tokens."""
+        return bool(self.experts) and self.capacity_factor is None
+
+    @property
     def slots_per_token(self) -> float:
         """Expert slots a token's place pays for: E·C/S with C = max(1, ceil(capacity_factor·S·k/E)) slots
         per expert and sequence, or top_k dropless."""
-        if self.capacity_factor is None:
+        if self.dropless:
             return self.top_k
         return self.experts * max(1, math.ceil(self.capacity_factor * self.seq * self.top_k / self.experts)) / self.seq
 
@@ -250,11 +255,7 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
     cp = str(getattr(cfg, "context_parallel", "none"))
     if set(sizes) - set(AXES) or set(dcn) - set(AXES):
         return None
-    pipe, experts, mla = {}, {}, {}
-    if pipeline and sizes.get("stage", 1) * dcn.get("stage", 1) > 1:
-        replicas = math.prod(sizes.get(a, 1) * dcn.get(a, 1) for a in ("data", "fsdp", "expert"))
-        pipe = dict(microbatch=batch // (replicas * pipeline["microbatches"]), executor=True,
-                    **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")})
+    experts, mla = {}, {}
     if moe is not None:
         experts = dict(experts=moe.num_experts, top_k=moe.top_k, expert_mlp_dim=moe.mlp_dim,
                        capacity_factor=moe.capacity_factor, shared_mlp_dim=moe.num_shared_experts * moe.shared_mlp_dim,
@@ -263,11 +264,14 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
         m = cfg.mla
         mla = dict(kv_lora=m.kv_lora_rank, q_lora=m.q_lora_rank or 0, qk_rope=m.qk_rope_head_dim, v_head=m.v_head_dim)
     head_dim = cfg.mla.qk_nope_head_dim if mla else cfg.head_dim
-    return Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=head_dim,
+    w = Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=head_dim,
                     mlp_dim=cfg.mlp_dim, mlp_matrices=3, num_layers=cfg.num_layers, vocab=cfg.padded_vocab, batch=batch,
                     seq=seq, mesh=sizes, dcn=dcn, remat=cfg.remat.value,
                     weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
                     act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
                     window=cfg.sliding_window or 0, context_parallel="allgather" if cp == "none" else cp,
-                    cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")), **pipe, **experts,
-                    **mla)
+                    cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")), **experts, **mla)
+    if pipeline and w.size("stage") > 1:
+        w = dataclasses.replace(w, microbatch=batch // (w.replicas * pipeline["microbatches"]), executor=True,
+                                **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")})
+    return w

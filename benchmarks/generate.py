@@ -135,11 +135,11 @@ def matmul_gflops(dtype: str, n: int = 2048, repeats: int = 5) -> float:
 def gpu_peak(mib: int, repeats: int) -> dict:
     """Peak HBM bandwidth from the device's hardware profile, beside a measured on-device copy."""
     import jax
-    from jaxpar.analysis.hardware import HARDWARE
+    from jaxpar.analysis.hardware import HARDWARE, hardware_of_device
 
     kind = jax.devices()[0].device_kind
     measured = device_bandwidth(mib, repeats)
-    match = next((h for key, h in HARDWARE.items() if key in kind.lower().replace(" ", "")), None)
+    match = HARDWARE.get(hardware_of_device(kind))
     if match is None:
         return {"source": f"measured on-device copy (no hardware profile matches {kind!r})", "gb_s": measured,
                 "device_kind": kind, "measured_copy_gb_s": measured}
@@ -268,7 +268,7 @@ def bench_batch(gen, facts: dict, batch: int, args, peak_gb_s: float, gflops: fl
     kv = measured_cache(gen, batch, args.prompt, args.new)
     median = statistics.median(run.step_s)
     p50, p99 = (float(np.percentile(run.step_s, q)) for q in (50, 99))
-    row = {"batch": batch, "compile_s": round(first.compile_s, 2), "prefill_s": round(run.prefill_s, 4),
+    row = {"batch": batch, "compile_s": round(first.compile_s, 2), "prefill_s": round(run.prefill_s, 6),
            "prefill_tokens_per_s": round(batch * args.prompt / run.prefill_s, 1),
            "ttft_s": round(run.time_to_first_token_s, 4), "decode_s": round(run.decode_s, 4),
            "decode_steps": len(run.step_s), "decode_tokens_per_s": round(run.decode_tokens_per_s, 1),

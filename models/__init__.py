@@ -21,10 +21,13 @@ from jaxpar.mesh import suggest
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
 
 
-def _llama3(d, layers, heads, mlp):
+_LLAMA32 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
+
+def _llama3(d, layers, heads, mlp, head_dim=128, scaling=_LLAMA31, tied=False):
     return DenseConfig(vocab_size=128_256, embed_dim=d, num_layers=layers, num_heads=heads, num_kv_heads=8,
-                       head_dim=128, mlp_dim=mlp, rope_theta=500_000.0, rope_scaling=_LLAMA31, norm_eps=1e-5,
-                       max_seq_len=131_072)
+                       head_dim=head_dim, mlp_dim=mlp, rope_theta=500_000.0, rope_scaling=scaling, norm_eps=1e-5,
+                       max_seq_len=131_072, tie_embeddings=tied)
 
 
 PRESETS: dict[str, DenseConfig] = {
@@ -36,6 +39,7 @@ PRESETS: dict[str, DenseConfig] = {
                               head_dim=96, mlp_dim=2048, rope_theta=10_000.0),
     "llama2-7b": DenseConfig(vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
                              head_dim=128, mlp_dim=11_008, rope_theta=10_000.0, max_seq_len=4096),
+    "llama3.2-1b": _llama3(2048, 16, 32, 8192, head_dim=64, scaling=_LLAMA32, tied=True),   # the GPU checks' ~1B
     "llama3-8b": _llama3(4096, 32, 32, 14_336),                     # Llama 3.1 8B
     "llama3-70b": _llama3(8192, 80, 64, 28_672),                    # Llama 3.1 70B
     "llama3-405b": _llama3(16_384, 126, 128, 53_248),               # Llama 3.1 405B
@@ -91,7 +95,7 @@ PRESETS.update({
 
 # Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
 PUBLISHED_PARAMS = {
-    "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
+    "llama3.2-1b": 1_235_814_400, "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
     "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
     "mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296,
     "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,

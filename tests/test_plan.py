@@ -326,3 +326,52 @@ def test_search_reshards_as_an_abstract_build_does(mesh):
     rules = check_layout(dims, rules, shape)
     assert resharded(base_report(cfg), rules, shape).params == param_shardings(
         cfg, Layout(_abstract_mesh(shape), rules)).params
+
+
+def test_kept_values_follow_the_remat_policy():
+    """llama3.2-1b: D = 2048, q and the attention output N·H = 2048, k + v 2·8·64 = 1024, F = 8192.
+    full: D; attn: D + q + kv + out = 7,168; dots: D + q + kv + o (D) + 2F + down (D) = 25,600; none adds
+    the two norms (2D), the attention output and the hidden product F: 39,936. tensor=2 halves each."""
+    from jaxpar.analysis.costmodel import kept_values
+    from jaxpar.models import get_model_preset
+
+    want = {"full": 2048, "attn": 7168, "dots": 25_600, "none": 39_936}
+    for policy, values in want.items():
+        cfg = get_model_preset("llama3.2-1b", remat=policy)
+        assert kept_values(cfg, 1) == values and kept_values(cfg, 2) == values / 2
+
+
+def test_memory_holds_xla_attentions_scores():
+    """tiny (D 64, N 8 × H 8, K 2, F 128, 2 layers, V 256), bf16, 2 × 32 tokens on one device, 10 local
+    parameter elements. Kept per layer and token under remat none: 864 values (as above: 64 + 64 + 32 + 64
+    + 256 + 64 + 128 + 64 + 128); XLA's attention adds one layer's scores, 64 queries × 8 heads × 32 keys,
+    kept at 4 + 2 B and worked on at 8 + 2 B. cuDNN's flash kernel holds none; full remat keeps D."""
+    from jaxpar.analysis.costmodel import flash_attention, memory_parts
+    from jaxpar.analysis.plan import activations_of
+    from jaxpar.models import get_model_preset
+
+    report = types.SimpleNamespace(params=[types.SimpleNamespace(shard_shape=(10,))])
+    mesh = dict(stage=1, data=1, fsdp=1, expert=1, sequence=1, tensor=1)
+    scores, common = 64 * 8 * 32, 16 * 64 * 128 * 2 + 8 * 64 * 256
+    for policy, impl, kept, working in (("none", None, 2 * (64 * 864 * 2 + 6 * scores), 10 * scores),
+                                        ("none", "cudnn", 2 * 64 * 864 * 2, 0),
+                                        ("full", None, 2 * 64 * 64 * 2, 10 * scores)):
+        cfg = get_model_preset("tiny", dtype="bfloat16", remat=policy, attention_impl=impl)
+        assert flash_attention(cfg) == (impl == "cudnn")
+        parts = memory_parts(cfg, report, activations_of(cfg, batch=2, seq=32), mesh, set())
+        assert parts["state"] == 160 and parts["kept"] == kept
+        assert parts["activations"] == pytest.approx(kept + working + common)
+    assert flash_attention(get_model_preset("tiny", context_parallel="ring"))
+
+
+def test_plan_prices_the_attention_kernel_it_is_given():
+    """``attention_impl=cudnn`` compiles (as XLA's: the CPU has no cuDNN) and is priced as flash: causal half
+    of the scores at the flash share; XLA's attention computes every score and moves them over HBM."""
+    from jaxpar.analysis.workload import workload_of
+    from jaxpar.models import get_model_preset
+
+    flash = plan("tiny", "dp", batch=4, seq=256, hardware="h100", devices=1, attention_impl="cudnn")
+    xla = plan("tiny", "dp", batch=4, seq=256, hardware="h100", devices=1)
+    assert flash.times["parts"]["attention_s"] < xla.times["parts"]["attention_s"] / 2
+    assert flash.estimated_memory_bytes < xla.estimated_memory_bytes
+    assert not workload_of(get_model_preset("tiny"), {}, batch=4, seq=256).flash

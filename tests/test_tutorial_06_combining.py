@@ -78,6 +78,11 @@ def test_bottleneck_cases(k):
     long = cases["long context (64k tokens)"]
     assert not long["before"]["fits"] and long["after"]["fits"] and long["best"].get("sequence", 1) > 1
     assert all(v["fits"] for v in k["long_context"].values())
+    # XLA's attention holds one layer's scores: 8·65,536/(fsdp·sequence) queries × 32/t heads × 65,536 keys
+    # × (8 + 2) B: 172 GB under either layout
+    for mesh, v in k["long_context_xla"].items():
+        queries, heads = (8 * 65536 / 64, 32) if "sequence" in mesh else (8 * 65536 / 8, 32 / 8)
+        assert not v["fits"] and v["memory"] > queries * heads * 65536 * 10 > 80 * GB
 
     moe = cases["MoE experts"]
     assert moe["best"].get("expert", 1) > 1 and moe["after"]["predicted_step_s"] < moe["before"]["predicted_step_s"]

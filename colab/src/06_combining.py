@@ -184,8 +184,11 @@ MODEL, N, BATCH, SEQ, HW = "mixtral-8x7b", 64, 256, 4096, "h100"
 # mechanisms instead, MoE layers and their all-to-all included; see the README's layout lab section.)
 # Pipelines run 1F1B here (the search tries every schedule unless one is named).
 ROOFLINE = dict(efficiency=0.6, overlap=0.8, schedule="1f1b")
+# On H100s attention runs in cuDNN's flash kernel (`model.attention_impl=cudnn`), as a GPU user sets it:
+# jaxpar's default is XLA's attention, which holds every score of a layer (see section 4's long context).
+GPU = dict(attention_impl="cudnn")
 start = time.perf_counter()
-ranked, refused = search(MODEL, N, batch=BATCH, seq=SEQ, hardware=HW, **ROOFLINE)
+ranked, refused = search(MODEL, N, batch=BATCH, seq=SEQ, hardware=HW, **ROOFLINE, **GPU)
 fitting = [c for c in ranked if c.fits]
 print(f"{len(ranked)} layouts estimated, {len(refused)} refused (cannot divide the model), {len(fitting)} fit "
       f"in {HARDWARE[HW].hbm_bytes / 1e9:.0f} GB; {time.perf_counter() - start:.1f} s")
@@ -253,8 +256,9 @@ import functools
 from jaxpar.analysis.search import estimate
 
 
-def candidate(model, mesh, batch, seq):
-    return estimate(get_model_preset(model, dtype="bfloat16"), mesh, batch=batch, seq=seq, hardware=HW, **ROOFLINE)
+def candidate(model, mesh, batch, seq, **overrides):
+    cfg = get_model_preset(model, dtype="bfloat16", **(GPU | overrides))
+    return estimate(cfg, mesh, batch=batch, seq=seq, hardware=HW, **ROOFLINE)
 
 
 def bottleneck(c):
@@ -275,7 +279,7 @@ def best_layout(model, n, batch, seq):
     """The search's first candidate (searched once per setting; section 3's is reused)."""
     if (model, n, batch, seq) == (MODEL, N, BATCH, SEQ):
         return ranked[0]
-    return search(model, n, batch=batch, seq=seq, hardware=HW, **ROOFLINE)[0][0]
+    return search(model, n, batch=batch, seq=seq, hardware=HW, **ROOFLINE, **GPU)[0][0]
 
 
 def mesh_text(mesh):
@@ -326,7 +330,9 @@ display(Markdown("| case | model, devices, batch × seq | naive layout: the lab'
 # - **Long context → CP** holds in part. A batch of 8 sequences of 64k tokens does not fit on one node
 #   with FSDP alone, and FSDP cannot use more devices than there are sequences; splitting each sequence
 #   over 8 more devices makes it fit. But tensor parallelism, whose sequence parallelism splits the
-#   activations too, does as well here (next cell), and the search's best mixes the two.
+#   activations too, does as well here (next cell), and the search's best mixes the two. Both need a
+#   flash kernel: with jaxpar's default XLA attention a device holds one layer's scores, queries × heads
+#   × 65,536 keys, and neither layout fits (the cell's last line).
 # - **MoE → EP** holds: with whole experts placed on `expert`, FSDP no longer gathers the expert
 #   weights across all 64 devices; its traffic over InfiniBand shrinks several-fold, for an all-to-all
 #   of tokens that stays inside the node.
@@ -335,9 +341,12 @@ display(Markdown("| case | model, devices, batch × seq | naive layout: the lab'
 #   crosses nodes).
 
 # %%
-long = {mesh_text(m): candidate("llama3-8b", m, 8, 65536) for m in ({"fsdp": 8, "sequence": 8}, {"fsdp": 8, "tensor": 8})}
+LONG = ({"fsdp": 8, "sequence": 8}, {"fsdp": 8, "tensor": 8})
+long = {mesh_text(m): candidate("llama3-8b", m, 8, 65536) for m in LONG}
 for mesh, c in long.items():
     print(f"llama3-8b, 8 × 65,536 tokens, {mesh}: {c.memory_bytes / 1e9:.1f} GB, {c.predicted_step_s:.2f} s")
+xla_attention = {mesh_text(m): candidate("llama3-8b", m, 8, 65536, attention_impl=None) for m in LONG}
+print("with XLA's attention:", ", ".join(f"{m}: {c.memory_bytes / 1e9:,.0f} GB" for m, c in xla_attention.items()))
 
 # %% [markdown]
 # One claim does not hold as stated: "gradient sync slow → FSDP". FSDP sends *more* than data parallelism
@@ -370,5 +379,6 @@ key_numbers = {
     "cases": cases,
     "sync_bytes": sync,
     "long_context": {m: dict(memory=c.memory_bytes, step_s=c.predicted_step_s, fits=c.fits) for m, c in long.items()},
+    "long_context_xla": {m: dict(memory=c.memory_bytes, fits=c.fits) for m, c in xla_attention.items()},
 }
 {k: v for k, v in key_numbers.items() if k not in ("params", "cases", "collectives")}

@@ -161,13 +161,57 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
     return 3 * used + 28 * local + 20 * layers * tokens * a.embed_dim * a.act_bytes
 
 
+def kept_values(cfg, t: int) -> float:
+    """Values one layer keeps per token for the backward under ``cfg.remat``, split over tensor ``t`` (heads
+    and MLP columns by t, the D-wide ones by tensor's sequence parallelism): ``full`` its input (D);
+    ``attn`` the input, q, k, v and the attention output; ``dots`` the input and every weight matmul's
+    output (q, k, v, the attention projection, the MLP's inputs and output); ``none`` that, the two norms'
+    outputs, the attention output and the MLP's hidden product. A MoE layer's MLP width is its top-k
+    experts' and the shared ones'; MLA's widths are its heads' (the latents are left out)."""
+    mla, moe = getattr(cfg, "mla", None), getattr(cfg, "moe", None)
+    n, d = cfg.num_heads, cfg.embed_dim
+    if mla is not None:
+        q, kv, out = n * (mla.qk_nope_head_dim + mla.qk_rope_head_dim), n * (mla.qk_nope_head_dim
+                                                                            + mla.qk_rope_head_dim + mla.v_head_dim), n * mla.v_head_dim
+    else:
+        q, kv, out = n * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim, n * cfg.head_dim
+    f = cfg.mlp_dim
+    if moe is not None:
+        routed = moe.top_k * moe.mlp_dim + moe.num_shared_experts * moe.shared_mlp_dim
+        f = (cfg.first_dense_layers * cfg.mlp_dim + cfg.num_moe_layers * routed) / cfg.num_layers
+    policy = str(cfg.remat)
+    kept = {"full": d, "attn": d + q + kv + out, "dots": d + q + kv + d + 2 * f + d,
+            "none": d + q + kv + d + 2 * f + d + 2 * d + out + f}[policy]
+    return kept / t
+
+
+def flash_attention(cfg) -> bool:
+    """Whether jaxpar's attention for ``cfg`` runs blockwise, never holding a [S, S] score matrix: the cuDNN
+    kernel, or the ring's blocks. ``jax.nn.dot_product_attention`` without an implementation is XLA's,
+    which materializes every score (causal or not) of a layer."""
+    return str(cfg.attention_impl) == "cudnn" or str(getattr(cfg, "context_parallel", "none")) == "ring"
+
+
+def score_bytes(cfg, acts: Activations, tokens: float, t: int) -> tuple[float, float]:
+    """(kept by all layers, one layer's working set) of non-flash attention's scores per device: a query's
+    S scores per head (N/t heads), kept under remat none as the float32 softmax output its gradient reads
+    and the probabilities in the compute dtype (4 + b_a bytes each), worked on as those and the float32
+    logits (8 + b_a). Nothing under a flash kernel."""
+    if flash_attention(cfg):
+        return 0.0, 0.0
+    scores = tokens * cfg.num_heads / t * acts.seq
+    kept = (4 + acts.act_bytes) * scores if str(cfg.remat) == "none" else 0.0
+    return kept, (8 + acts.act_bytes) * scores
+
+
 def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> dict[str, float]:
     """Bytes per device: ``state``, 16 per local parameter element (float32 parameter, gradient, two Adam
     moments; under a pipeline a stage holds L/p of the layers and the embedding, norm and head whole);
-    ``activations``: the layer inputs kept under remat (layers × tokens × D × b_a, split by tensor's
-    sequence parallelism), one layer's working set (16 × tokens × max(D, F/t) × b_a), and float32
-    logits with their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are
-    one microbatch's, the layers one chunk's, plus the executor's stage-input buffers."""
+    ``activations``: what the layers keep for the backward (layers × tokens × ``kept_values`` × b_a, and
+    non-flash attention's scores under remat none: ``score_bytes``), one layer's working set
+    (16 × tokens × max(D, F/t) × b_a, and the scores without a flash kernel), and float32 logits with
+    their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are one
+    microbatch's, the layers one chunk's, plus the executor's stage-input buffers."""
     local = sum(math.prod(p.shard_shape) for p in report.params)
     t, stages = mesh.get("tensor", 1), mesh.get("stage", 1)
     tokens = acts.batch * acts.seq / math.prod(mesh[a] for a in token_axes)
@@ -175,9 +219,10 @@ def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) ->
     if stages > 1:
         layers, buffers, tokens = pipeline_memory(acts, stages, tokens, t)
     width = max(cfg.embed_dim, cfg.mlp_dim / t)
-    working = (layers * tokens * cfg.embed_dim * acts.act_bytes / t
-               + 16 * tokens * width * acts.act_bytes + 8 * tokens * cfg.padded_vocab / t)
-    return dict(state=16 * local, activations=buffers + working, stage_buffers=buffers)
+    kept_scores, scores = score_bytes(cfg, acts, tokens, t)
+    kept = layers * (tokens * kept_values(cfg, t) * acts.act_bytes + kept_scores)
+    working = 16 * tokens * width * acts.act_bytes + scores + 8 * tokens * cfg.padded_vocab / t
+    return dict(state=16 * local, activations=buffers + kept + working, kept=kept, stage_buffers=buffers)
 
 
 def memory_estimate(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> float:

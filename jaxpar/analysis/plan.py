@@ -95,7 +95,8 @@ class Plan:
 
 def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
     """The train step compiled for ``layout`` from abstract state and batch (nothing allocated);
-    ``pipeline``: the schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``)."""
+    ``pipeline``: the schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``). cuDNN attention
+    compiles as XLA's: the CPU has no cuDNN, and a device's attention is local (the same collectives)."""
     import jax
     import numpy as np
 
@@ -103,6 +104,8 @@ def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
 
+    if str(cfg.attention_impl) == "cudnn":
+        cfg = dataclasses.replace(cfg, attention_impl=None)
     program = init_program(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
                            layout)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

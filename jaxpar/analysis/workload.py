@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from jaxpar.analysis.costmodel import flash_attention
+
 AXES = ("data", "fsdp", "tensor", "stage", "expert", "sequence")
 CONTEXT = ("ring", "ulysses", "allgather")
 
@@ -270,6 +272,7 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
                     weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
                     act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
                     window=cfg.sliding_window or 0, context_parallel="allgather" if cp == "none" else cp,
+                    flash=flash_attention(cfg),
                     cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")), **experts, **mla)
     if pipeline and w.size("stage") > 1:
         w = dataclasses.replace(w, microbatch=batch // (w.replicas * pipeline["microbatches"]), executor=True,

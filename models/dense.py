@@ -30,17 +30,21 @@ from jaxpar.parallel.common import inverse_order
 from jaxpar.rules import Dim, constrain
 
 
+# What remat=attn keeps: named in jaxpar.layers.attention (MLA names its context only) and the block below.
+ATTN_NAMES = ("attn_q", "attn_k", "attn_v", "attn_ctx", "attn_out")
+
+
 class Remat(Choice):
     """What a scanned block keeps for the backward pass."""
     NONE = "none"            # keep every intermediate
     FULL = "full"            # keep only the block input; recompute the rest
     DOTS = "dots"            # keep matmul outputs without batch dims (weights-side products)
-    ATTN = "attn"            # keep q/k/v and the attention output (named checkpoints)
+    ATTN = "attn"            # keep q/k/v, the attention context and the block's output (named checkpoints)
 
     def policy(self):
         cp = jax.checkpoint_policies
         return {Remat.FULL: cp.nothing_saveable, Remat.DOTS: cp.dots_with_no_batch_dims_saveable,
-                Remat.ATTN: cp.save_only_these_names("attn_out"), Remat.NONE: None}[self]
+                Remat.ATTN: cp.save_only_these_names(*ATTN_NAMES), Remat.NONE: None}[self]
 
 
 # Sizes that must be positive: the config divides by several of them (num_kv_heads, vocab_multiple).

@@ -328,33 +328,80 @@ def test_search_reshards_as_an_abstract_build_does(mesh):
         cfg, Layout(_abstract_mesh(shape), rules)).params
 
 
-def test_kept_values_follow_the_remat_policy():
-    """llama3.2-1b: D = 2048, q and the attention output N·H = 2048, k + v 2·8·64 = 1024, F = 8192.
-    full: D; attn: D + q + kv + out = 7,168; dots: D + q + kv + o (D) + 2F + down (D) = 25,600; none adds
-    the two norms (2D), the attention output and the hidden product F: 39,936. tensor=2 halves each."""
-    from jaxpar.analysis.costmodel import kept_values
+def _saved_per_token(cfg, batch: int, seq: int) -> tuple[float, float, float]:
+    """What jax saves for the backward of ``cfg``'s layers (``saved_residuals`` of the loss, one device):
+    bytes per layer and token, per layer and score (a query-key pair), and per layer not per token (the
+    weights' casts)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxpar.models import build_model
+
+    graphdef, params, rest = nnx.split(build_model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tokens = jnp.zeros((batch, seq), jnp.int32)
+    loss = lambda p: nnx.merge(graphdef, p, rest)(tokens).astype(jnp.float32).sum()
+    per_token = per_score = per_layer = 0.0
+    layers = cfg.num_layers
+    for aval, where in saved_residuals(loss, params):
+        shape = getattr(aval, "shape", ())
+        if "argument" in where or not shape or shape[0] != layers:
+            continue                                           # parameters, and what is outside the layers
+        size = math.prod(shape) * aval.dtype.itemsize / layers
+        if batch in shape and shape.count(seq) == 2:
+            per_score += size / (batch * seq * seq)
+        elif batch in shape and seq in shape:
+            per_token += size / (batch * seq)
+        else:
+            per_layer += size
+    return per_token, per_score, per_layer
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(embed_dim=48, num_heads=4, num_kv_heads=1, head_dim=32, mlp_dim=80)])
+def test_kept_bytes_are_what_jax_saves(shape):
+    """``kept_bytes`` and ``score_bytes`` against the residuals jax saves for tiny's layers (and a shape
+    where N·H, D and F all differ), bf16 compute over float32 weights, under each remat policy. Under
+    ``none`` jax also keeps each layer's weights cast to bf16 (2 B a parameter; float32 norm scales)."""
+    from jaxpar.analysis.costmodel import kept_bytes
     from jaxpar.models import get_model_preset
 
-    want = {"full": 2048, "attn": 7168, "dots": 25_600, "none": 39_936}
-    for policy, values in want.items():
+    for policy in ("full", "attn", "dots", "none"):
+        cfg = get_model_preset("tiny", dtype="bfloat16", remat=policy, **shape)
+        per_token, per_score, per_layer = _saved_per_token(cfg, batch=3, seq=40)
+        assert per_token == kept_bytes(cfg, 2, 1), policy
+        assert per_score == (6 * cfg.num_heads if policy == "none" else 0), policy
+        d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+        weights = 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) + 4 * 2 * d
+        assert per_layer == (weights if policy == "none" else 0), policy
+
+
+def test_kept_bytes_by_hand():
+    """llama3.2-1b in bf16: D = 2048, q and the attention output N·H = 2048, k + v 2·8·64 = 1024, F = 8192.
+    full: 2D; attn: 2·(2D + q + kv + out) = 18,432; dots: 2·(2D + q + kv + 2F) = 47,104; none: 2·(2D + q + kv + out + 6F) + 24·D + 16
+    + 8·32 = 166,160. tensor=2 halves each."""
+    from jaxpar.analysis.costmodel import kept_bytes
+    from jaxpar.models import get_model_preset
+
+    want = {"full": 4096, "attn": 18_432, "dots": 47_104, "none": 166_160}
+    for policy, value in want.items():
         cfg = get_model_preset("llama3.2-1b", remat=policy)
-        assert kept_values(cfg, 1) == values and kept_values(cfg, 2) == values / 2
+        assert kept_bytes(cfg, 2, 1) == value and kept_bytes(cfg, 2, 2) == value / 2
 
 
 def test_memory_holds_xla_attentions_scores():
     """tiny (D 64, N 8 × H 8, K 2, F 128, 2 layers, V 256), bf16, 2 × 32 tokens on one device, 10 local
-    parameter elements. Kept per layer and token under remat none: 864 values (as above: 64 + 64 + 32 + 64
-    + 256 + 64 + 128 + 64 + 128); XLA's attention adds one layer's scores, 64 queries × 8 heads × 32 keys,
-    kept at 4 + 2 B and worked on at 8 + 2 B. cuDNN's flash kernel holds none; full remat keeps D."""
+    parameter elements (none of them a layer's). Kept per layer and token under remat none: 2·(128 + 64 + 32
+    + 64 + 768) + 24·64 + 16 + 64 = 3,728 B; XLA's attention adds one layer's scores, 64 queries × 8 heads ×
+    32 keys, kept at 4 + 2 B and worked on at 8 + 2 B. cuDNN's flash kernel holds none; full remat keeps D."""
     from jaxpar.analysis.costmodel import flash_attention, memory_parts
     from jaxpar.analysis.plan import activations_of
     from jaxpar.models import get_model_preset
 
-    report = types.SimpleNamespace(params=[types.SimpleNamespace(shard_shape=(10,))])
+    report = types.SimpleNamespace(params=[types.SimpleNamespace(shard_shape=(10,), names=("embed",))])
     mesh = dict(stage=1, data=1, fsdp=1, expert=1, sequence=1, tensor=1)
     scores, common = 64 * 8 * 32, 16 * 64 * 128 * 2 + 8 * 64 * 256
-    for policy, impl, kept, working in (("none", None, 2 * (64 * 864 * 2 + 6 * scores), 10 * scores),
-                                        ("none", "cudnn", 2 * 64 * 864 * 2, 0),
+    for policy, impl, kept, working in (("none", None, 2 * (64 * 3728 + 6 * scores), 10 * scores),
+                                        ("none", "cudnn", 2 * 64 * 3728, 0),
                                         ("full", None, 2 * 64 * 64 * 2, 10 * scores)):
         cfg = get_model_preset("tiny", dtype="bfloat16", remat=policy, attention_impl=impl)
         assert flash_attention(cfg) == (impl == "cudnn")

@@ -10,7 +10,7 @@ from jaxpar.analysis.hardware import HARDWARE
 from jaxpar.analysis.links import axis_links, torus_split
 from jaxpar.analysis.steptime import (SCORE_BYTES, Calibration, elementwise_values, layer_forward,
                                       matmul_seconds, model_flops, step_seconds)
-from jaxpar.analysis.workload import Workload, workload_of
+from jaxpar.analysis.workload import RECOMPUTE, Workload, workload_of
 from jaxpar.errors import ConfigError
 
 V5P, H100 = HARDWARE["tpu-v5p"], HARDWARE["h100"]
@@ -340,7 +340,9 @@ def test_jax_remat_leaves_unread_outputs_out():
     """``remat_dce``: the compiled train step of tiny (float32, one device) with remat=full runs, over remat=none,
     one layer's forward (XLA's cost analysis counts the scanned layer loop's body once) without the MLP's
     output projection, whose output no backward reads: its matmuls but mlp_out, its attention (XLA's, every
-    score), and a little elementwise work (under 1/4 of mlp_out's FLOPs)."""
+    score), and a little elementwise work (under 1/4 of mlp_out's FLOPs). remat=attn keeps q, k, v, the
+    context and the attention's output: it reruns the MLP's input matmuls and the scores' half of XLA's
+    attention (QKᵀ; the probabilities' AV product is kept), as ``RECOMPUTE["attn"]`` prices it."""
     import jax
 
     from jaxpar.analysis.plan import compile_step
@@ -349,7 +351,7 @@ def test_jax_remat_leaves_unread_outputs_out():
     from jaxpar.models import get_model_preset
 
     B, S, flops = 8, 64, {}
-    for remat in ("none", "full"):
+    for remat in ("none", "full", "attn"):
         cfg = get_model_preset("tiny", remat=remat, dtype="float32")
         layout = make_layout(cfg, resolve_mesh_arg("data=1"), batch=B, seq=S, devices=jax.devices()[:1])
         cost = compile_step(cfg, layout, batch=B, seq=S).cost_analysis()
@@ -358,6 +360,8 @@ def test_jax_remat_leaves_unread_outputs_out():
     read = 2 * T * (D * H * Dh + D * 2 * K * Dh + H * Dh * D + D * 2 * F) + 4 * T * S * H * Dh
     mlp_out = 2 * T * F * D
     assert 0 < flops["full"] - flops["none"] - read < mlp_out / 4
+    assert RECOMPUTE["attn"][0] == ("q", "kv", "out") and not cfg.attention_impl
+    assert 0 < flops["attn"] - flops["none"] - (2 * T * D * 2 * F + 2 * T * S * H * Dh) < mlp_out / 4
 
 
 def test_bad_workloads_are_refused_naming_the_field():

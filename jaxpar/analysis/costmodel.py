@@ -161,27 +161,31 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
     return 3 * used + 28 * local + 20 * layers * tokens * a.embed_dim * a.act_bytes
 
 
-def kept_values(cfg, t: int) -> float:
-    """Values one layer keeps per token for the backward under ``cfg.remat``, split over tensor ``t`` (heads
-    and MLP columns by t, the D-wide ones by tensor's sequence parallelism): ``full`` its input (D);
-    ``attn`` the input, q, k, v and the attention output; ``dots`` the input and every weight matmul's
-    output (q, k, v, the attention projection, the MLP's inputs and output); ``none`` that, the two norms'
-    outputs, the attention output and the MLP's hidden product. A MoE layer's MLP width is its top-k
-    experts' and the shared ones'; MLA's widths are its heads' (the latents are left out)."""
+def kept_bytes(cfg, b: int, t: int) -> float:
+    """Bytes one layer keeps per token for the backward under ``cfg.remat``, in compute dtype bytes ``b``,
+    split over tensor ``t`` (heads and MLP columns by t, the D-wide values by tensor's sequence
+    parallelism). What jax saves of a jaxpar block (``tests/test_plan.py`` reads it from the program's
+    saved residuals): ``full`` the input; ``attn`` the input, q, k, v, the attention's context and the
+    attention block's output (``models.dense.ATTN_NAMES``); ``dots``
+    the input, q, k, v, the attention projection's output and the MLP's input products (its output no
+    backward reads); ``none`` also the attention output, six F-wide products, two D-wide values, the
+    norms' float32 internals (6·D·4 + 16 B) and the softmax's float32 max and sum (8·N B); its scores
+    are ``score_bytes``'. A MoE layer's MLP width is its top-k experts' and the shared ones'; MLA's widths
+    are its heads' (the latents are left out): both approximate."""
     mla, moe = getattr(cfg, "mla", None), getattr(cfg, "moe", None)
     n, d = cfg.num_heads, cfg.embed_dim
     if mla is not None:
-        q, kv, out = n * (mla.qk_nope_head_dim + mla.qk_rope_head_dim), n * (mla.qk_nope_head_dim
-                                                                            + mla.qk_rope_head_dim + mla.v_head_dim), n * mla.v_head_dim
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        q, kv, out = n * qk, n * (qk + mla.v_head_dim), n * mla.v_head_dim
     else:
         q, kv, out = n * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim, n * cfg.head_dim
     f = cfg.mlp_dim
     if moe is not None:
         routed = moe.top_k * moe.mlp_dim + moe.num_shared_experts * moe.shared_mlp_dim
         f = (cfg.first_dense_layers * cfg.mlp_dim + cfg.num_moe_layers * routed) / cfg.num_layers
-    policy = str(cfg.remat)
-    kept = {"full": d, "attn": d + q + kv + out, "dots": d + q + kv + d + 2 * f + d,
-            "none": d + q + kv + d + 2 * f + d + 2 * d + out + f}[policy]
+    named = out if mla is not None else q + kv + out        # what remat=attn names (MLA: its context)
+    kept = {"full": d * b, "attn": (2 * d + named) * b, "dots": (2 * d + q + kv + 2 * f) * b,
+            "none": (2 * d + q + kv + out + 6 * f) * b + 6 * d * 4 + 16 + 8 * n}[str(cfg.remat)]
     return kept / t
 
 
@@ -207,8 +211,9 @@ def score_bytes(cfg, acts: Activations, tokens: float, t: int) -> tuple[float, f
 def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> dict[str, float]:
     """Bytes per device: ``state``, 16 per local parameter element (float32 parameter, gradient, two Adam
     moments; under a pipeline a stage holds L/p of the layers and the embedding, norm and head whole);
-    ``activations``: what the layers keep for the backward (layers × tokens × ``kept_values`` × b_a, and
-    non-flash attention's scores under remat none: ``score_bytes``), one layer's working set
+    ``activations``: what the layers keep for the backward (layers × tokens × ``kept_bytes``, and under
+    remat none non-flash attention's scores, ``score_bytes``, and the layers' weights cast to the compute
+    dtype where it differs from theirs), one layer's working set
     (16 × tokens × max(D, F/t) × b_a, and the scores without a flash kernel), and float32 logits with
     their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are one
     microbatch's, the layers one chunk's, plus the executor's stage-input buffers."""
@@ -220,7 +225,10 @@ def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) ->
         layers, buffers, tokens = pipeline_memory(acts, stages, tokens, t)
     width = max(cfg.embed_dim, cfg.mlp_dim / t)
     kept_scores, scores = score_bytes(cfg, acts, tokens, t)
-    kept = layers * (tokens * kept_values(cfg, t) * acts.act_bytes + kept_scores)
+    kept = layers * (tokens * kept_bytes(cfg, acts.act_bytes, t) + kept_scores)
+    if str(cfg.remat) == "none" and str(cfg.dtype) != str(cfg.param_dtype):     # the layers' weights, cast
+        kept += acts.act_bytes * sum(math.prod(p.shard_shape) for p in report.params
+                                      if p.names[:1] in (("layers",), ("prefix_layers",)))
     working = 16 * tokens * width * acts.act_bytes + scores + 8 * tokens * cfg.padded_vocab / t
     return dict(state=16 * local, activations=buffers + kept + working, kept=kept, stage_buffers=buffers)
 

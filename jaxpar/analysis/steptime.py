@@ -177,6 +177,8 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     by_name, att, ew = layer_forward(w, chip, cal.matmul[fam], tokens, moe, cal.grouped_share(fam, w.fp8), cal.fp8.get(fam))
     mm = sum(by_name.values())
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
+    if r_att is None:                                  # the scores' half, or a flash kernel's whole forward
+        r_att = 1.0 if w.flash else 0.5
     r_x = r_mm                                         # the experts' share (their all-to-all runs again too)
     unread = UNREAD if w.remat_dce else ()
     if isinstance(r_mm, tuple):                        # the named matmuls kept, the others recomputed

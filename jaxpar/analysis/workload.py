@@ -24,7 +24,10 @@ RECOMPUTE = {
     "dots_flash": (0.0, 0.0, 1.0),   # matmul and flash-attention outputs kept (MaxText "minimal_flash")
     "op_sac": (0.5, 0.0, 1.0),       # torchtitan selective op AC: every other matmul output and attention kept
     "half": (0.5, 0.5, 0.5),         # torchtitan selective layer AC (every second layer recomputed)
-    "attn": (("q", "kv", "out"), 0.0, 1.0),  # jaxpar remat=attn: q/k/v and attention output kept, the MLP recomputed
+    # jaxpar remat=attn: q/k/v, the attention context and output kept, the MLP recomputed; attention
+    # (None) reruns its scores' half for the probabilities its gradient reads (XLA's: QKᵀ and the
+    # softmax; the context's AV product is kept), a flash kernel its whole forward for its statistics
+    "attn": (("q", "kv", "out"), None, 1.0),
     # MaxText's custom policies: the named projections offloaded to host memory (the transfers run beside
     # compute) or kept on the device, attention (unless its output, "context", is kept) and the rest (the
     # MLP or the experts with their routing) recomputed

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.common import param, zeros
 from jaxpar.layers.kvcache import DECODE, KVCache, Step, filled, gqa_decode
@@ -89,6 +90,7 @@ class Attention(nnx.Module):
         q = apply_rope(self._project(x, "q", "act_heads"), positions, self.inv_freq)      # [B, T, N, H]
         k = apply_rope(self._project(x, "k", "act_kv_heads"), positions, self.inv_freq)   # [B, T, K, H]
         v = self._project(x, "v", "act_kv_heads")                                         # [B, T, K, H]
+        q, k, v = (checkpoint_name(a, f"attn_{n}") for a, n in ((q, "q"), (k, "k"), (v, "v")))   # remat=attn keeps them
         index = positions if index is None else index
         window = self.cfg.sliding_window
         if cache is not None and step.mode == DECODE:
@@ -101,7 +103,7 @@ class Attention(nnx.Module):
                 heads = ("batch", "inner_length", "act_kv_heads", None)
                 cache = KVCache(*(constrain(filled(constrain(a, heads), step.lengths, slots), KVCache.NAMES)
                                   for a in (k, v)))
-        out = constrain(out, ("batch", "inner_length", "act_heads", None))          # [B, T, N, H]
+        out = checkpoint_name(constrain(out, ("batch", "inner_length", "act_heads", None)), "attn_ctx")  # [B, T, N, H]
         y = jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(self.dtype))
         y = constrain(y, ("batch", "length", "act_embed"))
         return y if cache is None else (y, cache)

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, LatentCache, Step, filled, mla_decode
@@ -174,7 +175,7 @@ class MLA(nnx.Module):
                 slots = cache.latent.shape[1]
                 cache = LatentCache(*(constrain(filled(a, step.lengths, slots), LatentCache.NAMES)
                                       for a in (latent, k_rope[:, :, 0])))
-        out = constrain(out, HEADS)                                                      # [B, T, N, Hv]
+        out = checkpoint_name(constrain(out, HEADS), "attn_ctx")                         # [B, T, N, Hv]
         y = jnp.einsum("btnh,nhd->btd", out, self._w(self.o))
         y = constrain(y, ("batch", "length", "act_embed"))
         return y if cache is None else (y, cache)

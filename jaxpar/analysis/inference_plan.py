@@ -21,10 +21,13 @@ read as the training lab reads its step:
 * **Decode step** (memory-bound): every weight on the device and the whole cache it attends over (all
   ``context`` positions of its rows) read once from HBM, or the step's FLOPs at ``efficiency`` × peak if
   that is longer, plus the step's collectives over their links, exposed (each sits between dependent
-  matmuls). Tokens/s = batch ÷ step.
+  matmuls), plus their latency. Tokens/s = batch ÷ step.
+* **Collective latency** (``links.latency_by_axis``): a decode step's many small all-reduces cost
+  microseconds each beyond their bytes. Each collective the compiled program runs costs the chip's
+  ``collective_base`` plus a hop per ring step (NCCL's cost model on GPUs, 15 µs for an all-reduce over 8
+  NVLink GPUs; 1 µs an ICI hop on TPUs), in prefill and decode alike.
 
-Not modelled: collective latency (a decode step's many small all-reduces cost microseconds each beyond
-their bytes), the KV cache's growth during generation (the step is priced at the full context), kernel
+Not modelled: the KV cache's growth during generation (the step is priced at the full context), kernel
 launch overheads, and overlap of anything with anything.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ import dataclasses
 import math
 
 from jaxpar.analysis.costmodel import measured_bytes
+from jaxpar.analysis.links import latency_by_axis
 from jaxpar.analysis.plan import link_of
 
 
@@ -109,8 +113,10 @@ def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware:
     prefill, decode = compile_programs(abstract, state, layout, batch, context, context)
     shape = {a: int(n) for a, n in built.shape.items()}
     scale = jax.numpy.dtype(cfg.dtype).itemsize / 4             # XLA:CPU's f32 collectives at bf16 width
-    pre_bytes = measured_bytes(analyze_compiled(prefill, mesh=built).ops, activation_scale=scale)
-    dec_bytes = measured_bytes(analyze_compiled(decode, mesh=built).ops, activation_scale=scale)
+    pre_ops, dec_ops = analyze_compiled(prefill, mesh=built).ops, analyze_compiled(decode, mesh=built).ops
+    pre_bytes = measured_bytes(pre_ops, activation_scale=scale)
+    dec_bytes = measured_bytes(dec_ops, activation_scale=scale)
+    latency = (latency_by_axis(pre_ops, shape, hw), latency_by_axis(dec_ops, shape, hw))
     cache = abstract_cache(abstract, layout, batch, context)
     weights, kv_device = _per_device(state), _per_device(cache)
     kv_total = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
@@ -120,22 +126,24 @@ def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware:
     room = hw.hbm_bytes - weights
     max_batch = int(room // per_sequence) * (batch // rows_per_device) if room > 0 else 0
     return _predict(model, shape, batch, context, hw, cfg, weights, kv_total, kv_device, max_batch, pre_bytes,
-                    dec_bytes, efficiency, name)
+                    dec_bytes, latency, efficiency, name)
 
 
 def _predict(model, shape, batch, context, hw, cfg, weights, kv_total, kv_device, max_batch, pre_bytes, dec_bytes,
-             efficiency, name) -> InferencePlan:
+             latency, efficiency, name) -> InferencePlan:
     devices = math.prod(shape.values())
     head = 2.0 * cfg.padded_vocab * cfg.embed_dim               # the LM head runs at each row's last position only
     forward = cfg.flops_per_token(context) / 3 - head            # per prompt token, causal attention halved
     prefill_flops = (forward * context + head) * batch / devices
     comm = lambda measured: {k: v / link_of(k, shape, hw)[1] for k, v in measured.items()}
-    prefill_s = prefill_flops / (hw.peak_bf16_flops * efficiency) + sum(comm(pre_bytes).values())
+    prefill_s = (prefill_flops / (hw.peak_bf16_flops * efficiency) + sum(comm(pre_bytes).values())
+                 + sum(latency[0].values()))
     decode_flops = cfg.flops_per_token(2 * context) / 3 * batch / devices   # attention over all context positions
     read = weights + kv_device
     times = dict(memory_s=read / hw.hbm_bandwidth, compute_s=decode_flops / (hw.peak_bf16_flops * efficiency),
-                 communication_s=comm(dec_bytes))
-    step = max(times["memory_s"], times["compute_s"]) + sum(times["communication_s"].values())
+                 communication_s=comm(dec_bytes), latency_s=latency[1])
+    step = (max(times["memory_s"], times["compute_s"]) + sum(times["communication_s"].values())
+            + sum(times["latency_s"].values()))
     return InferencePlan(
         model=model, mesh={a: n for a, n in shape.items() if n > 1}, batch=batch, context=context, hardware=hw.name,
         weight_bytes_per_device=weights, kv_bytes_per_token=kv_total / (batch * context),
@@ -165,7 +173,8 @@ def format_inference_plan(p: InferencePlan) -> str:
               f"{p.assumptions['efficiency']} of peak): time to first token",
               f"decode step {p.decode_step_s * 1e3:.2f} ms = max(HBM {t['memory_s'] * 1e3:.2f} ms for "
               f"{p.decode_bytes_read_per_device / gb:.2f} GB, compute {t['compute_s'] * 1e3:.2f} ms) + collectives "
-              f"{sum(t['communication_s'].values()) * 1e3:.2f} ms: {p.tokens_per_s:,.0f} tokens/s "
+              f"{sum(t['communication_s'].values()) * 1e3:.2f} ms + their latency "
+              f"{sum(t['latency_s'].values()) * 1e3:.2f} ms: {p.tokens_per_s:,.0f} tokens/s "
               f"({p.tokens_per_s / p.batch:,.1f} per sequence)"]
     return "\n".join(lines)
 

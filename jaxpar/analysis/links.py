@@ -56,3 +56,39 @@ def _take_sides(n: int, sides: list[int]) -> int:
         sides[0] //= take
         sides[:] = sorted(x for x in sides if x > 1)
     return spanned
+
+
+# ring steps of one collective over n devices (NCCL's counts): an all-reduce is a reduce-scatter and an
+# all-gather; an all-to-all sends to each peer; a permute (a ring's shift) is one step
+def _steps(kind: str, n: int) -> int:
+    return {"all-reduce": 2 * (n - 1), "all-gather": n - 1, "reduce-scatter": n - 1,
+            "collective-permute": 1}.get(kind, n)
+
+
+def collective_latency(kind: str, n: int, domains: int, chip) -> float:
+    """Seconds one collective of ``kind`` over ``n`` devices in ``domains`` fast domains costs beyond its
+    bytes: ``chip.collective_base`` plus each ring step's hop, the steps between domains (as many as the
+    same collective over one device a domain) at ``slow_hop``, the others at ``fast_hop``."""
+    if n <= 1:
+        return 0.0
+    slow = _steps(kind, domains) if domains > 1 else 0
+    return chip.collective_base + (_steps(kind, n) - slow) * chip.fast_hop + slow * chip.slow_hop
+
+
+def latency_by_axis(ops, mesh: dict, chip) -> dict[str, float]:
+    """The collectives' latency per axis group of a compiled program's collectives (``ops``: executions
+    counted), in seconds: a group spans the block of its outermost axis and every axis inside it (the
+    device numbering ``plan.link_of`` reads), so it meets ceil(span / fast_domain) domains."""
+    from jaxpar.analysis.costmodel import AXIS_ORDER, group_key
+
+    out: dict[str, float] = {}
+    for op in ops:
+        if not op.axes:
+            continue
+        n = math.prod(mesh.get(a, 1) for a in op.axes)
+        outer = min(AXIS_ORDER.index(a) for a in op.axes)
+        span = math.prod(mesh.get(a, 1) for a in AXIS_ORDER[outer:])
+        domains = min(n, -(-span // chip.fast_domain))
+        key = group_key(op.axes)
+        out[key] = out.get(key, 0.0) + op.executions * collective_latency(op.kind, n, domains, chip)
+    return out

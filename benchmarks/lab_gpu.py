@@ -141,7 +141,7 @@ def train_row(args, hw, case, plan) -> dict:
     name, batch, seq, remat, attention = case
     row = {"case": name, "batch": batch, "seq": seq, "remat": remat, "attention": attention,
            "predicted": {"step_s": plan["predicted_step_s"], "mfu": plan["predicted_mfu"],
-                         "memory_bytes": plan["estimated_memory_bytes"],
+                         "memory_bytes": plan["estimated_memory_bytes"], "memory_parts": plan["memory_parts"],
                          "cpu_compiled_memory_bytes": plan["per_device_memory_bytes"], "parts": plan["times"]["parts"]}}
     if not plan["fits"]:
         return row | {"skipped": f"the lab's memory ({plan['estimated_memory_bytes'] / 1e9:.1f} GB) exceeds "

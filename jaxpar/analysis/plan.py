@@ -54,8 +54,8 @@ import dataclasses
 import functools
 import math
 
-from jaxpar.analysis.costmodel import (AXIS_ORDER, Activations, hbm_bytes, measured_bytes, memory_parts,
-                                      minimum_bytes, pipeline_costs, schedule_table, stage_input_bytes)
+from jaxpar.analysis.costmodel import (AXIS_ORDER, Activations, flash_attention, hbm_bytes, measured_bytes,
+                                      memory_parts, minimum_bytes, pipeline_costs, schedule_table, stage_input_bytes)
 from jaxpar.analysis.hardware import Hardware
 
 WEIGHT_AXES = {"data", "fsdp"}
@@ -71,6 +71,7 @@ class Plan:
     hardware: str
     per_device_memory_bytes: int
     estimated_memory_bytes: float
+    memory_parts: dict                # the estimate's parts: state, kept (for the backward), activations
     fits: bool
     fits_compiled: bool
     flops_per_device: float
@@ -283,6 +284,7 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
     times, assumptions = step_times(cfg, shape, preset.mesh.dcn_sizes(), measured, batch=batch, seq=seq, hw=hw,
                                     flops=train_flops, bytes_accessed=hbm, efficiency=efficiency, overlap=overlap,
                                     stage_bytes=stage_path, pipeline=costs)
+    assumptions["attention"] = "flash" if flash_attention(cfg) else "xla: every score in HBM"
     return _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, per_device, train_flops,
                       model_flops, hbm, times, costs, assumptions)
 
@@ -292,7 +294,7 @@ def _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, 
     ratio = {k: measured.get(k, 0.0) / v for k, v in minimum.items() if v}
     estimate = memory["state"] + memory["activations"]
     return Plan(model=model, mesh={a: v for a, v in shape.items() if v > 1}, batch=batch, seq=seq, hardware=hw.name,
-                per_device_memory_bytes=int(per_device), estimated_memory_bytes=estimate,
+                per_device_memory_bytes=int(per_device), estimated_memory_bytes=estimate, memory_parts=memory,
                 fits=estimate <= hw.hbm_bytes, fits_compiled=per_device <= hw.hbm_bytes,
                 flops_per_device=train_flops, model_flops_per_device=model_flops,
                 bytes_accessed_per_device=hbm, collectives=report.collectives.to_json()["by_kind"],

@@ -184,7 +184,9 @@ def format_plan(p) -> str:
     gb = 1e9
     lines = [f"{p.model} on {p.mesh} ({p.hardware}), batch {p.batch} × seq {p.seq}",
              f"memory per device: estimated {p.estimated_memory_bytes / gb:.2f} GB "
-             f"({'fits' if p.fits else 'DOES NOT FIT'}); XLA:CPU compiled {p.per_device_memory_bytes / gb:.2f} GB",
+             f"({'fits' if p.fits else 'DOES NOT FIT'}): state {p.memory_parts['state'] / gb:.2f}, activations "
+             f"{p.memory_parts['activations'] / gb:.2f} ({p.memory_parts['kept'] / gb:.2f} kept for the backward); "
+             f"XLA:CPU compiled {p.per_device_memory_bytes / gb:.2f} GB",
              f"FLOPs per device {p.flops_per_device:.3e} (model FLOPs {p.model_flops_per_device:.3e})",
              "", f"{'axis group':<22}{'link':<6}{'measured GB':>13}{'minimum GB':>12}{'ratio':>8}"]
     for key in sorted(set(p.bytes_by_axis) | set(p.analytic_min_bytes_by_axis)):
@@ -204,7 +206,7 @@ def _model_line(a: dict) -> str:
     if a["model"] == "mechanisms":
         c = a["calibration"]
         return (f"step-time model from mechanisms; calibrated matmul share {c['matmul']}, link efficiency "
-                f"{c['collective']}, DCN {c['dcn']}")
+                f"{c['collective']}, DCN {c['dcn']}; attention {a['attention']}")
     return f"roofline: efficiency {a['efficiency']}, overlap {a['overlap']}"
 
 

@@ -169,8 +169,8 @@ def kept_bytes(cfg, b: int, t: int) -> float:
     attention block's output (``models.dense.ATTN_NAMES``); ``dots``
     the input, q, k, v, the attention projection's output and the MLP's input products (its output no
     backward reads); ``none`` also the attention output, six F-wide products, two D-wide values, the
-    norms' float32 internals (6·D·4 + 16 B) and the softmax's float32 max and sum (8·N B); its scores
-    are ``score_bytes``'. A MoE layer's MLP width is its top-k experts' and the shared ones'; MLA's widths
+    norms' float32 internals (6·D·4 + 16 B) and the softmax's float32 max and sum (8·N B) (its scores:
+    ``score_bytes``). A MoE layer's MLP width is its top-k experts' and the shared ones'; MLA's widths
     are its heads' (the latents are left out): both approximate."""
     mla, moe = getattr(cfg, "mla", None), getattr(cfg, "moe", None)
     n, d = cfg.num_heads, cfg.embed_dim

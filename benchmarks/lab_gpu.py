@@ -22,6 +22,8 @@ is touched, so the lab never sees the device it predicts.
   prefill at the prompt's bucket, and its median decode step beside the lab's decode step at the cache's
   slots (the decode attends over every slot).
 
+``device_rates``: an 8192³ bf16 matmul's rate and an on-device copy's bandwidth, beside the profile's peaks.
+The JSON is rewritten after every case, so a run stopped at its limit keeps what it measured.
 ``error`` is predicted / measured − 1 for each time. On CPU (``--quick``) the profile is still a GPU's,
 so the errors say nothing about the lab: the run checks that the script works.
 """
@@ -182,6 +184,26 @@ def decode_rows(args, plans) -> list[dict]:
     return rows
 
 
+def save(result: dict, path: str | None) -> None:
+    """The JSON so far, rewritten after every case: a run stopped at its time limit keeps what it measured."""
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
+
+
+def device_rates(hw, quick: bool) -> dict:
+    """What this device does beside its profile's datasheet: a large bf16 matmul's rate and an on-device
+    copy's bandwidth (``generate.py``'s measurements), so that a miss can be told from a slow device."""
+    sys.path.insert(0, HERE)
+    import generate
+
+    n, mib = (512, 64) if quick else (8192, 2048)
+    gflops, gb_s = generate.matmul_gflops("bfloat16", n), generate.device_bandwidth(mib, 5)
+    return {"matmul_tflops": round(gflops / 1e3, 1), "matmul_n": n,
+            "matmul_share_of_peak": round(gflops * 1e9 / hw.peak_bf16_flops, 3),
+            "copy_gb_s": gb_s, "copy_share_of_hbm": round(gb_s * 1e9 / hw.hbm_bandwidth, 3)}
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     import jax
@@ -202,16 +224,16 @@ def main(argv=None) -> int:
     plans = run_plans(commands)
     result = {"device": kind, "backend": jax.default_backend(), "jax": jax.__version__, "hardware": hw.name,
               "comparable": hardware_of_device(kind) == hw.name, "model": args.model,
-              "host": platform.machine(), "plan_s": round(time.perf_counter() - t0, 1), "train": []}
+              "host": platform.machine(), "plan_s": round(time.perf_counter() - t0, 1),
+              "device_rates": device_rates(hw, args.quick), "train": []}
+    save(result, args.out)
     for case in args.train:
         result["train"].append(train_row(args, hw, case, plans[("train", case[0])]))
         print(json.dumps(result["train"][-1]), file=sys.stderr, flush=True)
+        save(result, args.out)
     result["decode"] = decode_rows(args, plans)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(result, indent=1))
+    save(result, args.out)
     return 0
 
 

@@ -24,6 +24,7 @@ def test_lab_gpu_quick(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["hardware"] == "h100" and not result["comparable"] and result["model"] == "tiny"
+    assert result["device_rates"]["matmul_tflops"] > 0 and result["device_rates"]["copy_gb_s"] > 0
     assert [r["remat"] for r in result["train"]] == ["full", "none"]
     for row in result["train"]:
         got, want = row["measured"], row["predicted"]

@@ -196,6 +196,7 @@ def test_search_ranks_a_hand_made_case(tmp_path, capsys):
                  "--hardware", "tpu-v6e", "--plot", str(tmp_path / "search.png")]) == 0
     out = capsys.readouterr().out
     assert "fitting ones first" in out and (tmp_path / "search.png").stat().st_size > 10_000
+    assert "attention: XLA's, every score in HBM" in out                  # the kernel the ranking priced
 
 
 # ------------------------------------------------------------------------------------- pipelines (stage)

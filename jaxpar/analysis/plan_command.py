@@ -134,6 +134,7 @@ def _search(args) -> int:
     else:
         print(f"{args.model}: {len(ranked)} layouts of {args.devices} devices ({len(refused)} cannot divide the "
               f"model), batch {args.batch} × seq {args.seq} on {args.hardware}; fitting ones first, fastest first")
+        print(_attention_line(args))
         print(f"{'rank':>4}  {'mesh':<40}{'memory GB':>10}{'fits':>6}{'step ms':>10}{'MFU':>7}  pipeline")
         for i, c in enumerate(ranked, 1):
             mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items()) or "one device"
@@ -145,6 +146,17 @@ def _search(args) -> int:
     if args.plot:
         plot_candidates(ranked, args.plot, title=f"{args.model}, {args.devices} × {args.hardware}")
     return 0
+
+
+def _attention_line(args) -> str:
+    """Which attention kernel the ranking priced (``costmodel.flash_attention``)."""
+    from jaxpar.analysis.costmodel import flash_attention
+    from jaxpar.models import get_model_preset
+
+    if flash_attention(get_model_preset(args.model, **_overrides(args.overrides))):
+        return "attention: a flash kernel (cuDNN or ring)"
+    return ("attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set attention_impl=cudnn "
+            "prices cuDNN's flash kernel")
 
 
 def plot_candidates(ranked, path: str, *, title: str) -> None:

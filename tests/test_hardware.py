@@ -51,5 +51,5 @@ def test_device_kinds_name_their_profiles():
 
     kinds = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H200": "h200",
              "NVIDIA A100-SXM4-80GB": "a100", "NVIDIA L40S": "l40s", "TPU v5 lite": "tpu-v5e", "TPU v5p": "tpu-v5p",
-             "TPU v6 lite": "tpu-v6e", "TPU7x": "tpu7x", "cpu": None}
+             "TPU v6 lite": "tpu-v6e", "TPU7x": "tpu7x", "cpu": None, "NVIDIA GH200 480GB": None, "NVIDIA H100 NVL": None}
     assert {k: hardware_of_device(k) for k in kinds} == kinds

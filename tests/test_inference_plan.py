@@ -81,6 +81,11 @@ def test_each_layer_adds_its_two_all_reduces_latency():
                  for n in (2, 4))
     extra = four.decode_times["latency_s"]["tensor"] - two.decode_times["latency_s"]["tensor"]
     assert extra == pytest.approx(4 * 7.8e-6)
+    # cuDNN attention (prefill) compiles on CPU as XLA's: the same programs, the same plan
+    cudnn = plan_inference("tiny", "decode_tp", batch=2, context=64, hardware="h100", devices=2, num_layers=2,
+                           attention_impl="cudnn")
+    assert (cudnn.decode_step_s, cudnn.prefill_s, cudnn.decode_bytes_by_axis) == (
+        two.decode_step_s, two.prefill_s, two.decode_bytes_by_axis)
 
 
 @pytest.mark.parametrize("argv, message", [

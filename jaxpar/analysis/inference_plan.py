@@ -37,7 +37,7 @@ import math
 
 from jaxpar.analysis.costmodel import measured_bytes
 from jaxpar.analysis.links import latency_by_axis
-from jaxpar.analysis.plan import link_of
+from jaxpar.analysis.plan import cpu_compilable, link_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,7 @@ def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware:
     name, built = build_inference_mesh(mesh, devices=None if devices is None else jax.devices()[:devices])
     cfg = generation_config(cfg, sequence_split=built.shape["sequence"] > 1)
     layout = check_inference_layout(cfg, built, name, batch=batch, prompt=context, slots=context)
-    abstract, state = _abstract(cfg, layout)
+    abstract, state = _abstract(cpu_compilable(cfg), layout)
     prefill, decode = compile_programs(abstract, state, layout, batch, context, context)
     shape = {a: int(n) for a, n in built.shape.items()}
     scale = jax.numpy.dtype(cfg.dtype).itemsize / 4             # XLA:CPU's f32 collectives at bf16 width

@@ -94,10 +94,15 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+def cpu_compilable(cfg):
+    """``cfg`` as the lab compiles it on CPU: cuDNN attention as XLA's (the CPU has no cuDNN; a device's
+    attention is local, so the program's collectives are the same). The pricing keeps the kernel."""
+    return dataclasses.replace(cfg, attention_impl=None) if str(cfg.attention_impl) == "cudnn" else cfg
+
+
 def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
     """The train step compiled for ``layout`` from abstract state and batch (nothing allocated);
-    ``pipeline``: the schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``). cuDNN attention
-    compiles as XLA's: the CPU has no cuDNN, and a device's attention is local (the same collectives)."""
+    ``pipeline``: the schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``); ``cpu_compilable``."""
     import jax
     import numpy as np
 
@@ -105,8 +110,7 @@ def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
 
-    if str(cfg.attention_impl) == "cudnn":
-        cfg = dataclasses.replace(cfg, attention_impl=None)
+    cfg = cpu_compilable(cfg)
     program = init_program(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
                            layout)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -231,7 +231,10 @@ def main(argv=None) -> int:
         result["train"].append(train_row(args, hw, case, plans[("train", case[0])]))
         print(json.dumps(result["train"][-1]), file=sys.stderr, flush=True)
         save(result, args.out)
-    result["decode"] = decode_rows(args, plans)
+    try:
+        result["decode"] = decode_rows(args, plans)
+    except Exception as e:                      # the training rows are kept either way
+        result["decode"] = {"failed": f"{type(e).__name__}: {str(e)[:600]}"}
     print(json.dumps(result, indent=1))
     save(result, args.out)
     return 0

@@ -39,6 +39,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)                # generate.py's and layouts.py's measurements
 TRAIN = (("cudnn, full remat, 8 x 2048", 8, 2048, "full", "cudnn"),      # (case, batch, seq, remat, attention)
          ("cudnn, no remat, 4 x 2048", 4, 2048, "none", "cudnn"),
          ("cudnn, full remat, 2 x 8192", 2, 8192, "full", "cudnn"),
@@ -106,35 +107,16 @@ def peak_bytes() -> int | None:
 
 
 def measure_train(model: str, batch: int, seq: int, remat: str, attention: str, steps: int, warmup: int) -> dict:
-    """Compile time, median and min step of a one-device train step; the allocator's peak after it."""
-    import functools
-
+    """Compile time, median and min step of a one-device train step (``layouts.py``'s ``time_train_step``);
+    the allocator's peak after it."""
     import jax
-    import numpy as np
-    from jaxpar.layout import make_layout
-    from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.models import build_model, get_model_preset
-    from jaxpar.train.optim import OptimizerConfig, make_optimizer
-    from jaxpar.train.step import init_train_state, make_train_step
+    from layouts import time_train_step
+
+    from jaxpar.models import get_model_preset
 
     cfg = get_model_preset(model, dtype="bfloat16", remat=remat, attention_impl=attention)
-    layout = make_layout(cfg, resolve_mesh_arg("dp"), batch=batch, seq=seq, devices=jax.devices()[:1])
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
-                          layout)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
-    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    t0 = time.perf_counter()
-    compiled = make_train_step(ts, layout).lower(ts.state, data).compile()
-    compile_s = time.perf_counter() - t0
-    state, times = ts.state, []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, data)
-        jax.block_until_ready(metrics.loss)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    loss = float(metrics.loss)
-    del state, ts, compiled
+    _, _, compile_s, times, loss = time_train_step(cfg, "dp", batch=batch, seq=seq, steps=steps, warmup=warmup,
+                                                   devices=jax.devices()[:1])
     return {"compile_s": round(compile_s, 2), "step_s": statistics.median(times), "step_s_min": min(times),
             "loss": loss, "peak_bytes": peak_bytes()}
 
@@ -158,7 +140,6 @@ def train_row(args, hw, case, plan) -> dict:
 
 def decode_rows(args, plans) -> list[dict]:
     """``generate.py``'s measurement of each batch beside the lab's prefill and decode step."""
-    sys.path.insert(0, HERE)
     import generate
     from jaxpar.analysis.hardware import get_hardware
 
@@ -194,7 +175,6 @@ def save(result: dict, path: str | None) -> None:
 def device_rates(hw, quick: bool) -> dict:
     """What this device does beside its profile's datasheet: a large bf16 matmul's rate and an on-device
     copy's bandwidth (``generate.py``'s measurements), so that a miss can be told from a slow device."""
-    sys.path.insert(0, HERE)
     import generate
 
     n, mib = (512, 64) if quick else (8192, 2048)

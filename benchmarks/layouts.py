@@ -30,40 +30,50 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def bench_one(model_name: str, mesh_name: str, *, batch: int, seq: int, steps: int) -> dict:
+def time_train_step(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, warmup: int = 1, devices=None):
+    """``cfg``'s train step under the mesh preset ``mesh_name``, compiled (timed) and run ``warmup`` untimed
+    then ``steps`` timed steps on random tokens, each to its loss: (layout, compiled, compile_s, step
+    times, last loss)."""
     import functools
 
     import jax
     import numpy as np
 
-    from jaxpar.analysis import analyze_compiled
     from jaxpar.layout import make_layout
     from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.models import build_model, get_model_preset
+    from jaxpar.models import build_model
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import init_train_state, make_train_step
 
-    cfg = get_model_preset(model_name)
-    layout = make_layout(cfg, resolve_mesh_arg(mesh_name), batch=batch, seq=seq)
+    layout = make_layout(cfg, resolve_mesh_arg(mesh_name), batch=batch, seq=seq, devices=devices)
     ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
                           layout)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
-    batch_arrays = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     t0 = time.perf_counter()
-    compiled = make_train_step(ts, layout).lower(ts.state, batch_arrays).compile()
+    compiled = make_train_step(ts, layout).lower(ts.state, data).compile()
     compile_s = time.perf_counter() - t0
-    report = analyze_compiled(compiled, mesh=layout.mesh)
     state, times = ts.state, []
-    for i in range(steps + 1):
+    for i in range(warmup + steps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batch_arrays)
+        state, metrics = compiled(state, data)
         jax.block_until_ready(metrics.loss)
-        if i:                                              # the first call is the warm-up
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
+    return layout, compiled, compile_s, times, float(metrics.loss)
+
+
+def bench_one(model_name: str, mesh_name: str, *, batch: int, seq: int, steps: int) -> dict:
+    from jaxpar.analysis import analyze_compiled
+    from jaxpar.models import get_model_preset
+
+    cfg = get_model_preset(model_name)
+    layout, compiled, compile_s, times, loss = time_train_step(cfg, mesh_name, batch=batch, seq=seq, steps=steps)
+    report = analyze_compiled(compiled, mesh=layout.mesh)
     median = statistics.median(times)
     return dict(model=model_name, mesh=mesh_name, params=cfg.num_params(padded=True), compile_s=round(compile_s, 2),
                 step_s_median=round(median, 4), step_s_min=round(min(times), 4),
-                tokens_per_s=round(batch * seq / median, 1), loss=float(metrics.loss),
+                tokens_per_s=round(batch * seq / median, 1), loss=loss,
                 collective_bytes_per_device=report.collectives.total_bytes,
                 temp_bytes_per_device=report.memory.get("temp_size_in_bytes"))
 

@@ -75,20 +75,26 @@ def collective_latency(kind: str, n: int, domains: int, chip) -> float:
     return chip.collective_base + (_steps(kind, n) - slow) * chip.fast_hop + slow * chip.slow_hop
 
 
+def group_span(axes, mesh: dict) -> int:
+    """Devices in the block an axis group's collectives cross: devices are numbered with the last mesh axis
+    fastest, so a group spans its outermost axis times every axis inside it."""
+    from jaxpar.analysis.costmodel import AXIS_ORDER
+
+    outer = min(AXIS_ORDER.index(a) for a in axes)
+    return math.prod(mesh.get(a, 1) for a in AXIS_ORDER[outer:])
+
+
 def latency_by_axis(ops, mesh: dict, chip) -> dict[str, float]:
     """The collectives' latency per axis group of a compiled program's collectives (``ops``: executions
-    counted), in seconds: a group spans the block of its outermost axis and every axis inside it (the
-    device numbering ``plan.link_of`` reads), so it meets ceil(span / fast_domain) domains."""
-    from jaxpar.analysis.costmodel import AXIS_ORDER, group_key
+    counted), in seconds: a group meets ceil(``group_span`` / fast_domain) domains."""
+    from jaxpar.analysis.costmodel import group_key
 
     out: dict[str, float] = {}
     for op in ops:
         if not op.axes:
             continue
         n = math.prod(mesh.get(a, 1) for a in op.axes)
-        outer = min(AXIS_ORDER.index(a) for a in op.axes)
-        span = math.prod(mesh.get(a, 1) for a in AXIS_ORDER[outer:])
-        domains = min(n, -(-span // chip.fast_domain))
+        domains = min(n, -(-group_span(op.axes, mesh) // chip.fast_domain))
         key = group_key(op.axes)
         out[key] = out.get(key, 0.0) + op.executions * collective_latency(op.kind, n, domains, chip)
     return out

@@ -54,7 +54,7 @@ import dataclasses
 import functools
 import math
 
-from jaxpar.analysis.costmodel import (AXIS_ORDER, Activations, flash_attention, hbm_bytes, measured_bytes,
+from jaxpar.analysis.costmodel import (Activations, flash_attention, hbm_bytes, measured_bytes,
                                       memory_parts, minimum_bytes, pipeline_costs, schedule_table, stage_input_bytes)
 from jaxpar.analysis.hardware import Hardware
 
@@ -161,12 +161,12 @@ def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatc
 
 
 def link_of(key: str, mesh: dict, hw: Hardware) -> tuple[str, float]:
-    """The link an axis group's collectives cross: devices are numbered with the last mesh axis fastest,
-    so a group spans the block of its outermost axis times everything inside it."""
-    axes = key.split("+")
-    outer = min(AXIS_ORDER.index(a) for a in axes)
-    span = math.prod(mesh.get(a, 1) for a in AXIS_ORDER[outer:])
-    return ("fast", hw.fast_link) if span <= hw.fast_domain else ("slow", hw.slow_link)
+    """The link an axis group's collectives cross: the fast one when the block it spans
+    (``links.group_span``) fits one fast domain."""
+    from jaxpar.analysis.links import group_span
+
+    fits = group_span(key.split("+"), mesh) <= hw.fast_domain
+    return ("fast", hw.fast_link) if fits else ("slow", hw.slow_link)
 
 
 def predict(measured: dict, *, flops: float, bytes_accessed: float, mesh: dict, hw: Hardware,

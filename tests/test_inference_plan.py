@@ -1,6 +1,7 @@
 """``jaxpar plan --inference``: what a serving layout holds and moves, against numbers worked by hand."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -108,8 +109,6 @@ def test_the_command_prints_json(capsys):
 
 def _readme_serving_table() -> list[list[str]]:
     """The rows of the README's serving search table (mesh, weights, KV, fits, step, TTFT, tokens/s, batch)."""
-    from pathlib import Path
-
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = text.index("| mesh | weights GB | KV GB | fits | step ms | TTFT ms | tokens/s | max batch |")
     rows = text[start:text.index("\n\n", start)].splitlines()[2:]
@@ -128,6 +127,13 @@ def test_search_ranks_serving_layouts_under_a_latency_bound(tmp_path, capsys):
         [",".join(f"{a}={n}" for a, n in p.mesh.items()), f"{p.weight_bytes_per_device / 1e9:.2f}",
          f"{p.kv_bytes_per_device / 1e9:.2f}", "yes" if p.fits else "no", f"{p.decode_step_s * 1e3:.2f}",
          f"{p.time_to_first_token_s * 1e3:.0f}", f"{p.tokens_per_s:,.0f}", str(p.max_batch)] for p in ranked]
+    # the README's single-layout example is the search's tensor=8 plan, part by part
+    best, readme = ranked[0], (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    t, ms = best.decode_times, lambda s: f"{s * 1e3:.2f} ms"
+    assert (f"# decode step {ms(best.decode_step_s)} = max(HBM {ms(t['memory_s'])} for "
+            f"{best.decode_bytes_read_per_device / 1e9:.2f} GB, compute {ms(t['compute_s'])}) + collectives "
+            f"{ms(sum(t['communication_s'].values()))}\n#   + their latency {ms(sum(t['latency_s'].values()))}: "
+            f"{best.tokens_per_s:,.0f} tokens/s") in readme
     assert ranked[1].weight_bytes_per_device == pytest.approx(2 * ranked[0].weight_bytes_per_device, rel=1e-3)
     assert [p.tokens_per_s for p in ranked[1:]] == sorted((p.tokens_per_s for p in ranked[1:]), reverse=True)
     assert main(["plan", "--inference", "--search", "--model", "tiny", "--devices", "8", "--batch", "8",

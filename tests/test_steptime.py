@@ -270,15 +270,15 @@ def test_published_step_times_by_convention():
 
 
 def test_leave_one_out_over_published_runs():
-    """The README's validation table: 85 runs, each predicted with constants fitted without it; four of them
+    """The README's validation table: 99 runs, each predicted with constants fitted without it; four of them
     (named, each with its reason in the JSON) enter no fit."""
     runs = load_runs()
-    assert len(runs) == 85
+    assert len(runs) == 99
     assert calibrate(runs) == CALIBRATED                    # the constants in the code are the fit's
     rows = leave_one_out(runs)
     err = np.abs([r["error"] for r in rows if r["in_fit"]])
-    assert len(err) == 81 and np.median(err) == pytest.approx(0.049, abs=0.0005)     # goal: ≤ 10%
-    assert np.sum(err > 0.10) == 16 and np.sum(err > 0.20) == 0                      # goal: none > 20%
+    assert len(err) == 95 and np.median(err) == pytest.approx(0.051, abs=0.0005)     # goal: ≤ 10%
+    assert np.sum(err > 0.10) == 19 and np.sum(err > 0.20) == 0                      # goal: none > 20%
     by = {r["name"]: r["error"] for r in rows}
     megatron = [abs(r["error"]) for r in rows if r["hardware"] == "a100"]            # tensor × pipeline × data
     assert len(megatron) == 10 and max(megatron) == pytest.approx(0.072, abs=0.0005)
@@ -293,7 +293,10 @@ def test_leave_one_out_over_published_runs():
     assert dropless == {"MaxText Qwen3-235B-A22B, tpu7x-4x8x8 (256 chips, dropless)": -0.118,
                         "MaxText DeepSeek-V3, tpu7x (128 chips, dropless)": 0.071,
                         "MaxText DeepSeek-V3, tpu7x (256 chips, dropless)": 0.062}
-    fp8 = [abs(e) for n, e in by.items() if "fp8" in n and "128k" not in n]          # dense and grouped FP8
+    titan = [abs(e) for n, e in by.items() if n.startswith("torchtitan")]        # H100: FSDP, CP, TP, PP, FP8
+    assert len(titan) == 16 and max(titan) == pytest.approx(0.191, abs=0.0005)
+    assert np.median(titan) == pytest.approx(0.068, abs=0.0005)
+    fp8 = [abs(e) for n, e in by.items() if "fp8" in n and "tpu7x" in n and "128k" not in n]  # dense and grouped
     assert len(fp8) == 6 and max(fp8) == pytest.approx(0.061, abs=0.0005)
     assert [(r["name"], round(r["error"], 3)) for r in rows if not r["in_fit"]] == [
         ("MaxText Llama3.1-70B 128k context, tpu7x-4x8x8 (context 8 devices)", 0.404),
@@ -364,9 +367,26 @@ def test_jax_remat_leaves_unread_outputs_out():
     assert 0 < flops["attn"] - flops["none"] - (2 * T * D * 2 * F + 2 * T * S * H * Dh) < mlp_out / 4
 
 
+def test_flash_attention_2_and_uneven_stages_by_hand():
+    """FlashAttention-2 (``attention_kernel="fa2"``, torch's SDPA on H100s in 2024) prices attention at 0.42
+    of a GEMM's share where the chip's own kernel runs at 0.75: the attention time × 0.75/0.42, nothing else.
+    126 layers over 8 stages (torchtitan's split: 15 or 16 a stage) are priced at the largest, ⌈126/8⌉ = 16,
+    as 128 layers are; under 2 chunks a device, 2 × ⌈126/16⌉ = 16 as well."""
+    fa3, fa2 = (layer_forward(dataclasses.replace(SMALL, attention_kernel=k), H100, 0.5, 8192) for k in ("", "fa2"))
+    assert fa2[1] == pytest.approx(fa3[1] * 0.75 / 0.42) and (fa2[0], fa2[2]) == (fa3[0], fa3[2])
+    staged = dict(mesh=dict(stage=8), batch=64, microbatch=8, remat="full")
+    uneven, even = (dataclasses.replace(SMALL, num_layers=n, **staged) for n in (126, 128))
+    assert uneven.stage_layers == even.stage_layers == 16
+    assert dataclasses.replace(uneven, virtual_stages=2).stage_layers == 16
+    a, b = step_seconds(uneven, H100, CAL), step_seconds(even, H100, CAL)
+    assert a["matmul_s"] == pytest.approx(b["matmul_s"]) and a["bubble_s"] == pytest.approx(b["bubble_s"])
+
+
 def test_bad_workloads_are_refused_naming_the_field():
-    with pytest.raises(ConfigError, match=r"num_layers=4: not divisible by stage × virtual_stages = 8"):
+    with pytest.raises(ConfigError, match=r"num_layers=4: fewer than stage × virtual_stages = 8 chunks"):
         dataclasses.replace(SMALL, mesh=dict(stage=4), virtual_stages=2).check()
+    with pytest.raises(ConfigError, match=r"attention_kernel='fa3': '' \(the chip's own flash kernel\) or 'fa2'"):
+        dataclasses.replace(SMALL, attention_kernel="fa3").check()
     with pytest.raises(ConfigError, match="batch=8: not divisible by the 16 sequences of data × fsdp × expert × microbatch=2"):
         dataclasses.replace(SMALL, mesh=dict(data=8), microbatch=2).check()
     with pytest.raises(ConfigError, match="context_parallel='pipe', cp_order='zigzag': sequence=2"):
@@ -399,7 +419,7 @@ def test_readme_validation_table_is_the_json():
     rows = json.loads((root / "benchmarks" / "results" / "plan_validation.json").read_text())["rows"]
     table = {m.group(1): m.groups()[1:] for m in re.finditer(
         r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+)% \|", (root / "README.md").read_text(), re.M)}
-    assert len(table) == len(rows) == 85
+    assert len(table) == len(rows) == 99
     for r in rows:
         measured, predicted, error = table[r["name"]]
         assert (float(measured), float(predicted)) == (round(r["measured_step_s"], 3), round(r["predicted_step_s"], 3))
@@ -408,7 +428,7 @@ def test_readme_validation_table_is_the_json():
 
 
 def test_readme_explanations_of_the_misses():
-    """The numbers the README's table gives for why runs miss: all 85 runs' median; Mixtral 8x22B at the
+    """The numbers the README's table gives for why runs miss: all 99 runs' median; Mixtral 8x22B at the
     link's full bandwidth; the 128k run's attention share and the flash-kernel share it asks for; the
     grouped shares the dropless runs fit alone or without themselves; GPT-3 175B's ICI share alone."""
     import dataclasses as dc
@@ -417,7 +437,7 @@ def test_readme_explanations_of_the_misses():
 
     runs = {r.name: r for r in load_runs()}
     rows = {r["name"]: r for r in leave_one_out(list(runs.values()))}
-    assert np.median([abs(r["error"]) for r in rows.values()]) == pytest.approx(0.053, abs=0.0005)
+    assert np.median([abs(r["error"]) for r in rows.values()]) == pytest.approx(0.055, abs=0.0005)
     mix = runs["MaxText Mixtral-8x22B, v6e-256 (capacity 1.25, expert 4)"]
     v6e, tpu7x = HARDWARE["tpu-v6e"], HARDWARE["tpu7x"]
     full = step_seconds(mix.workload, v6e, Calibration({"tpu-v6e": 0.57}, {"tpu-v6e": 1.0}, {"tpu-v6e": 1.0}))
@@ -440,3 +460,30 @@ def test_readme_explanations_of_the_misses():
     exposed = {c: step_seconds(gpt3.workload, v6e, dc.replace(v, collective={"tpu-v6e": c}))["fsdp_exposed_s"]
                for c in (0.35, 0.4)}
     assert exposed[0.35] > 0 and exposed[0.4] == 0         # its gathers outlast their compute below 0.4
+
+
+def test_readme_explanations_of_the_torchtitan_rows():
+    """The README's notes on torchtitan's H100 runs: priced with the chip's FA3/cuDNN share instead of
+    FlashAttention-2, the bf16 8-GPU run misses by +11.6% and the worst by +91.6%; the attention and tensor
+    shares the rows quote; hiding all of the 70B run's tensor traffic would gain 26% where async TP gained
+    it 5.7%; interleaving is predicted 1.30× faster than 1F1B, published 1.28×."""
+    runs = load_runs()
+    fa3 = leave_one_out([dataclasses.replace(r, workload=dataclasses.replace(r.workload, attention_kernel=""))
+                         for r in runs])
+    by = {r["name"]: r for r in fa3}
+    assert by["torchtitan Llama 3.1 8B, 8 × H100 (FSDP 8, torch.compile)"]["error"] == pytest.approx(0.116, abs=0.0005)
+    assert max(r["error"] for r in fa3 if r["name"].startswith("torchtitan")) == pytest.approx(0.916, abs=0.0005)
+    gt = HARDWARE["h100-gt"]
+    parts = {r.name: step_seconds(r.workload, gt, CALIBRATED) for r in runs if r.name.startswith("torchtitan")}
+    share = lambda name, key: parts[name][key] / parts[name]["step_s"]
+    cp = "torchtitan Llama 3.1 8B fp8 {}, 8 × H100 (FSDP {}, CP {})"
+    assert [round(share(cp.format(*k), "attention_s"), 2) for k in (("32k", 8, 1), ("64k", 4, 2), ("128k", 2, 4))] \
+        == [0.69, 0.81, 0.89]
+    assert round(share("torchtitan Llama 3.1 8B, 8 × H100 (FSDP 8, torch.compile)", "attention_s"), 2) == 0.24
+    tp = parts["torchtitan Llama 3.1 70B fp8, 256 × H100 (FSDP 32, TP 8, async TP)"]
+    assert tp["tensor_exposed_s"] / tp["step_s"] == pytest.approx(0.21, abs=0.005)
+    assert tp["step_s"] / (tp["step_s"] - tp["tensor_exposed_s"]) - 1 == pytest.approx(0.26, abs=0.005)
+    assert 876 / 829 - 1 == pytest.approx(0.057, abs=0.0005)
+    pp = "torchtitan Llama 3.1 405B fp8, 512 × H100 (FSDP 8, TP 8, PP 8, {})"
+    one, two = parts[pp.format("1F1B")]["step_s"], parts[pp.format("Interleaved 1F1B")]["step_s"]
+    assert round(one / two, 2) == 1.30 and round(128 / 100, 2) == 1.28

@@ -1,9 +1,9 @@
 """Calibrating the step-time model on published runs, and its leave-one-out error.
 
 ``benchmarks/published_runs.json`` holds runs whose configuration was published with their speed
-(MaxText's TPU v5e/v5p tables, its v6e recipes and A3 GPU runs, torchtitan's H100 tables, Megatron-LM's
-A100 weak-scaling table with tensor and pipeline parallelism, tpu-recipes' Mixtral runs on v6e and its
-Ironwood table): the model's shape, batch, layout, remat policy, and the speed as published — MFU or
+(MaxText's TPU v5e/v5p tables, its v6e recipes and A3 GPU runs, torchtitan's H100 tables in bf16 and
+Float8 with FSDP, context, tensor and pipeline parallelism, Megatron-LM's A100 weak-scaling table with
+tensor and pipeline parallelism, tpu-recipes' Mixtral runs on v6e and its Ironwood table): the model's shape, batch, layout, remat policy, and the speed as published — MFU or
 TFLOP/s under the publisher's FLOP convention, or tokens/s. Each becomes a measured step time.
 ``jaxpar.analysis.steptime`` predicts them from the mechanisms; what no spec sheet gives is fitted per chip
 family (``Calibration``): the share of peak a large matmul reaches, and the share of a link's bandwidth a
@@ -40,7 +40,9 @@ GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.rou
 
 
 # ``calibrate()`` on benchmarks/published_runs.json (tests/test_steptime.py checks they agree). TPU v5e/v5p:
-# 0.78 of peak, DCN at 0.8 of its estimated per-chip bandwidth, ICI at its spec. H100: 0.54, links at spec.
+# 0.78 of peak, DCN at 0.8 of its estimated per-chip bandwidth, ICI at its spec. H100: 0.56, links at spec
+# (MaxText's A3 runs and torchtitan's bf16 ones, the latter with FlashAttention-2); torchtitan's Float8 runs
+# (8B to 405B, FSDP, context, tensor and pipeline parallel) put its FP8 matmuls at 0.47 of the FP8 peak.
 # A100 (Megatron-LM's runs, whose tensor all-reduces and cross-node gradient reduction are exposed): NVLink
 # collectives at half the link, InfiniBand at 0.65 of the NICs. TPU v6e (tpu-recipes' MaxText runs, pure
 # FSDP on one slice but for Mixtral 8x22B's expert axis): 0.58. Two v6e runs alone say anything about its
@@ -54,10 +56,10 @@ GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.rou
 # fp8_full: every weight matmul in FP8): dense ones at 0.55 of the FP8 peak (fitted on the three dense FP8
 # runs), grouped ones at 0.29 of that (fitted on the three dropless FP8 runs): FP8 speeds the grouped
 # kernels up far less than the dense ones.
-CALIBRATED = Calibration(matmul={"tpu": 0.78, "tpu-v6e": 0.58, "gpu": 0.54, "a100": 0.69, "tpu7x": 0.67},
+CALIBRATED = Calibration(matmul={"tpu": 0.78, "tpu-v6e": 0.58, "gpu": 0.56, "a100": 0.69, "tpu7x": 0.67},
                          collective={"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5, "tpu7x": 1.0},
                          dcn={"tpu": 0.8, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.65, "tpu7x": 1.0},
-                         grouped={"tpu7x": 0.42}, fp8={"tpu7x": 0.55}, grouped_fp8={"tpu7x": 0.29})
+                         grouped={"tpu7x": 0.42}, fp8={"gpu": 0.47, "tpu7x": 0.55}, grouped_fp8={"tpu7x": 0.29})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,9 @@ class Hardware:
 # 4k-16k tokens runs at roughly 0.75 of what a large bf16 GEMM reaches on an H100 SXM5 (~500-650 against
 # ~750-800 TFLOP/s). Applied to every NVIDIA profile here.
 GPU_ATTENTION = 0.75
+# FlashAttention-2 on the same figures (head dim 128, 16k tokens): 335 TFLOP/s forward (causal), 322 backward,
+# 0.42 of that GEMM: the kernel torch's SDPA ran on H100s in 2024 (``Workload.attention_kernel`` "fa2").
+FA2_ATTENTION = 0.42
 
 # NCCL's own cost model (NVIDIA/nccl, src/graph/tuning.cc): a ring collective of the low-latency protocol
 # costs baseLat 6.6 µs plus, per ring step, 0.6 µs over NVLink, 1.0 µs over PCIe and 2.7 µs over the
@@ -115,8 +118,10 @@ HARDWARE = {
     "h100-a3": Hardware("h100-a3", 989e12, 80e9, 3.35e12, 450e9, 8, 12.5e9, attention_efficiency=GPU_ATTENTION, **NVLINK_LATENCY),
     # Meta's Grand Teton, as torchtitan's benchmarks/llama3_h100_202412_torchtitan.md describes it: H100 with
     # 96 GB HBM2e at 2.4 TB/s, NVLink inside the 8-GPU host, 400 Gb/s RDMA per GPU, 500 W power limit (its
-    # real peak lies between the SXM's 989 and the NVL's 835 TFLOP/s, the page says: the midpoint, 912).
-    "h100-gt": Hardware("h100-gt", 912e12, 96e9, 2.4e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION, **NVLINK_LATENCY),
+    # real peak lies between the SXM's 989 and the NVL's 835 TFLOP/s, the page says: the midpoint, 912; FP8
+    # likewise between the SXM's 1,979 and the NVL's 1,670.5 (its datasheet's 3,341 with sparsity, halved)).
+    "h100-gt": Hardware("h100-gt", 912e12, 96e9, 2.4e12, 450e9, 8, 50e9, attention_efficiency=GPU_ATTENTION,
+                        peak_fp8_flops=1825e12, **NVLINK_LATENCY),
 }
 
 

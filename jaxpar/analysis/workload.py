@@ -92,6 +92,7 @@ class Workload:
     # Multi-head Latent Attention (``kv_lora`` > 0, DeepSeek): head_dim is the no-RoPE query/key width,
     # qk_rope the RoPE one, v_head the value width; q through a q_lora latent (0: directly)
     fp8: bool = False                # the layers' weight matmuls in FP8, forward and backward (MaxText's fp8_full)
+    attention_kernel: str = ""       # "fa2": FlashAttention-2 (a GPU's own profile prices FA3/cuDNN's kernel)
     kv_lora: int = 0
     q_lora: int = 0
     qk_rope: int = 0
@@ -140,6 +141,13 @@ class Workload:
         if W and W < S:                                     # the tiles that meet the window, at the real length
             return float(ring_work(S, n, self.cp_order, window=W).max()) / (4 * n)
         return float(ring_work(4 * n, n, self.cp_order).max()) / (4 * n)
+
+    @property
+    def stage_layers(self) -> int:
+        """Layers on the busiest stage device: v chunks of ⌈L/(p·v)⌉ (an uneven split, as torchtitan's
+        generate_split_points makes one, priced at its largest chunk)."""
+        v = self.virtual_stages
+        return -(-self.num_layers // (self.size("stage") * v)) * v
 
     @property
     def moe_layers(self) -> int:
@@ -228,9 +236,11 @@ class Workload:
         if self.experts and not (1 <= self.top_k <= self.experts and 0 <= self.dense_layers < self.num_layers):
             raise ConfigError(f"top_k={self.top_k}, dense_layers={self.dense_layers}: need 1 ≤ top_k ≤ "
                               f"experts={self.experts} and 0 ≤ dense_layers < num_layers={self.num_layers}")
+        if self.attention_kernel not in ("", "fa2"):
+            raise ConfigError(f"attention_kernel={self.attention_kernel!r}: '' (the chip's own flash kernel) or 'fa2'")
         chunks = self.size("stage") * self.virtual_stages
-        if self.num_layers % chunks:
-            raise ConfigError(f"num_layers={self.num_layers}: not divisible by stage × virtual_stages = {chunks}")
+        if self.num_layers < chunks:
+            raise ConfigError(f"num_layers={self.num_layers}: fewer than stage × virtual_stages = {chunks} chunks")
         n = self.size("sequence")
         if n > 1 and (self.context_parallel not in CONTEXT or self.cp_order not in ("zigzag", "contiguous")):
             raise ConfigError(f"context_parallel={self.context_parallel!r}, cp_order={self.cp_order!r}: sequence={n} "

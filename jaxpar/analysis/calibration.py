@@ -3,8 +3,9 @@
 ``benchmarks/published_runs.json`` holds runs whose configuration was published with their speed
 (MaxText's TPU v5e/v5p tables, its v6e recipes and A3 GPU runs, torchtitan's H100 tables in bf16 and
 Float8 with FSDP, context, tensor and pipeline parallelism, Megatron-LM's A100 weak-scaling table with
-tensor and pipeline parallelism, tpu-recipes' Mixtral runs on v6e and its Ironwood table): the model's shape, batch, layout, remat policy, and the speed as published — MFU or
-TFLOP/s under the publisher's FLOP convention, or tokens/s. Each becomes a measured step time.
+tensor and pipeline parallelism, tpu-recipes' Mixtral runs on v6e and its Ironwood table): the model's
+shape, batch, layout, remat policy, and the speed as published — MFU or TFLOP/s under the publisher's
+FLOP convention, or tokens/s. Each becomes a measured step time.
 ``jaxpar.analysis.steptime`` predicts them from the mechanisms; what no spec sheet gives is fitted per chip
 family (``Calibration``): the share of peak a large matmul reaches, and the share of a link's bandwidth a
 collective reaches on the fast links and on DCN/IB; then, on the runs whose experts are dropless grouped

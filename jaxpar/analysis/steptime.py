@@ -40,10 +40,9 @@ head as well (it sets the pace: the stages' busy time is the last one's); each c
 microbatch's [T, D] activations forward and their gradient back over the stage link, split over tensor
 (Megatron's scatter/gather), exposed. The schedule idles (p − 1)/(v·m + p − 1) of the step (1F1B,
 interleaved when v > 1; ``Workload.bubble`` where a schedule table gives its own), so the bubble adds
-busy × bubble/(1 − bubble). jaxpar's own executor
-(``Workload.executor``) recomputes a chunk's forward in its backward and runs the LM head (masked) in
-every chunk's backward on every stage; its sends on the critical path are read from the compiled program
-(``Workload.stage_bytes``, ``jaxpar.analysis.plan``).
+busy × bubble/(1 − bubble). jaxpar's own executor (``Workload.executor``) recomputes a chunk's forward in
+its backward and runs the LM head (masked) in every chunk's backward on every stage; its sends on the
+critical path are read from the compiled program (``Workload.stage_bytes``, ``jaxpar.analysis.plan``).
 
 Communication, and what hides it (the mechanisms the issue names; nothing is a global overlap share):
     fsdp       weights gathered forward and again backward, gradients reduce-scattered: a layer's gather

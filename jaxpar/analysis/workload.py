@@ -71,6 +71,7 @@ class Workload:
     virtual_stages: int = 1          # layer chunks per stage device (v > 1: the interleaved schedule)
     bubble: float | None = None      # the schedule's idle share where a table gives it (default 1F1B's)
     flash: bool = True               # attention in a flash kernel (False: scores materialized in HBM)
+    attention_kernel: str = ""       # "fa2": FlashAttention-2 (a GPU's own profile prices FA3/cuDNN's kernel)
     dcn_overlap: bool = False        # DCN gradient reduction behind the backward (torch DDP's buckets)
     executor: bool = False           # jaxpar's pipeline executor (stage recompute, the head in every chunk)
     stage_bytes: float | None = None  # stage sends on the step's critical path, where a program gives them
@@ -92,7 +93,6 @@ class Workload:
     # Multi-head Latent Attention (``kv_lora`` > 0, DeepSeek): head_dim is the no-RoPE query/key width,
     # qk_rope the RoPE one, v_head the value width; q through a q_lora latent (0: directly)
     fp8: bool = False                # the layers' weight matmuls in FP8, forward and backward (MaxText's fp8_full)
-    attention_kernel: str = ""       # "fa2": FlashAttention-2 (a GPU's own profile prices FA3/cuDNN's kernel)
     kv_lora: int = 0
     q_lora: int = 0
     qk_rope: int = 0

@@ -8,10 +8,11 @@ and Float8, 8B at 32k-256k tokens with context parallelism, 70B with tensor para
 with tensor, pipeline and context parallelism), Megatron-LM's weak-scaling table (GPT 1.7B-1T on 32-3072
 A100s, tensor × pipeline × data, SC21) and tpu-recipes' MaxText runs on TPU v6e (Llama 3.1 8B/70B,
 Mistral 7B, GPT-3 175B, and the MoE Mixtral 8x7B and 8x22B), and its TPU7x (Ironwood) table (Llama 3.1
-70B at 8k and 128k tokens, 405B, Qwen3-235B-A22B, DeepSeek-V3, in bf16 and in FP8; gpt-oss-120b in bf16). Each run is predicted by ``jaxpar.analysis.steptime`` with the constants
-(``jaxpar.analysis.calibration``) fitted on the other runs of its chip family; the error is the predicted
-speed over the published one, minus 1 (the relative MFU error). The summary gives the errors over all runs
-and over the runs the fits use (four runs are predicted but kept out of the fits, each with its reason).
+70B at 8k and 128k tokens, 405B, Qwen3-235B-A22B, DeepSeek-V3, in bf16 and in FP8; gpt-oss-120b in bf16).
+Each run is predicted by ``jaxpar.analysis.steptime`` with the constants (``jaxpar.analysis.calibration``)
+fitted on the other runs of its chip family; the error is the predicted speed over the published one,
+minus 1 (the relative MFU error). The summary gives the errors over all runs and over the runs the fits
+use (four runs are predicted but kept out of the fits, each with its reason).
 
     python benchmarks/plan_validation.py > benchmarks/results/plan_validation.json
 """

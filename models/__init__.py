@@ -95,7 +95,8 @@ PRESETS.update({
 
 # Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
 PUBLISHED_PARAMS = {
-    "llama3.2-1b": 1_235_814_400, "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
+    "llama3.2-1b": 1_235_814_400, "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
     "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
     "mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296,
     "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,

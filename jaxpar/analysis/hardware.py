@@ -136,9 +136,9 @@ def get_hardware(name: str, /) -> Hardware:
 
 # JAX's ``device_kind`` strings, most specific first: "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
 # "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "TPU7x".
-_DEVICE_KINDS = (("gh200", None), ("h100nvl", None), ("h100pcie", "h100-pcie"), ("h100", "h100"), ("h200", "h200"), ("b200", "b200"), ("l40s", "l40s"),
-                 ("a100", "a100"), ("tpuv5lite", "tpu-v5e"), ("tpuv5e", "tpu-v5e"), ("tpuv5p", "tpu-v5p"),
-                 ("tpuv6lite", "tpu-v6e"), ("tpuv6e", "tpu-v6e"), ("tpu7x", "tpu7x"))
+_DEVICE_KINDS = (("gh200", None), ("h100nvl", None), ("h100pcie", "h100-pcie"), ("h100", "h100"), ("h200", "h200"),
+                 ("b200", "b200"), ("l40s", "l40s"), ("a100", "a100"), ("tpuv5lite", "tpu-v5e"), ("tpuv5e", "tpu-v5e"),
+                 ("tpuv5p", "tpu-v5p"), ("tpuv6lite", "tpu-v6e"), ("tpuv6e", "tpu-v6e"), ("tpu7x", "tpu7x"))
 
 
 def hardware_of_device(device_kind: str, /) -> str | None:

@@ -487,3 +487,16 @@ def test_readme_explanations_of_the_torchtitan_rows():
     pp = "torchtitan Llama 3.1 405B fp8, 512 × H100 (FSDP 8, TP 8, PP 8, {})"
     one, two = parts[pp.format("1F1B")]["step_s"], parts[pp.format("Interleaved 1F1B")]["step_s"]
     assert round(one / two, 2) == 1.30 and round(128 / 100, 2) == 1.28
+
+
+def test_readme_quotes_the_calibrated_h100_shares():
+    """The README's calibration paragraph names the H100 shares ``CALIBRATED`` holds (which
+    ``calibrate()`` reproduces) and the number of Float8 runs the FP8 share is fitted on."""
+    import re
+    from pathlib import Path
+
+    text = re.sub(r"\s+", " ", (Path(__file__).resolve().parents[1] / "README.md").read_text())
+    fp8_runs = [r for r in load_runs() if r.fitted and r.hardware.startswith("h100") and r.workload.fp8]
+    assert len(fp8_runs) == 14
+    assert f"TPU7x 0.67, H100 {CALIBRATED.matmul['gpu']:.2f}, A100 0.69" in text
+    assert f"H100 {CALIBRATED.fp8['gpu']:.2f}, from torchtitan's fourteen Float8 runs" in text

@@ -19,6 +19,7 @@ Prints one JSON object:
 Simulated devices share the host: the numbers are XLA:CPU's buffer assignment, not a GPU's, but the
 scaling with L and n is the property of the algorithm.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ AXIS = "sequence"
 
 def _shapes(length, args, dtype):
     import jax
+
     q = jax.ShapeDtypeStruct((args.batch, length, args.heads, args.head_dim), dtype)
     kv = jax.ShapeDtypeStruct((args.batch, length, args.kv_heads, args.head_dim), dtype)
     idx = jax.ShapeDtypeStruct((args.batch, length), "int32")
@@ -57,8 +59,9 @@ def _shapes(length, args, dtype):
 
 def _memory(compiled) -> dict:
     m = compiled.memory_analysis()
-    row = dict(temp=int(m.temp_size_in_bytes), argument=int(m.argument_size_in_bytes),
-               output=int(m.output_size_in_bytes))
+    row = dict(
+        temp=int(m.temp_size_in_bytes), argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes)
+    )
     row["total"] = row["temp"] + row["argument"] + row["output"]
     return row
 
@@ -66,18 +69,26 @@ def _memory(compiled) -> dict:
 def compile_ring(length: int, n: int, args, dtype="float32"):
     """Compiled fwd+bwd (grad of sum(out) w.r.t. q, k, v) of ring attention over n devices."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxpar.parallel.ring import ring_attention
 
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
     qkv, idx = P(None, AXIS, None, None), P(None, AXIS)
-    body = jax.shard_map(lambda q, k, v, i: ring_attention(q, k, v, i, i, axis_name=AXIS), mesh=mesh,
-                         in_specs=(qkv, qkv, qkv, idx), out_specs=qkv)
+    body = jax.shard_map(
+        lambda q, k, v, i: ring_attention(q, k, v, i, i, axis_name=AXIS),
+        mesh=mesh,
+        in_specs=(qkv, qkv, qkv, idx),
+        out_specs=qkv,
+    )
     loss = lambda q, k, v, i: body(q, k, v, i).astype("float32").sum()
     shard = lambda spec: NamedSharding(mesh, spec)
-    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(shard(qkv),) * 3 + (shard(idx),),
-                 out_shardings=(shard(qkv),) * 3)
+    fn = jax.jit(
+        jax.grad(loss, argnums=(0, 1, 2)),
+        in_shardings=(shard(qkv),) * 3 + (shard(idx),),
+        out_shardings=(shard(qkv),) * 3,
+    )
     return fn.lower(*_shapes(length, args, dtype)).compile()
 
 
@@ -101,8 +112,13 @@ def bench_memory(args) -> list[dict]:
             t0 = time.perf_counter()
             mem = _memory(compile_ring(length, n, args))
             base = base or mem
-            row = dict(length=length, n=n, compile_s=round(time.perf_counter() - t0, 2), **mem,
-                       ratio={k: round(mem[k] / base[k], 4) for k in mem})
+            row = dict(
+                length=length,
+                n=n,
+                compile_s=round(time.perf_counter() - t0, 2),
+                **mem,
+                ratio={k: round(mem[k] / base[k], 4) for k in mem},
+            )
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
@@ -110,18 +126,25 @@ def bench_memory(args) -> list[dict]:
 
 def bench_imbalance(args) -> list[dict]:
     from jaxpar.parallel.ring import ring_work
+
     rows = []
     for n in (4, 8):
         for layout in ("contiguous", "zigzag"):
             work = ring_work(64 * n, n, layout)
-            rows.append(dict(n=n, layout=layout, pairs_per_device=work.tolist(),
-                             max_over_mean=round(float(work.max() / work.mean()), 4),
-                             exact=f"{(4 * n - 1)}/{2 * n + 1}" if layout == "contiguous" else "1"))
+            rows.append(
+                dict(
+                    n=n,
+                    layout=layout,
+                    pairs_per_device=work.tolist(),
+                    max_over_mean=round(float(work.max() / work.mean()), 4),
+                    exact=f"{(4 * n - 1)}/{2 * n + 1}" if layout == "contiguous" else "1",
+                )
+            )
     return rows
 
 
 def bench_long_context(args) -> dict:
-    length, n, budget = args.long_length, args.long_n, int(args.budget_gib * 2 ** 30)
+    length, n, budget = args.long_length, args.long_n, int(args.budget_gib * 2**30)
     b, heads = args.batch, args.heads
     # Formula: dense attention materialises the fp32 score matrix [B, N, L, L]; its backward holds at
     # least the probabilities and their gradient, i.e. two such matrices.
@@ -133,24 +156,48 @@ def bench_long_context(args) -> dict:
     ring = _memory(compile_ring(length, n, args))
     ring_s = time.perf_counter() - t0
     tile = 4 * b * heads * (length // (2 * n)) ** 2
-    return dict(length=length, n=n, budget_bytes=budget,
-                dense_one_device=dict(score_matrix_bytes_formula=score, fwd_bwd_bytes_formula_min=2 * score,
-                                      compile_s=round(dense_s, 2), **dense, exceeds_budget=dense["temp"] > budget),
-                ring_per_device=dict(score_tile_bytes_formula=tile, compile_s=round(ring_s, 2), **ring,
-                                     fits_budget=ring["total"] <= budget))
+    return dict(
+        length=length,
+        n=n,
+        budget_bytes=budget,
+        dense_one_device=dict(
+            score_matrix_bytes_formula=score,
+            fwd_bwd_bytes_formula_min=2 * score,
+            compile_s=round(dense_s, 2),
+            **dense,
+            exceeds_budget=dense["temp"] > budget,
+        ),
+        ring_per_device=dict(
+            score_tile_bytes_formula=tile, compile_s=round(ring_s, 2), **ring, fits_budget=ring["total"] <= budget
+        ),
+    )
 
 
 def main(argv=None) -> int:
     args = _args(argv)
     from jaxpar.mesh import simulate_cpu_devices
+
     simulate_cpu_devices(args.devices)
     import jax
+
     t0 = time.perf_counter()
-    out = dict(benchmark="context_parallel", devices=args.devices,
-               shape=dict(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                          dtype="float32", causal=True),
-               jax=jax.__version__, host=dict(machine=platform.machine(), cpus=os.cpu_count()),
-               memory=bench_memory(args), imbalance=bench_imbalance(args), long_context=bench_long_context(args))
+    out = dict(
+        benchmark="context_parallel",
+        devices=args.devices,
+        shape=dict(
+            batch=args.batch,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            dtype="float32",
+            causal=True,
+        ),
+        jax=jax.__version__,
+        host=dict(machine=platform.machine(), cpus=os.cpu_count()),
+        memory=bench_memory(args),
+        imbalance=bench_imbalance(args),
+        long_context=bench_long_context(args),
+    )
     out["total_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))
     return 0

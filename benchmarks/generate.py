@@ -34,6 +34,7 @@ the peak (``used`` names it). With ``--gpu``, the HBM bandwidth of the device's
 on-device copy, which is used only when no profile matches. On a shared host the CPU numbers move with
 the load (the JSON records the load average before and after).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,7 +74,7 @@ def host_bandwidth(mib: int, repeats: int) -> dict:
     (read bytes / s, what a decode step mostly does). ``gb_s`` is the largest of them."""
     import numpy as np
 
-    src = np.ones(mib * 2 ** 20 // 8, np.float64)
+    src = np.ones(mib * 2**20 // 8, np.float64)
     dst = np.empty_like(src)
 
     def run(threads: int, read_only: bool) -> float:
@@ -117,7 +118,7 @@ def device_bandwidth(mib: int, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones(mib * 2 ** 20 // 4, jnp.float32)
+    x = jnp.ones(mib * 2**20 // 4, jnp.float32)
     f = jax.jit(lambda a: a + 1)
     return round(2 * x.nbytes / best_seconds(lambda: f(x), repeats) / 1e9, 2)
 
@@ -129,22 +130,31 @@ def matmul_gflops(dtype: str, n: int = 2048, repeats: int = 5) -> float:
 
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
-    return round(2 * n ** 3 / best_seconds(lambda: f(a), repeats) / 1e9, 1)
+    return round(2 * n**3 / best_seconds(lambda: f(a), repeats) / 1e9, 1)
 
 
 def gpu_peak(mib: int, repeats: int) -> dict:
     """Peak HBM bandwidth from the device's hardware profile, beside a measured on-device copy."""
     import jax
+
     from jaxpar.analysis.hardware import HARDWARE, hardware_of_device
 
     kind = jax.devices()[0].device_kind
     measured = device_bandwidth(mib, repeats)
     match = HARDWARE.get(hardware_of_device(kind))
     if match is None:
-        return {"source": f"measured on-device copy (no hardware profile matches {kind!r})", "gb_s": measured,
-                "device_kind": kind, "measured_copy_gb_s": measured}
-    return {"source": f"jaxpar.analysis.hardware[{match.name!r}].hbm_bandwidth (datasheet)",
-            "gb_s": match.hbm_bandwidth / 1e9, "device_kind": kind, "measured_copy_gb_s": measured}
+        return {
+            "source": f"measured on-device copy (no hardware profile matches {kind!r})",
+            "gb_s": measured,
+            "device_kind": kind,
+            "measured_copy_gb_s": measured,
+        }
+    return {
+        "source": f"jaxpar.analysis.hardware[{match.name!r}].hbm_bandwidth (datasheet)",
+        "gb_s": match.hbm_bandwidth / 1e9,
+        "device_kind": kind,
+        "measured_copy_gb_s": measured,
+    }
 
 
 # --------------------------------------------------------------------------------------- the model
@@ -153,6 +163,7 @@ def init_model(cfg):
     decode layout the ``Generator`` uses, so no host copy of the weights is ever made."""
     import jax
     from flax import nnx
+
     from jaxpar.inference.layouts import build_inference_mesh, weight_layout
     from jaxpar.models import build_model
 
@@ -168,6 +179,7 @@ def init_model(cfg):
 
 def tree_bytes(tree) -> int:
     import jax
+
     return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
 
 
@@ -178,11 +190,14 @@ def kv_formula(cfg) -> tuple[int, str]:
     size = jnp.dtype(str(cfg.dtype)).itemsize
     if cfg.uses_mla:
         m = cfg.mla
-        return ((m.kv_lora_rank + m.qk_rope_head_dim) * cfg.num_layers * size,
-                f"(kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim}) · L {cfg.num_layers} · "
-                f"{size} B")
-    return (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size,
-            f"2 · L {cfg.num_layers} · K {cfg.num_kv_heads} · H {cfg.head_dim} · {size} B")
+        return (
+            (m.kv_lora_rank + m.qk_rope_head_dim) * cfg.num_layers * size,
+            f"(kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim}) · L {cfg.num_layers} · {size} B",
+        )
+    return (
+        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size,
+        f"2 · L {cfg.num_layers} · K {cfg.num_kv_heads} · H {cfg.head_dim} · {size} B",
+    )
 
 
 def model_facts(model) -> dict:
@@ -192,12 +207,17 @@ def model_facts(model) -> dict:
 
     params, embed = nnx.state(model, nnx.Param), nnx.state(model.embed, nnx.Param)
     count = lambda t: sum(int(x.size) for x in jax.tree.leaves(t))
-    return {"params": count(params), "weight_bytes": tree_bytes(params), "embedding_bytes": tree_bytes(embed),
-            "matmul_params": count(params) - count(embed)}
+    return {
+        "params": count(params),
+        "weight_bytes": tree_bytes(params),
+        "embedding_bytes": tree_bytes(embed),
+        "matmul_params": count(params) - count(embed),
+    }
 
 
 def prompts(cfg, batch: int, length: int, seed: int = 0) -> list[list[int]]:
     import numpy as np
+
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length)).tolist()
 
 
@@ -206,6 +226,7 @@ def measured_cache(gen, batch: int, prompt: int, new: int) -> dict:
     returns and decode takes): total bytes, slots, and bytes per token (÷ batch × slots), asserted equal
     to the formula."""
     import jax
+
     from jaxpar.inference.generate import bucket
 
     slots = bucket(prompt + new)
@@ -214,19 +235,25 @@ def measured_cache(gen, batch: int, prompt: int, new: int) -> dict:
     spec = lambda tree: jax.tree.map(lambda x: (x.shape, str(x.dtype)), tree)
     assert spec(cache) == spec(prefill.out_info[2]), (spec(cache), spec(prefill.out_info[2]))
     total = tree_bytes(cache)
-    kept = {a.shape[2] for a in jax.tree.leaves(cache)}        # [layers, B, S, ...]: S per array
+    kept = {a.shape[2] for a in jax.tree.leaves(cache)}  # [layers, B, S, ...]: S per array
     assert len(kept) == 1, kept
     per_token, words = kv_formula(gen.cfg)
     measured = total / (batch * kept.pop())
     assert measured == per_token, (gen.cfg, measured, per_token)
-    return {"slots": slots, "cache_bytes": total, "kv_bytes_per_token": int(measured),
-            "kv_bytes_per_token_formula": per_token, "formula": words}
+    return {
+        "slots": slots,
+        "cache_bytes": total,
+        "kv_bytes_per_token": int(measured),
+        "kv_bytes_per_token_formula": per_token,
+        "formula": words,
+    }
 
 
 def sampler_ms(cfg, batch: int, repeats: int = 20) -> float:
     """Median ms of the decode step's sampler alone (``sample``, greedy settings) on [batch, vocab] logits."""
     import jax
     import jax.numpy as jnp
+
     from jaxpar.inference.sampling import SamplingParams, sample
 
     logits = jax.random.normal(jax.random.key(0), (batch, cfg.padded_vocab), jnp.float32)
@@ -249,11 +276,18 @@ def roofline(facts: dict, kv: dict, cfg, batch: int, step_s: float, peak_gb_s: f
     heads = cfg.num_heads * (cfg.mla.kv_lora_rank if cfg.uses_mla else cfg.head_dim)
     flops = 2 * facts["matmul_params"] * batch + 4 * batch * cfg.num_layers * heads * kv["slots"]
     gb_s = read / step_s / 1e9
-    return {"bytes_per_step": read, "weight_bytes": facts["weight_bytes"], "kv_bytes_read": kv["cache_bytes"],
-            "achieved_gb_s": round(gb_s, 2), "ratio": round(gb_s / peak_gb_s, 4),
-            "ratio_without_embedding": round(lean / step_s / 1e9 / peak_gb_s, 4),
-            "memory_floor_ms": round(read / peak_gb_s / 1e6, 3), "flops_per_step": flops,
-            "compute_floor_ms": round(flops / gflops / 1e6, 3), "median_step_ms": round(step_s * 1e3, 3)}
+    return {
+        "bytes_per_step": read,
+        "weight_bytes": facts["weight_bytes"],
+        "kv_bytes_read": kv["cache_bytes"],
+        "achieved_gb_s": round(gb_s, 2),
+        "ratio": round(gb_s / peak_gb_s, 4),
+        "ratio_without_embedding": round(lean / step_s / 1e9 / peak_gb_s, 4),
+        "memory_floor_ms": round(read / peak_gb_s / 1e6, 3),
+        "flops_per_step": flops,
+        "compute_floor_ms": round(flops / gflops / 1e6, 3),
+        "median_step_ms": round(step_s * 1e3, 3),
+    }
 
 
 # --------------------------------------------------------------------------------------- the runs
@@ -268,13 +302,20 @@ def bench_batch(gen, facts: dict, batch: int, args, peak_gb_s: float, gflops: fl
     kv = measured_cache(gen, batch, args.prompt, args.new)
     median = statistics.median(run.step_s)
     p50, p99 = (float(np.percentile(run.step_s, q)) for q in (50, 99))
-    row = {"batch": batch, "compile_s": round(first.compile_s, 2), "prefill_s": round(run.prefill_s, 6),
-           "prefill_tokens_per_s": round(batch * args.prompt / run.prefill_s, 1),
-           "ttft_s": round(run.time_to_first_token_s, 4), "decode_s": round(run.decode_s, 4),
-           "decode_steps": len(run.step_s), "decode_tokens_per_s": round(run.decode_tokens_per_s, 1),
-           "decode_tokens_per_s_per_sequence": round(run.decode_tokens_per_s / batch, 2),
-           "inter_token_ms_p50": round(p50 * 1e3, 3), "inter_token_ms_p99": round(p99 * 1e3, 3),
-           "inter_token_ms_max": round(max(run.step_s) * 1e3, 3)}
+    row = {
+        "batch": batch,
+        "compile_s": round(first.compile_s, 2),
+        "prefill_s": round(run.prefill_s, 6),
+        "prefill_tokens_per_s": round(batch * args.prompt / run.prefill_s, 1),
+        "ttft_s": round(run.time_to_first_token_s, 4),
+        "decode_s": round(run.decode_s, 4),
+        "decode_steps": len(run.step_s),
+        "decode_tokens_per_s": round(run.decode_tokens_per_s, 1),
+        "decode_tokens_per_s_per_sequence": round(run.decode_tokens_per_s / batch, 2),
+        "inter_token_ms_p50": round(p50 * 1e3, 3),
+        "inter_token_ms_p99": round(p99 * 1e3, 3),
+        "inter_token_ms_max": round(max(run.step_s) * 1e3, 3),
+    }
     line = roofline(facts, kv, gen.cfg, batch, median, peak_gb_s, gflops) | {"sampler_ms": sampler_ms(gen.cfg, batch)}
     return row | {"kv": kv, "roofline": line}
 
@@ -293,8 +334,13 @@ def bench_model(name: str, args, peak_gb_s: float, gflops: float, **overrides) -
     for batch in map(int, args.batches.split(",")):
         rows.append(bench_batch(gen, facts, batch, args, peak_gb_s, gflops))
         print(json.dumps({name: rows[-1]}), file=sys.stderr)
-    return {"dtype": str(cfg.dtype), "param_dtype": str(cfg.param_dtype), "init_s": round(init_s, 2), **facts,
-            "batches": rows}
+    return {
+        "dtype": str(cfg.dtype),
+        "param_dtype": str(cfg.param_dtype),
+        "init_s": round(init_s, 2),
+        **facts,
+        "batches": rows,
+    }
 
 
 def kv_only(name: str, args) -> dict:
@@ -314,22 +360,34 @@ def main(argv=None) -> int:
     args = _args(argv)
     import jax
 
-    result = {"host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-              "prompt": args.prompt, "new_tokens": args.new, "sampling": "greedy", "load_avg_before": _load()}
+    result = {
+        "host": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "device": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "prompt": args.prompt,
+        "new_tokens": args.new,
+        "sampling": "greedy",
+        "load_avg_before": _load(),
+    }
     if args.gpu:
         overrides = dict(dtype="bfloat16", param_dtype="bfloat16")
         result["peak"] = gpu_peak(2048, args.bw_repeats)
     else:
         overrides = {}
-        result["peak"] = {"source": "measured on the host: the best of a numpy copy (read + written bytes / s) "
-                                    "and a numpy sum (read bytes / s), on one thread and on all cores"} | \
-            host_bandwidth(args.bw_mib, args.bw_repeats)
+        result["peak"] = {
+            "source": "measured on the host: the best of a numpy copy (read + written bytes / s) "
+            "and a numpy sum (read bytes / s), on one thread and on all cores"
+        } | host_bandwidth(args.bw_mib, args.bw_repeats)
     dtype = overrides.get("dtype", "float32")
     result["matmul_gflops"] = {"dtype": dtype, "gflops": matmul_gflops(dtype, 4096 if args.gpu else 2048)}
     print(json.dumps({"peak": result["peak"], "matmul_gflops": result["matmul_gflops"]}), file=sys.stderr)
-    result["models"] = {name: bench_model(name, args, result["peak"]["gb_s"], result["matmul_gflops"]["gflops"],
-                                          **overrides) for name in args.models.split(",") if name}
+    result["models"] = {
+        name: bench_model(name, args, result["peak"]["gb_s"], result["matmul_gflops"]["gflops"], **overrides)
+        for name in args.models.split(",")
+        if name
+    }
     result["kv_check"] = {name: kv_only(name, args) for name in args.kv_models.split(",") if name}
     result["load_avg_after"] = _load()
     text = json.dumps(result, indent=1)

@@ -8,6 +8,7 @@ tokens_per_s, and the compiled program's per-device collective bytes and temp me
 share the host's cores, so step times measure the partitioned program's overheads on CPU, not a
 cluster's speed; compare layouts with each other, not with hardware.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ def time_train_step(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, wa
     from jaxpar.train.step import init_train_state, make_train_step
 
     layout = make_layout(cfg, resolve_mesh_arg(mesh_name), batch=batch, seq=seq, devices=devices)
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
-                          layout)
+    ts = init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     t0 = time.perf_counter()
@@ -71,16 +73,24 @@ def bench_one(model_name: str, mesh_name: str, *, batch: int, seq: int, steps: i
     layout, compiled, compile_s, times, loss = time_train_step(cfg, mesh_name, batch=batch, seq=seq, steps=steps)
     report = analyze_compiled(compiled, mesh=layout.mesh)
     median = statistics.median(times)
-    return dict(model=model_name, mesh=mesh_name, params=cfg.num_params(padded=True), compile_s=round(compile_s, 2),
-                step_s_median=round(median, 4), step_s_min=round(min(times), 4),
-                tokens_per_s=round(batch * seq / median, 1), loss=loss,
-                collective_bytes_per_device=report.collectives.total_bytes,
-                temp_bytes_per_device=report.memory.get("temp_size_in_bytes"))
+    return dict(
+        model=model_name,
+        mesh=mesh_name,
+        params=cfg.num_params(padded=True),
+        compile_s=round(compile_s, 2),
+        step_s_median=round(median, 4),
+        step_s_min=round(min(times), 4),
+        tokens_per_s=round(batch * seq / median, 1),
+        loss=loss,
+        collective_bytes_per_device=report.collectives.total_bytes,
+        temp_bytes_per_device=report.memory.get("temp_size_in_bytes"),
+    )
 
 
 def main(argv=None) -> int:
     args = _args(argv)
     from jaxpar.mesh import simulate_cpu_devices
+
     simulate_cpu_devices(args.devices)
     rows = []
     for model in args.models.split(","):
@@ -88,8 +98,17 @@ def main(argv=None) -> int:
             rows.append(bench_one(model, mesh, batch=args.batch, seq=args.seq, steps=args.steps))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     import jax
-    out = dict(benchmark="layouts", devices=args.devices, batch=args.batch, seq=args.seq, steps=args.steps,
-               jax=jax.__version__, host=dict(machine=platform.machine(), cpus=os.cpu_count()), rows=rows)
+
+    out = dict(
+        benchmark="layouts",
+        devices=args.devices,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        jax=jax.__version__,
+        host=dict(machine=platform.machine(), cpus=os.cpu_count()),
+        rows=rows,
+    )
     print(json.dumps(out, indent=1))
     return 0
 

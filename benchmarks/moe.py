@@ -8,6 +8,7 @@
 
     python benchmarks/moe.py > benchmarks/results/moe_cpu8.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ def dropped_vs_capacity(factors, skews, *, hot: int, tokens: int, seed: int = 0)
 
     d, e = 64, 16
     x = np.array(jax.random.normal(jax.random.key(seed), (tokens // 256, 256, d)))
-    x[..., 0] = 1.0                                                     # the constant feature
+    x[..., 0] = 1.0  # the constant feature
     rows = []
     for skew in skews:
         for cf in factors:
@@ -42,9 +43,14 @@ def dropped_vs_capacity(factors, skews, *, hot: int, tokens: int, seed: int = 0)
             layer.router[...] = router
             _, stats = nnx.jit(lambda m, x: m(x))(layer, x)
             load = np.asarray(stats.expert_load)
-            rows.append(dict(skew_nats=skew, capacity_factor=cf,
-                             dropped_fraction=round(float(stats.dropped_fraction), 4),
-                             hottest_share=round(float(load.max() / load.sum()), 4)))
+            rows.append(
+                dict(
+                    skew_nats=skew,
+                    capacity_factor=cf,
+                    dropped_fraction=round(float(stats.dropped_fraction), 4),
+                    hottest_share=round(float(load.max() / load.sum()), 4),
+                )
+            )
     return rows
 
 
@@ -60,8 +66,9 @@ def _layout_and_step(model: str, mesh: str, *, batch: int, seq: int, **overrides
 
     cfg = get_model_preset(model, **overrides)
     layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=batch, seq=seq)
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
-                          layout)
+    ts = init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     data = {k: jax.device_put(v, s) for (k, v), s in zip(data.items(), batch_sharding(layout).values())}
@@ -81,12 +88,24 @@ def dispatch_bytes(meshes, *, batch: int, seq: int) -> list[dict]:
         report = analyze_compiled(step.lower(ts.state, data).compile(), mesh=layout.mesh)
         sent = sum(c.sent_bytes * c.executions for c in report.ops if c.kind == "all-to-all")
         m, ep = cfg.moe, layout.mesh.shape["expert"]
-        slots = m.num_experts * math.ceil(m.capacity_factor * seq * m.top_k / m.num_experts)   # per sequence
+        slots = m.num_experts * math.ceil(m.capacity_factor * seq * m.top_k / m.num_experts)  # per sequence
         want = cfg.num_moe_layers * a2a_bytes_formula(
-            tokens_per_device=batch * seq // layout.mesh.size, top_k=m.top_k,
-            capacity_factor=slots / (seq * m.top_k), embed_dim=cfg.embed_dim, ep=ep, bytes_per_element=4)
-        rows.append(dict(mesh=mesh, ep=ep, all_to_all_sent_bytes=round(sent), formula_bytes=round(want),
-                         ratio=round(sent / want, 4) if want else None))
+            tokens_per_device=batch * seq // layout.mesh.size,
+            top_k=m.top_k,
+            capacity_factor=slots / (seq * m.top_k),
+            embed_dim=cfg.embed_dim,
+            ep=ep,
+            bytes_per_element=4,
+        )
+        rows.append(
+            dict(
+                mesh=mesh,
+                ep=ep,
+                all_to_all_sent_bytes=round(sent),
+                formula_bytes=round(want),
+                ratio=round(sent / want, 4) if want else None,
+            )
+        )
     return rows
 
 
@@ -105,10 +124,20 @@ def step_times(cases, *, batch: int, seq: int, steps: int) -> list[dict]:
         t0 = time.perf_counter()
         compiled = step.lower(ts.state, data).compile()
         compile_s = time.perf_counter() - t0
-        state, metrics = compiled(ts.state, data)                  # warm-up
+        state, metrics = compiled(ts.state, data)  # warm-up
         jax.block_until_ready(metrics.loss)
-        runs.append(dict(label=label, mesh=mesh, cf=capacity_factor, compile_s=compile_s, fn=compiled,
-                         state=state, data=data, times=[]))
+        runs.append(
+            dict(
+                label=label,
+                mesh=mesh,
+                cf=capacity_factor,
+                compile_s=compile_s,
+                fn=compiled,
+                state=state,
+                data=data,
+                times=[],
+            )
+        )
     for _ in range(steps):
         for run in runs:
             t0 = time.perf_counter()
@@ -118,9 +147,17 @@ def step_times(cases, *, batch: int, seq: int, steps: int) -> list[dict]:
     rows = []
     for run in runs:
         median = statistics.median(run["times"])
-        rows.append(dict(mode=run["label"], mesh=run["mesh"], capacity_factor=run["cf"],
-                         compile_s=round(run["compile_s"], 2), median_step_s=round(median, 4),
-                         min_step_s=round(min(run["times"]), 4), tokens_per_s=round(batch * seq / median, 1)))
+        rows.append(
+            dict(
+                mode=run["label"],
+                mesh=run["mesh"],
+                capacity_factor=run["cf"],
+                compile_s=round(run["compile_s"], 2),
+                median_step_s=round(median, 4),
+                min_step_s=round(min(run["times"]), 4),
+                tokens_per_s=round(batch * seq / median, 1),
+            )
+        )
     return rows
 
 
@@ -132,17 +169,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     from jaxpar.mesh import simulate_cpu_devices
+
     simulate_cpu_devices(args.devices)
     import jax
 
-    out = dict(benchmark="moe", devices=args.devices, batch=args.batch, seq=args.seq, jax=jax.__version__,
-               dropped=dropped_vs_capacity([1.0, 1.25, 1.5, 2.0, 3.0, 4.0], [0.0, 0.5, 1.0, 2.0], hot=2, tokens=4096),
-               dispatch=dispatch_bytes(["data=4,expert=2", "data=2,expert=4", "data=2,fsdp=2,expert=2"],
-                                       batch=args.batch, seq=args.seq),
-               step_time=step_times([("capacity", "data=8", 2.0), ("dropless", "data=8", None),
-                                     ("capacity+EP", "data=2,expert=4", 2.0),
-                                     ("dropless+EP (padded exchange)", "data=2,expert=4", None)],
-                                    batch=args.batch, seq=args.seq, steps=args.steps))
+    out = dict(
+        benchmark="moe",
+        devices=args.devices,
+        batch=args.batch,
+        seq=args.seq,
+        jax=jax.__version__,
+        dropped=dropped_vs_capacity([1.0, 1.25, 1.5, 2.0, 3.0, 4.0], [0.0, 0.5, 1.0, 2.0], hot=2, tokens=4096),
+        dispatch=dispatch_bytes(
+            ["data=4,expert=2", "data=2,expert=4", "data=2,fsdp=2,expert=2"], batch=args.batch, seq=args.seq
+        ),
+        step_time=step_times(
+            [
+                ("capacity", "data=8", 2.0),
+                ("dropless", "data=8", None),
+                ("capacity+EP", "data=2,expert=4", 2.0),
+                ("dropless+EP (padded exchange)", "data=2,expert=4", None),
+            ],
+            batch=args.batch,
+            seq=args.seq,
+            steps=args.steps,
+        ),
+    )
     print(json.dumps(out, indent=1))
 
 

@@ -29,6 +29,7 @@ Per mesh preset:
 GSPMD propagate the rest; the default ``all`` pins the same activations our model does. Simulated CPU
 devices share the host's cores: the numbers compare the two steps with each other, not with hardware.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,31 +75,51 @@ def activation_specs(layout, which: str = "all"):
         return ActivationSpecs()
     if which == "residual":
         return ActivationSpecs(**resid)
-    return ActivationSpecs(**resid, inner=s(("batch", "inner_length", "act_embed")),
-                           q=s(("batch", "inner_length", "act_heads", None)),
-                           kv=s(("batch", "inner_length", "act_kv_heads", None)),
-                           gate_up=s(("batch", "inner_length", None, "act_mlp")),
-                           hidden=s(("batch", "inner_length", "act_mlp")),
-                           logits=s(("batch", "inner_length", "act_vocab")))
+    return ActivationSpecs(
+        **resid,
+        inner=s(("batch", "inner_length", "act_embed")),
+        q=s(("batch", "inner_length", "act_heads", None)),
+        kv=s(("batch", "inner_length", "act_kv_heads", None)),
+        gate_up=s(("batch", "inner_length", None, "act_mlp")),
+        hidden=s(("batch", "inner_length", "act_mlp")),
+        logits=s(("batch", "inner_length", "act_vocab")),
+    )
 
 
 def reference_hyperparameters(opt_cfg) -> dict:
     """Our optimizer's settings as the reference's keywords: a constant learning rate (the reference
     takes a float, as a hand-written step would; ours evaluates a constant schedule)."""
     if opt_cfg.schedule != "constant" or opt_cfg.warmup_steps:
-        raise ValueError(f"overhead: the reference has a constant learning rate, not schedule="
-                         f"{opt_cfg.schedule!r} with warmup_steps={opt_cfg.warmup_steps}")
-    return dict(learning_rate=opt_cfg.learning_rate, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
-                weight_decay=opt_cfg.weight_decay, clip_norm=opt_cfg.clip_norm)
+        raise ValueError(
+            f"overhead: the reference has a constant learning rate, not schedule="
+            f"{opt_cfg.schedule!r} with warmup_steps={opt_cfg.warmup_steps}"
+        )
+    return dict(
+        learning_rate=opt_cfg.learning_rate,
+        b1=opt_cfg.b1,
+        b2=opt_cfg.b2,
+        eps=opt_cfg.eps,
+        weight_decay=opt_cfg.weight_decay,
+        clip_norm=opt_cfg.clip_norm,
+    )
 
 
 def copy_tree(tree):
     import jax
+
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False), tree)
 
 
-def build_pair(cfg, layout, *, batch: int, seq: int, seed: int = 0, ref_constraints: str = "all",
-               init_compiler_options: dict | None = None):
+def build_pair(
+    cfg,
+    layout,
+    *,
+    batch: int,
+    seq: int,
+    seed: int = 0,
+    ref_constraints: str = "all",
+    init_compiler_options: dict | None = None,
+):
     """Our state and step, the reference's state and step from the same parameters, and one batch.
 
     ``init_compiler_options``: XLA options for compiling our sharded init (the tests use cheaper LLVM
@@ -107,10 +128,10 @@ def build_pair(cfg, layout, *, batch: int, seq: int, seed: int = 0, ref_constrai
 
     import jax
     import numpy as np
+    import plain_llama
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    import plain_llama
     from jaxpar.models import build_model
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import TrainState, init_program, init_train_state, make_train_step
@@ -125,21 +146,24 @@ def build_pair(cfg, layout, *, batch: int, seq: int, seed: int = 0, ref_constrai
             state = program.create.lower().compile(compiler_options=init_compiler_options)()
         ts = TrainState(program.graphdef, state, program.shardings)
     model, _ = nnx.merge(ts.graphdef, ts.state)
-    params = copy_tree(nnx.to_pure_dict(nnx.state(model, nnx.Param)))          # ours gets donated
+    params = copy_tree(nnx.to_pure_dict(nnx.state(model, nnx.Param)))  # ours gets donated
     sp = activation_specs(layout, ref_constraints)
     tx = plain_llama.make_optimizer(**reference_hyperparameters(opt_cfg))
     tokens_sharding = NamedSharding(layout.mesh, layout.rules.spec(("batch", "length")))
-    ref_step = plain_llama.make_train_step(cfg, tx, params,
-                                           {"inputs": tokens_sharding, "targets": tokens_sharding}, sp)
+    ref_step = plain_llama.make_train_step(cfg, tx, params, {"inputs": tokens_sharding, "targets": tokens_sharding}, sp)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
-    data = {"inputs": jax.device_put(tokens[:, :-1], tokens_sharding),
-            "targets": jax.device_put(tokens[:, 1:], tokens_sharding)}
-    return dict(ts=ts, ours=make_train_step(ts, layout), ref_state=plain_llama.init_state(tx, params),
-                ref=ref_step, batch=data)
+    data = {
+        "inputs": jax.device_put(tokens[:, :-1], tokens_sharding),
+        "targets": jax.device_put(tokens[:, 1:], tokens_sharding),
+    }
+    return dict(
+        ts=ts, ours=make_train_step(ts, layout), ref_state=plain_llama.init_state(tx, params), ref=ref_step, batch=data
+    )
 
 
 def our_params(graphdef, state):
     from flax import nnx
+
     return nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param))
 
 
@@ -147,6 +171,7 @@ def param_rel_diff(a, b) -> float:
     """max |a - b| over all leaves, divided by max |a| (both trees of plain arrays, same keys)."""
     import jax
     import numpy as np
+
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b), "parameter trees differ"
     diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(la, lb))
@@ -162,17 +187,28 @@ def compare_steps(ours, ts, ref, ref_state, batch, *, steps: int = 2):
     for _ in range(steps):
         state, m = ours(state, batch)
         ref_state, (loss, gnorm) = ref(ref_state, batch)
-        rows.append(dict(loss_ours=float(m.loss), loss_ref=float(loss), grad_norm_ours=float(m.grad_norm),
-                         grad_norm_ref=float(gnorm),
-                         param_rel_diff=param_rel_diff(our_params(ts.graphdef, state), ref_state[0])))
+        rows.append(
+            dict(
+                loss_ours=float(m.loss),
+                loss_ref=float(loss),
+                grad_norm_ours=float(m.grad_norm),
+                grad_norm_ref=float(gnorm),
+                param_rel_diff=param_rel_diff(our_params(ts.graphdef, state), ref_state[0]),
+            )
+        )
     return rows, state, ref_state
 
 
 def rows_match(rows, rtol: float = RTOL) -> bool:
     def close(a, b):
         return abs(a - b) <= rtol * abs(b)
-    return all(close(r["loss_ours"], r["loss_ref"]) and close(r["grad_norm_ours"], r["grad_norm_ref"])
-               and r["param_rel_diff"] <= rtol for r in rows)
+
+    return all(
+        close(r["loss_ours"], r["loss_ref"])
+        and close(r["grad_norm_ours"], r["grad_norm_ref"])
+        and r["param_rel_diff"] <= rtol
+        for r in rows
+    )
 
 
 # ------------------------------------------------------------------------------------ measurement
@@ -200,18 +236,25 @@ def opcode_diff(ours, ref) -> dict:
 
 def compiled_report(compiled, mesh) -> dict:
     from jaxpar.analysis import analyze_compiled
+
     r = analyze_compiled(compiled, mesh=mesh)
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return dict(collectives=r.collectives.to_json()["by_kind"], collective_bytes=r.collectives.total_bytes,
-                flops=r.flops, transcendentals=float(cost.get("transcendentals", 0.0)),
-                bytes_accessed=r.bytes_accessed, temp_bytes=r.memory.get("temp_size_in_bytes"),
-                hlo_instructions=sum(opcode_counts(compiled).values()))
+    return dict(
+        collectives=r.collectives.to_json()["by_kind"],
+        collective_bytes=r.collectives.total_bytes,
+        flops=r.flops,
+        transcendentals=float(cost.get("transcendentals", 0.0)),
+        bytes_accessed=r.bytes_accessed,
+        temp_bytes=r.memory.get("temp_size_in_bytes"),
+        hlo_instructions=sum(opcode_counts(compiled).values()),
+    )
 
 
 def flatten_us(args, repeat: int = 2000) -> float:
     """Microseconds to flatten ``args`` into leaves (the pytree work of every jit call)."""
     import jax
+
     t0 = time.perf_counter()
     for _ in range(repeat):
         jax.tree_util.tree_flatten(args)
@@ -238,18 +281,17 @@ def time_interleaved(fns: dict, states: dict, data, *, steps: int, rounds: int):
         states[name] = st
         return (time.perf_counter() - t0) / steps
 
-    for name in fns:                                   # warm-up (ours and ref already ran twice before)
+    for name in fns:  # warm-up (ours and ref already ran twice before)
         block(name)
     names = list(fns)
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in (order[::-1] if r % 2 else order):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order[::-1] if r % 2 else order:
             times[name].append(block(name))
     return times, states
 
 
-def bench_mesh(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, rounds: int,
-               ref_constraints: str) -> dict:
+def bench_mesh(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, rounds: int, ref_constraints: str) -> dict:
     import jax
 
     from jaxpar.layout import make_layout
@@ -269,8 +311,9 @@ def bench_mesh(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, rounds:
     same_hlo = _hlo_body(ours) == _hlo_body(ref)
     rep_ours, rep_ref = compiled_report(ours, layout.mesh), compiled_report(ref, layout.mesh)
 
-    times, states = time_interleaved({"ours": ours, "ref": ref}, {"ours": state, "ref": ref_state}, data,
-                                     steps=steps, rounds=rounds)
+    times, states = time_interleaved(
+        {"ours": ours, "ref": ref}, {"ours": state, "ref": ref_state}, data, steps=steps, rounds=rounds
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
     paired = statistics.median(a / b for a, b in zip(times["ours"], times["ref"])) - 1
     null = statistics.median(a / b for a, b in zip(times["ref_again"], times["ref"])) - 1
@@ -278,20 +321,30 @@ def bench_mesh(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, rounds:
     state, ref_state = states["ours"], states["ref"]
     return dict(
         mesh=mesh_name,
-        ours_tokens_per_s=round(tokens / med["ours"], 1), ref_tokens_per_s=round(tokens / med["ref"], 1),
-        overhead=round(med["ours"] / med["ref"] - 1, 4), loss_match=rows_match(check),
-        overhead_paired=round(paired, 4), overhead_min=round(min(times["ours"]) / min(times["ref"]) - 1, 4),
+        ours_tokens_per_s=round(tokens / med["ours"], 1),
+        ref_tokens_per_s=round(tokens / med["ref"], 1),
+        overhead=round(med["ours"] / med["ref"] - 1, 4),
+        loss_match=rows_match(check),
+        overhead_paired=round(paired, 4),
+        overhead_min=round(min(times["ours"]) / min(times["ref"]) - 1, 4),
         null_overhead_paired=round(null, 4),
         step_s={k: [round(t, 5) for t in v] for k, v in times.items()},
-        check=check, same_hlo=same_hlo, hlo_opcode_diff=opcode_diff(ours, ref),
+        check=check,
+        same_hlo=same_hlo,
+        hlo_opcode_diff=opcode_diff(ours, ref),
         collectives_match=rep_ours["collectives"] == rep_ref["collectives"],
-        flops_ours=rep_ours["flops"], flops_ref=rep_ref["flops"],
-        transcendentals_ours=rep_ours["transcendentals"], transcendentals_ref=rep_ref["transcendentals"],
-        compiled_ours=rep_ours, compiled_ref=rep_ref,
-        compile_s_ours=round(ours_compile, 2), compile_s_ref=round(ref_compile, 2),
+        flops_ours=rep_ours["flops"],
+        flops_ref=rep_ref["flops"],
+        transcendentals_ours=rep_ours["transcendentals"],
+        transcendentals_ref=rep_ref["transcendentals"],
+        compiled_ours=rep_ours,
+        compiled_ref=rep_ref,
+        compile_s_ours=round(ours_compile, 2),
+        compile_s_ref=round(ref_compile, 2),
         flatten_us_ours=round(flatten_us((state, data)), 1),
         flatten_us_ref=round(flatten_us((ref_state, data)), 1),
-        state_leaves_ours=len(jax.tree.leaves(state)), state_leaves_ref=len(jax.tree.leaves(ref_state)),
+        state_leaves_ours=len(jax.tree.leaves(state)),
+        state_leaves_ref=len(jax.tree.leaves(ref_state)),
     )
 
 
@@ -308,6 +361,7 @@ def _cpu_name() -> str:
 def main(argv=None) -> int:
     args = _args(argv)
     from jaxpar.mesh import simulate_cpu_devices
+
     simulate_cpu_devices(args.devices)
     import dataclasses
 
@@ -320,18 +374,40 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     rows = []
     for mesh in args.meshes.split(","):
-        rows.append(bench_mesh(cfg, mesh, batch=args.batch, seq=args.seq, steps=args.steps, rounds=args.rounds,
-                               ref_constraints=args.ref_constraints))
+        rows.append(
+            bench_mesh(
+                cfg,
+                mesh,
+                batch=args.batch,
+                seq=args.seq,
+                steps=args.steps,
+                rounds=args.rounds,
+                ref_constraints=args.ref_constraints,
+            )
+        )
         r = rows[-1]
-        print(f"{mesh}: ours {r['ours_tokens_per_s']} tok/s, ref {r['ref_tokens_per_s']} tok/s, "
-              f"overhead {r['overhead']:+.2%} (paired {r['overhead_paired']:+.2%}, "
-              f"A/A {r['null_overhead_paired']:+.2%}), "
-              f"loss_match {r['loss_match']}, collectives_match {r['collectives_match']}",
-              file=sys.stderr, flush=True)
-    out = dict(benchmark="overhead", model=args.model, layers=cfg.num_layers, devices=args.devices,
-               batch=args.batch, seq=args.seq, steps=args.steps, rounds=args.rounds,
-               ref_constraints=args.ref_constraints, results=rows, jax=jax.__version__,
-               cpu=dict(name=_cpu_name(), machine=platform.machine(), cpus=os.cpu_count()))
+        print(
+            f"{mesh}: ours {r['ours_tokens_per_s']} tok/s, ref {r['ref_tokens_per_s']} tok/s, "
+            f"overhead {r['overhead']:+.2%} (paired {r['overhead_paired']:+.2%}, "
+            f"A/A {r['null_overhead_paired']:+.2%}), "
+            f"loss_match {r['loss_match']}, collectives_match {r['collectives_match']}",
+            file=sys.stderr,
+            flush=True,
+        )
+    out = dict(
+        benchmark="overhead",
+        model=args.model,
+        layers=cfg.num_layers,
+        devices=args.devices,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        rounds=args.rounds,
+        ref_constraints=args.ref_constraints,
+        results=rows,
+        jax=jax.__version__,
+        cpu=dict(name=_cpu_name(), machine=platform.machine(), cpus=os.cpu_count()),
+    )
     print(json.dumps(out, indent=1))
     return 0 if all(r["loss_match"] for r in rows) else 1
 

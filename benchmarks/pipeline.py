@@ -17,6 +17,7 @@ virtual stages divide them):
 All simulated devices share the host's cores, so absolute times mean little; the ratios between
 schedules, the memory and the compile-time trend are the result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,6 +47,7 @@ def _args(argv):
 def _setup(name, layers, mesh, batch, seq, table, devices):
     import jax
     import numpy as np
+
     from jaxpar.layout import make_layout
     from jaxpar.meshes import resolve_mesh_arg
     from jaxpar.models import build_model, get_model_preset
@@ -54,8 +56,9 @@ def _setup(name, layers, mesh, batch, seq, table, devices):
 
     cfg = dataclasses.replace(get_model_preset(name), num_layers=layers)
     layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=batch, seq=seq, devices=jax.devices()[:devices])
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
-                          layout)
+    ts = init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq), dtype=np.int32)
     data = {k: jax.device_put(tokens, s) for k, s in batch_sharding(layout).items()}
     t0 = time.perf_counter()
@@ -65,6 +68,7 @@ def _setup(name, layers, mesh, batch, seq, table, devices):
 
 def _timed(name, layers, mesh, batch, seq, table, devices, repeats):
     import jax
+
     ts, data, step, compile_s = _setup(name, layers, mesh, batch, seq, table, devices)
     state, times = ts.state, []
     for _ in range(repeats + 1):
@@ -75,38 +79,56 @@ def _timed(name, layers, mesh, batch, seq, table, devices, repeats):
     out = {"mesh": mesh, "compile_s": round(compile_s, 2), "step_s": round(statistics.median(times[1:]), 4)}
     if table is not None:
         from jaxpar.pipeline.executor import executor_bubble_fraction
-        vjp = (1.0, 1.0, 2.0) if table.split_backward else (1.0, 2.0)            # the full vjp is B + W
-        out |= {"bubble": round(table.bubble_fraction(), 4), "lockstep_bubble": round(table.lockstep_bubble_fraction(), 4),
-                "executor_bubble": round(executor_bubble_fraction(table, *vjp), 4),
-                "peak_in_flight": table.peak_in_flight.tolist()}
+
+        vjp = (1.0, 1.0, 2.0) if table.split_backward else (1.0, 2.0)  # the full vjp is B + W
+        out |= {
+            "bubble": round(table.bubble_fraction(), 4),
+            "lockstep_bubble": round(table.lockstep_bubble_fraction(), 4),
+            "executor_bubble": round(executor_bubble_fraction(table, *vjp), 4),
+            "peak_in_flight": table.peak_in_flight.tolist(),
+        }
     return out
 
 
 def main(argv=None) -> int:
     args = _args(argv)
     import jax
+
     jax.config.update("jax_num_cpu_devices", args.devices)
     from jaxpar.pipeline import build
 
     p, m = args.stages, args.microbatches
     batch = args.rows * m
-    result = {"host": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "devices": args.devices,
-              "stages": p, "microbatches": m, "rows": args.rows, "seq": args.seq, "models": {}}
+    result = {
+        "host": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "devices": args.devices,
+        "stages": p,
+        "microbatches": m,
+        "rows": args.rows,
+        "seq": args.seq,
+        "models": {},
+    }
     rest = f"data={args.devices // p}"
     for name in args.models.split(","):
-        steps = {"fsdp": _timed(name, args.layers, f"fsdp={args.devices}", batch, args.seq, None, args.devices,
-                                args.repeats)}
+        steps = {
+            "fsdp": _timed(name, args.layers, f"fsdp={args.devices}", batch, args.seq, None, args.devices, args.repeats)
+        }
         for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
             table = build(schedule, p, m, 2 if schedule == "interleaved" else 1)
-            steps[schedule] = _timed(name, args.layers, f"stage={p},{rest}", batch, args.seq, table, args.devices,
-                                     args.repeats)
+            steps[schedule] = _timed(
+                name, args.layers, f"stage={p},{rest}", batch, args.seq, table, args.devices, args.repeats
+            )
         by_m = {}
         for schedule in ("gpipe", "1f1b"):
             for mm in (p, 2 * p, 4 * p):
-                _, _, step, compile_s = _setup(name, args.layers, f"stage={p}", args.rows * mm, args.seq,
-                                               build(schedule, p, mm), p)
-                by_m[f"{schedule}/m={mm}"] = {"compile_s": round(compile_s, 2),
-                                              "temp_bytes": step.memory_analysis().temp_size_in_bytes}
+                _, _, step, compile_s = _setup(
+                    name, args.layers, f"stage={p}", args.rows * mm, args.seq, build(schedule, p, mm), p
+                )
+                by_m[f"{schedule}/m={mm}"] = {
+                    "compile_s": round(compile_s, 2),
+                    "temp_bytes": step.memory_analysis().temp_size_in_bytes,
+                }
         result["models"][name] = {"step": steps, "by_microbatches": by_m}
         print(json.dumps({name: result["models"][name]}), file=sys.stderr)
     print(json.dumps(result, indent=1))

@@ -15,6 +15,7 @@ Parameter tree (the same keys as ``nnx.to_pure_dict(nnx.state(model, nnx.Param))
     blocks.attn_norm.scale [L, D]       blocks.attn.{q [L,D,N,H], k [L,D,K,H], v [L,D,K,H], o [L,N,H,D]}
     blocks.mlp_norm.scale [L, D]        blocks.mlp.{gate_up [L,D,2,F], down [L,F,D]}
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -37,25 +38,33 @@ _POLICIES = {
 def check_supported(cfg) -> None:
     """The reference reads a ``jaxpar.models.DenseConfig`` as plain hyper-parameters; refuses the
     features it leaves out."""
-    unsupported = [name for name, on in (("qkv_bias", cfg.qkv_bias), ("qk_norm", cfg.qk_norm),
-                                         ("sliding_window", cfg.sliding_window is not None),
-                                         ("rope_scaling", cfg.rope_scaling is not None),
-                                         ("tie_embeddings", cfg.tie_embeddings)) if on]
+    unsupported = [
+        name
+        for name, on in (
+            ("qkv_bias", cfg.qkv_bias),
+            ("qk_norm", cfg.qk_norm),
+            ("sliding_window", cfg.sliding_window is not None),
+            ("rope_scaling", cfg.rope_scaling is not None),
+            ("tie_embeddings", cfg.tie_embeddings),
+        )
+        if on
+    ]
     if unsupported:
         raise ValueError(f"plain reference: {', '.join(unsupported)} not implemented")
 
 
 class ActivationSpecs(NamedTuple):
     """Where each activation lives. ``None`` everywhere (the default) places no constraint at all."""
+
     mesh: Any = None
-    tokens: PartitionSpec | None = None      # [B, T] ids and targets
-    resid: PartitionSpec | None = None       # [B, T, D] residual stream between blocks
-    inner: PartitionSpec | None = None       # [B, T, D] normed input of attention / MLP
-    q: PartitionSpec | None = None           # [B, T, N, H]
-    kv: PartitionSpec | None = None          # [B, T, K, H]
-    gate_up: PartitionSpec | None = None     # [B, T, 2, F]
-    hidden: PartitionSpec | None = None      # [B, T, F]
-    logits: PartitionSpec | None = None      # [B, T, V]
+    tokens: PartitionSpec | None = None  # [B, T] ids and targets
+    resid: PartitionSpec | None = None  # [B, T, D] residual stream between blocks
+    inner: PartitionSpec | None = None  # [B, T, D] normed input of attention / MLP
+    q: PartitionSpec | None = None  # [B, T, N, H]
+    kv: PartitionSpec | None = None  # [B, T, K, H]
+    gate_up: PartitionSpec | None = None  # [B, T, 2, F]
+    hidden: PartitionSpec | None = None  # [B, T, F]
+    logits: PartitionSpec | None = None  # [B, T, V]
 
     def pin(self, x: jax.Array, which: str) -> jax.Array:
         spec = getattr(self, which)
@@ -100,7 +109,10 @@ def swiglu(x, p, cfg, sp: ActivationSpecs):
     return sp.pin(jnp.einsum("btf,fd->btd", h, p["down"].astype(dt)), "resid")
 
 
-def forward(params, ids, cfg, sp: ActivationSpecs = ActivationSpecs()):
+NO_SPECS = ActivationSpecs()
+
+
+def forward(params, ids, cfg, sp: ActivationSpecs = NO_SPECS):
     """ids [B, T] int32 -> logits [B, T, V] float32, padded vocab columns at -1e9."""
     dt = jnp.dtype(cfg.dtype)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
@@ -123,7 +135,7 @@ def forward(params, ids, cfg, sp: ActivationSpecs = ActivationSpecs()):
     return logits
 
 
-def loss_fn(params, batch, cfg, sp: ActivationSpecs = ActivationSpecs()):
+def loss_fn(params, batch, cfg, sp: ActivationSpecs = NO_SPECS):
     """Mean next-token cross-entropy in float32."""
     logits = forward(params, batch["inputs"], cfg, sp)
     log_z = jax.nn.logsumexp(logits, axis=-1)
@@ -134,13 +146,16 @@ def loss_fn(params, batch, cfg, sp: ActivationSpecs = ActivationSpecs()):
 # ---------------------------------------------------------------------------------------- optimizer
 def decay_mask(params):
     """Weight decay on matrices and embeddings; none on norm scales (every ``*norm`` subtree)."""
+
     def decays(path, _):
         return not any(str(getattr(k, "key", k)).endswith("norm") for k in path)
+
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(*, learning_rate=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
-                   clip_norm: float | None = 1.0) -> optax.GradientTransformation:
+def make_optimizer(
+    *, learning_rate=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm: float | None = 1.0
+) -> optax.GradientTransformation:
     adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     return adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
 
@@ -152,8 +167,7 @@ def state_shardings(tx: optax.GradientTransformation, params):
     mesh = jax.tree.leaves(param_sh)[0].mesh
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract = jax.eval_shape(tx.init, params)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract, param_sh,
-                                   transform_non_params=lambda _: replicated)
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract, param_sh, transform_non_params=lambda _: replicated)
     return param_sh, opt_sh, replicated
 
 
@@ -163,8 +177,7 @@ def init_state(tx, params):
     return params, jax.jit(tx.init, out_shardings=opt_sh)(params)
 
 
-def make_train_step(cfg, tx: optax.GradientTransformation, params, batch_sharding,
-                    sp: ActivationSpecs = ActivationSpecs()):
+def make_train_step(cfg, tx: optax.GradientTransformation, params, batch_sharding, sp: ActivationSpecs = NO_SPECS):
     """``step((params, opt_state), batch) -> ((params, opt_state), (loss, grad_norm))``, jitted with
     explicit shardings, the state donated."""
     check_supported(cfg)
@@ -176,5 +189,9 @@ def make_train_step(cfg, tx: optax.GradientTransformation, params, batch_shardin
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), (loss, optax.tree.norm(grads))
 
-    return jax.jit(step, in_shardings=((param_sh, opt_sh), batch_sharding),
-                   out_shardings=((param_sh, opt_sh), (replicated, replicated)), donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=((param_sh, opt_sh), batch_sharding),
+        out_shardings=((param_sh, opt_sh), (replicated, replicated)),
+        donate_argnums=0,
+    )

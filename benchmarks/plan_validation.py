@@ -16,6 +16,7 @@ use (four runs are predicted but kept out of the fits, each with its reason).
 
     python benchmarks/plan_validation.py > benchmarks/results/plan_validation.json
 """
+
 from __future__ import annotations
 
 import json
@@ -32,21 +33,40 @@ def main() -> None:
     rows = leave_one_out(runs)
     for run, row in zip(runs, rows):
         parts = step_seconds(run.workload, get_hardware(run.hardware), CALIBRATED)
-        row["share_of_step"] = {k.removesuffix("_s"): round(float(v / parts["step_s"]), 3)
-                                for k, v in parts.items() if k != "step_s"}
-        row.update(error=round(row["error"], 3), measured_step_s=round(row["measured_step_s"], 3),
-                   predicted_step_s=round(row["predicted_step_s"], 3), source=run.source)
-    summary = dict(errors(rows), fitted_runs=errors([r for r in rows if r["in_fit"]]),
-                   not_fitted={r["name"]: r["error"] for r in rows if not r["in_fit"]},
-                   calibration=dict(matmul=CALIBRATED.matmul, collective=CALIBRATED.collective, dcn=CALIBRATED.dcn,
-                                    grouped=CALIBRATED.grouped, fp8=CALIBRATED.fp8, grouped_fp8=CALIBRATED.grouped_fp8))
+        row["share_of_step"] = {
+            k.removesuffix("_s"): round(float(v / parts["step_s"]), 3) for k, v in parts.items() if k != "step_s"
+        }
+        row.update(
+            error=round(row["error"], 3),
+            measured_step_s=round(row["measured_step_s"], 3),
+            predicted_step_s=round(row["predicted_step_s"], 3),
+            source=run.source,
+        )
+    summary = dict(
+        errors(rows),
+        fitted_runs=errors([r for r in rows if r["in_fit"]]),
+        not_fitted={r["name"]: r["error"] for r in rows if not r["in_fit"]},
+        calibration=dict(
+            matmul=CALIBRATED.matmul,
+            collective=CALIBRATED.collective,
+            dcn=CALIBRATED.dcn,
+            grouped=CALIBRATED.grouped,
+            fp8=CALIBRATED.fp8,
+            grouped_fp8=CALIBRATED.grouped_fp8,
+        ),
+    )
     print(json.dumps(dict(benchmark="plan_validation", summary=summary, rows=rows), indent=1, ensure_ascii=False))
 
 
 def errors(rows: list[dict]) -> dict:
     err = np.abs([r["error"] for r in rows])
-    return dict(runs=len(rows), median_abs_error=round(float(np.median(err)), 3), max_abs_error=round(float(err.max()), 3),
-                over_10_percent=int((err > 0.10).sum()), over_20_percent=int((err > 0.20).sum()))
+    return dict(
+        runs=len(rows),
+        median_abs_error=round(float(np.median(err)), 3),
+        max_abs_error=round(float(err.max()), 3),
+        over_10_percent=int((err > 0.10).sum()),
+        over_20_percent=int((err > 0.20).sum()),
+    )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ device with a random-weight model (``--model``, default ``tiny``, float32), comp
   together only when the engine is idle: a batch runs until its longest request ends). For each:
   throughput (generated tokens ÷ the time from the first arrival to the last token), time to first
   token (first token − arrival), inter-token latency (between a request's successive tokens) and
-  end-to-end latency (last token − arrival), p50 and p99. Token times are taken on the host after each ``step``, as a streaming server sees them.
+  end-to-end latency (last token − arrival), p50 and p99. Token times are taken on the host after each ``step``, as
+  a streaming server sees them.
 * ``pages`` (continuous run, after every step): utilization = pages referenced ÷ usable pages, and
   internal fragmentation = 1 − positions held ÷ (pages held × page size), mean and peak.
 * ``prefix``: 32 requests of one 96-token system prompt + a distinct 8–24-token question, 8 tokens
@@ -28,6 +29,7 @@ device with a random-weight model (``--model``, default ``tiny``, float32), comp
   histogram of guesses kept, the median step, and how many requests' tokens equal plain decoding's (greedy; a
   verification of width 5 rounds differently from width 1, so a near-tie may go the other way).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +47,7 @@ def build(preset: str, layers: int | None = None):
     from flax import nnx
 
     from jaxpar.models import build_model, get_model_preset
+
     cfg = get_model_preset(preset)
     cfg = dataclasses.replace(cfg, num_layers=layers) if layers else cfg
     return build_model(cfg, rngs=nnx.Rngs(0))
@@ -52,6 +55,7 @@ def build(preset: str, layers: int | None = None):
 
 def engine_of(model, **overrides):
     from jaxpar.inference.engine import Engine
+
     engine = Engine(model, **(SETTINGS | overrides))
     engine.warm_up()
     return engine
@@ -61,8 +65,9 @@ def trace(n: int, rate: float, seed: int = 0) -> list[tuple[float, list[int], in
     """(arrival s, prompt, output length) per request."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
-    return [(float(t), rng.integers(1, 256, int(rng.integers(8, 121))).tolist(), int(rng.integers(4, 65)))
-            for t in arrivals]
+    return [
+        (float(t), rng.integers(1, 256, int(rng.integers(8, 121))).tolist(), int(rng.integers(4, 65))) for t in arrivals
+    ]
 
 
 def percentiles(values) -> dict:
@@ -83,7 +88,7 @@ def replay(engine, requests, *, static: bool) -> dict:
         arrived = [r for r in todo if arrival[r.id] <= now]
         if static and not engine.idle:
             arrived = []
-        for r in arrived[:engine.slots if static else None]:
+        for r in arrived[: engine.slots if static else None]:
             engine.submit(r)
             live.append(r)
             todo.remove(r)
@@ -101,10 +106,16 @@ def replay(engine, requests, *, static: bool) -> dict:
     itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
     tokens = sum(len(ts) for ts in times.values())
     span = max(ts[-1] for ts in times.values()) - min(arrival.values())
-    return {"throughput_tokens_per_s": tokens / span, "makespan_s": span, "generated_tokens": tokens,
-            "ttft_s": percentiles(ttft), "inter_token_s": percentiles(itl), "end_to_end_s": percentiles(e2e),
-            "steps": len(pages),
-            "_pages": pages}
+    return {
+        "throughput_tokens_per_s": tokens / span,
+        "makespan_s": span,
+        "generated_tokens": tokens,
+        "ttft_s": percentiles(ttft),
+        "inter_token_s": percentiles(itl),
+        "end_to_end_s": percentiles(e2e),
+        "steps": len(pages),
+        "_pages": pages,
+    }
 
 
 def page_sample(pool) -> tuple[float, float]:
@@ -121,13 +132,19 @@ def load(model, n: int, rate: float) -> dict:
         out[name] = replay(engine_of(model), requests, static=static)
     samples = np.array(out["continuous"].pop("_pages"))
     out["static"].pop("_pages")
-    out["pages"] = {"utilization_mean": float(samples[:, 0].mean()), "utilization_peak": float(samples[:, 0].max()),
-                    "fragmentation_mean": float(samples[:, 1].mean()), "fragmentation_peak": float(samples[:, 1].max())}
+    out["pages"] = {
+        "utilization_mean": float(samples[:, 0].mean()),
+        "utilization_peak": float(samples[:, 0].max()),
+        "fragmentation_mean": float(samples[:, 1].mean()),
+        "fragmentation_peak": float(samples[:, 1].max()),
+    }
     c, s = out["continuous"], out["static"]
-    out["continuous_over_static"] = {"throughput": c["throughput_tokens_per_s"] / s["throughput_tokens_per_s"],
-                                     "ttft_p50": c["ttft_s"]["p50"] / s["ttft_s"]["p50"],
-                                     "inter_token_p50": c["inter_token_s"]["p50"] / s["inter_token_s"]["p50"],
-                                     "end_to_end_p50": c["end_to_end_s"]["p50"] / s["end_to_end_s"]["p50"]}
+    out["continuous_over_static"] = {
+        "throughput": c["throughput_tokens_per_s"] / s["throughput_tokens_per_s"],
+        "ttft_p50": c["ttft_s"]["p50"] / s["ttft_s"]["p50"],
+        "inter_token_p50": c["inter_token_s"]["p50"] / s["inter_token_s"]["p50"],
+        "end_to_end_p50": c["end_to_end_s"]["p50"] / s["end_to_end_s"]["p50"],
+    }
     return out
 
 
@@ -139,6 +156,7 @@ def timed_run(engine, requests) -> float:
 
 def prefix(model, n: int = 32) -> dict:
     from jaxpar.inference.scheduler import Request
+
     rng = np.random.default_rng(1)
     system = rng.integers(1, 256, 96).tolist()
     questions = [rng.integers(1, 256, int(rng.integers(8, 25))).tolist() for _ in range(n)]
@@ -147,8 +165,11 @@ def prefix(model, n: int = 32) -> dict:
         engine = engine_of(model, prefix_cache=cached)
         seconds = timed_run(engine, [Request(i, system + q, 8) for i, q in enumerate(questions)])
         out["with_cache" if cached else "without_cache"] = {
-            "seconds": seconds, "prompt_tokens_computed": sum(s.prefilled for s in engine.log),
-            "hit_rate": engine.pages.hits / max(1, engine.pages.lookups), "hit_pages": engine.pages.hits}
+            "seconds": seconds,
+            "prompt_tokens_computed": sum(s.prefilled for s in engine.log),
+            "hit_rate": engine.pages.hits / max(1, engine.pages.lookups),
+            "hit_pages": engine.pages.hits,
+        }
     w, wo = out["with_cache"], out["without_cache"]
     out["time_saved_s"] = wo["seconds"] - w["seconds"]
     out["time_saved_fraction"] = out["time_saved_s"] / wo["seconds"]
@@ -188,17 +209,23 @@ def step_ms(engine) -> float:
 def speculative_pair(steps: int) -> dict:
     """The target (tiny with 4 layers) and the draft (1 layer) trained on one Markov chain, then raced."""
     from jaxpar.data import markov_chain
+
     chain = markov_chain(256, branching=2, seed=0)
     target, target_loss = trained(build("tiny", 4), chain, steps)
     draft, draft_loss = trained(build("tiny", 1), chain, steps, seed=1)
     out = speculative(target, draft)
-    out["training"] = {"steps": steps, "target_loss": target_loss, "draft_loss": draft_loss,
-                       "chain_entropy_rate": chain.entropy_rate}
+    out["training"] = {
+        "steps": steps,
+        "target_loss": target_loss,
+        "draft_loss": draft_loss,
+        "chain_entropy_rate": chain.entropy_rate,
+    }
     return out
 
 
 def speculative(target, draft, k: int = 4) -> dict:
     from jaxpar.inference.scheduler import Request
+
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 256, 12).tolist() * 6 for _ in range(8)]
     make = lambda: [Request(i, p, 64) for i, p in enumerate(prompts)]
@@ -210,10 +237,14 @@ def speculative(target, draft, k: int = 4) -> dict:
         engine = engine_of(target, speculate=k, **extra)
         reqs = make()
         seconds = timed_run(engine, reqs)
-        out[name] = {"tokens_per_s": 64 * len(prompts) / seconds, "speedup": base / seconds, "k": k,
-                     "step_ms": step_ms(engine),
-                     "acceptance": engine.acceptance(),
-                     "requests_equal_to_plain": sum(a.tokens == b.tokens for a, b in zip(reqs, plain))}
+        out[name] = {
+            "tokens_per_s": 64 * len(prompts) / seconds,
+            "speedup": base / seconds,
+            "k": k,
+            "step_ms": step_ms(engine),
+            "acceptance": engine.acceptance(),
+            "requests_equal_to_plain": sum(a.tokens == b.tokens for a, b in zip(reqs, plain)),
+        }
     return out
 
 
@@ -227,9 +258,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     model = build(args.model)
-    report = {"device": "cpu", "model": args.model, "load_average_before": os.getloadavg()[0],
-              "load": load(model, 40 if args.quick else args.requests, args.rate), "prefix": prefix(model),
-              "speculative": speculative_pair(args.train_steps), "load_average_after": os.getloadavg()[0]}
+    report = {
+        "device": "cpu",
+        "model": args.model,
+        "load_average_before": os.getloadavg()[0],
+        "load": load(model, 40 if args.quick else args.requests, args.rate),
+        "prefix": prefix(model),
+        "speculative": speculative_pair(args.train_steps),
+        "load_average_after": os.getloadavg()[0],
+    }
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

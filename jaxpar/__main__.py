@@ -1,4 +1,5 @@
 """``python -m jaxpar`` runs the ``jaxpar`` command."""
+
 import sys
 
 from jaxpar.cli import main

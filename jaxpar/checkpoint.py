@@ -15,6 +15,7 @@ Restoring takes an abstract state whose leaves carry the *target* shardings: a c
 one mesh loads into another (resharding happens in the read), e.g. saved under ``fsdp``, resumed under
 ``3d``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,15 +47,14 @@ def latest(directory: Path, /) -> SavedRun | None:
     if not directory.is_dir():
         return None
     _quiet_orbax()
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
-                                    item_names=ITEMS)
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True), item_names=ITEMS)
     try:
         step = manager.latest_step()
         if step is None:
             return None
         try:
             config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-        except (KeyError, ValueError, OSError) as err:     # a step folder without a readable config item
+        except (KeyError, ValueError, OSError) as err:  # a step folder without a readable config item
             raise CheckpointError(f"{directory / str(step)}: not a readable checkpoint of a run ({err})") from None
         return SavedRun(step, config)
     finally:
@@ -67,14 +67,16 @@ class Checkpointer:
     def __init__(self, directory: Path, /, *, every: int, keep: int, async_save: bool = True):
         _quiet_orbax()
         self.directory = directory
-        options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep,
-                                               enable_async_checkpointing=async_save)
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=every, max_to_keep=keep, enable_async_checkpointing=async_save
+        )
         self._manager = ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
 
     def save(self, step: int, /, *, state: Any, data: dict, config: dict, force: bool = False) -> bool:
         """Starts writing checkpoint ``step`` if it is due (or ``force``); True if it started."""
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
-                                  config=ocp.args.JsonSave(config))
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data), config=ocp.args.JsonSave(config)
+        )
         return self._manager.save(step, args=args, force=force)
 
     def restore(self, step: int, abstract_state: Any, /) -> tuple[Any, dict]:

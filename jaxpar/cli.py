@@ -16,6 +16,7 @@ Errors the user can fix (``jaxpar.errors``: unknown preset, indivisible sizes, a
 model, ...) print ``jaxpar: error: <message>`` to stderr and exit with status 2, like argparse's own usage
 errors. A run that fails on the way (``NonFiniteError``: a NaN loss) prints the same way and exits with 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except JaxparError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 1 if isinstance(err, NonFiniteError) else 2
-    except BrokenPipeError:                      # output piped into `head`: stop quietly
+    except BrokenPipeError:  # output piped into `head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 

@@ -12,6 +12,7 @@ any family that extends it, ``rope_scaling`` a ``RopeScaling`` or a ``YarnScalin
 class name under ``"class"``, so a Mixture-of-Experts config comes back as one. Data written before the
 tag existed is read by the smallest class whose fields cover its keys.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,12 +39,14 @@ class Choice(enum.StrEnum):
             return cls(value)
         except ValueError:
             from jaxpar.mesh import suggest
+
             hint = suggest(value, [c.value for c in cls]) if isinstance(value, str) else ""
             raise ConfigError(f"{field}={value!r}: choose one of {', '.join(c.value for c in cls)}{hint}") from None
 
 
 class DType(Choice):
     """A floating-point dtype of parameters or computation."""
+
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
@@ -129,7 +132,7 @@ def from_dict(hint, data, /, *, where: str = "config") -> Any:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)} for {cls.__name__}")
     try:
         return cls(**{k: from_dict(fields[k], v, where=f"{where}.{k}") for k, v in values.items()})
-    except TypeError as err:               # a required field is missing
+    except TypeError as err:  # a required field is missing
         raise ConfigError(f"{where}: {cls.__name__} {err}") from None
 
 
@@ -144,6 +147,8 @@ def _pick_class(classes: list[type], data: dict, where: str) -> type:
     covering = [c for c in classes if keys <= {f.name for f in dataclasses.fields(c)}]
     if not covering:
         known = {f.name for c in classes for f in dataclasses.fields(c)}
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(keys - known)) or '(none)'}; the fields "
-                          f"fit none of {', '.join(by_name)}")
+        raise ConfigError(
+            f"{where}: unknown field(s) {', '.join(sorted(keys - known)) or '(none)'}; the fields "
+            f"fit none of {', '.join(by_name)}"
+        )
     return min(covering, key=lambda c: len(dataclasses.fields(c)))

@@ -24,6 +24,7 @@ axes laid out in process order (as ``jax.make_mesh`` does) therefore builds the 
 whatever the number of processes. The saved position is the global batch index, so a run can resume on
 another process count with the same ``--batch``.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -40,38 +41,39 @@ from jaxpar.errors import DataError  # noqa: F401  (re-exported)
 
 
 class DataSource(Choice):
-    MARKOV = "markov"          # the embedded synthetic source
-    FILES = "files"            # token files (jaxpar prepare)
+    MARKOV = "markov"  # the embedded synthetic source
+    FILES = "files"  # token files (jaxpar prepare)
 
 
 class TokenDtype(Choice):
     """Element type of raw .bin token files (.npy files carry their own)."""
+
     UINT16 = "uint16"
     UINT32 = "uint32"
 
 
 NPY_DTYPES = ("uint16", "uint32", "int32")
 SPLITS = ("train", "eval")
-DIRICHLET_ALPHA = 0.5     # transition probabilities per state ~ Dirichlet(0.5, ..., 0.5): skewed, not peaked
+DIRICHLET_ALPHA = 0.5  # transition probabilities per state ~ Dirichlet(0.5, ..., 0.5): skewed, not peaked
 MARKOV_MAX_VOCAB = 2**20  # states of the synthetic chain: 1.7 s for 151,936 (Qwen's vocabulary), 24 s at the cap
-MARKOV_LENGTH = 2**40     # records in a markov stream: endless in practice, still a finite grain source
-SCAN_CHUNK = 1 << 22      # tokens per chunk when scanning files for bad ids
-ENDLESS = 2**62           # records a loader can yield: grain's repeat() makes len sys.maxsize, whose
-                          # batch(1) length ceil(maxsize / 1.0) = 2**63 overflows len(); repeat finitely
+MARKOV_LENGTH = 2**40  # records in a markov stream: endless in practice, still a finite grain source
+SCAN_CHUNK = 1 << 22  # tokens per chunk when scanning files for bad ids
+ENDLESS = 2**62  # records a loader can yield: grain's repeat() makes len sys.maxsize, whose
+# batch(1) length ceil(maxsize / 1.0) = 2**63 overflows len(); repeat finitely
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: DataSource = DataSource.MARKOV
-    path: str = ""                # files: a file, a directory (all *.npy / *.bin inside, sorted) or a glob
-    eval_path: str = ""           # held-out token files; "" -> hold out the last `eval_fraction` of windows of `path`
+    path: str = ""  # files: a file, a directory (all *.npy / *.bin inside, sorted) or a glob
+    eval_path: str = ""  # held-out token files; "" -> hold out the last `eval_fraction` of windows of `path`
     eval_fraction: float = 0.01
-    dtype: TokenDtype = TokenDtype.UINT16   # element type of raw .bin files (.npy carries its own)
-    markov_branching: int = 8     # successors per state of the synthetic chain
-    markov_seed: int = 0          # the chain itself (transition table); sample streams are derived from the loader seed
+    dtype: TokenDtype = TokenDtype.UINT16  # element type of raw .bin files (.npy carries its own)
+    markov_branching: int = 8  # successors per state of the synthetic chain
+    markov_seed: int = 0  # the chain itself (transition table); sample streams are derived from the loader seed
     shuffle: bool = True
-    num_threads: int = 2          # grain read threads
-    prefetch: int = 4             # grain prefetch buffer
+    num_threads: int = 2  # grain read threads
+    prefetch: int = 4  # grain prefetch buffer
 
     def __post_init__(self):
         check_choices(self, "data")
@@ -88,10 +90,11 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, eq=False)
 class MarkovChain:
     """A first-order chain: state s moves to ``successors[s, j]`` with probability ``probs[s, j]``."""
-    successors: np.ndarray      # [V, k] int64, distinct within a row
-    probs: np.ndarray           # [V, k] float64, rows sum to 1
-    stationary: np.ndarray      # [V] float64, π with π P = π
-    entropy_rate: float         # Σ_s π(s) H(P(s, ·)) in nats: the loss of a perfect model
+
+    successors: np.ndarray  # [V, k] int64, distinct within a row
+    probs: np.ndarray  # [V, k] float64, rows sum to 1
+    stationary: np.ndarray  # [V] float64, π with π P = π
+    entropy_rate: float  # Σ_s π(s) H(P(s, ·)) in nats: the loss of a perfect model
 
     def matrix(self) -> np.ndarray:
         """The dense [V, V] transition matrix (for small vocabularies and tests)."""
@@ -113,16 +116,18 @@ def markov_chain(vocab_size: int, *, branching: int, seed: int) -> MarkovChain:
     if not 1 <= branching <= vocab_size:
         raise DataError(f"data.markov_branching={branching}: must be between 1 and model.vocab_size={vocab_size}")
     if vocab_size > MARKOV_MAX_VOCAB:
-        raise DataError(f"data.source=markov: model.vocab_size={vocab_size:,} is more states than the synthetic chain "
-                        f"is built for (at most {MARKOV_MAX_VOCAB:,}: its tables live in memory and its stationary "
-                        "distribution is iterated); use data.source=files")
+        raise DataError(
+            f"data.source=markov: model.vocab_size={vocab_size:,} is more states than the synthetic chain "
+            f"is built for (at most {MARKOV_MAX_VOCAB:,}: its tables live in memory and its stationary "
+            "distribution is iterated); use data.source=files"
+        )
     rng = np.random.default_rng([seed, 0x6D61726B])
     cycle = rng.permutation(vocab_size)
     succ = np.empty((vocab_size, branching), np.int64)
     succ[cycle, 0] = np.roll(cycle, -1)
-    for col in range(1, branching):        # redraw clashes: uniform over distinct successor sets
+    for col in range(1, branching):  # redraw clashes: uniform over distinct successor sets
         succ[:, col] = rng.integers(0, vocab_size, vocab_size)
-        while (clash := (succ[:, :col] == succ[:, col:col + 1]).any(axis=1)).any():
+        while (clash := (succ[:, :col] == succ[:, col : col + 1]).any(axis=1)).any():
             succ[clash, col] = rng.integers(0, vocab_size, int(clash.sum()))
     probs = rng.dirichlet(np.full(branching, DIRICHLET_ALPHA), size=vocab_size)
     pi = _stationary(succ, probs)
@@ -143,7 +148,7 @@ def _stationary(succ: np.ndarray, probs: np.ndarray, tol: float = 1e-14) -> np.n
         if np.abs(new - pi).sum() < tol:
             return new
         pi = new
-    raise RuntimeError("stationary distribution did not converge")   # not reached for irreducible chains
+    raise RuntimeError("stationary distribution did not converge")  # not reached for irreducible chains
 
 
 class MarkovSource:
@@ -152,7 +157,7 @@ class MarkovSource:
     def __init__(self, chain: MarkovChain, seq: int, stream: tuple[int, ...]):
         self.chain, self.seq, self.stream = chain, seq, tuple(stream)
         cum = np.cumsum(chain.probs, axis=1)
-        cum[:, -1] = 1.0                         # inverse-CDF tables as lists: bisect beats numpy per step
+        cum[:, -1] = 1.0  # inverse-CDF tables as lists: bisect beats numpy per step
         self._cum, self._succ = cum.tolist(), chain.successors.tolist()
         first = np.cumsum(chain.stationary)
         first[-1] = 1.0
@@ -199,17 +204,21 @@ def _open(path: Path, dtype: str) -> np.ndarray:
         except (ValueError, OSError) as err:
             raise DataError(f"{path}: not a readable .npy file ({err})") from None
         if arr.ndim != 1 or arr.dtype.name not in NPY_DTYPES:
-            raise DataError(f"{path}: holds a {arr.dtype.name} array of shape {arr.shape}; token files are 1-D "
-                            f"{', '.join(NPY_DTYPES)}")
+            raise DataError(
+                f"{path}: holds a {arr.dtype.name} array of shape {arr.shape}; token files are 1-D "
+                f"{', '.join(NPY_DTYPES)}"
+            )
         return arr
-    sidecar = path.with_suffix(".json")        # written by `jaxpar prepare`
+    sidecar = path.with_suffix(".json")  # written by `jaxpar prepare`
     written = _sidecar(sidecar).get("dtype", dtype) if sidecar.exists() else dtype
     if written != dtype:
         raise DataError(f"data.dtype={dtype}, but {sidecar} says {path} holds {written}: --set data.dtype={written}")
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
     if size % itemsize:
-        raise DataError(f"{path}: {size} bytes is not a multiple of {itemsize} (data.dtype={dtype}): "
-                        f"wrong data.dtype or a truncated file")
+        raise DataError(
+            f"{path}: {size} bytes is not a multiple of {itemsize} (data.dtype={dtype}): "
+            f"wrong data.dtype or a truncated file"
+        )
     return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
 
 
@@ -217,7 +226,7 @@ def _sidecar(path: Path) -> dict:
     """The JSON object `jaxpar prepare` writes beside a .bin file (vocabulary, EOS id, dtype)."""
     try:
         info = json.loads(path.read_text())
-    except ValueError as err:                 # JSONDecodeError, UnicodeDecodeError
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise DataError(f"{path}: not valid JSON ({err}); it should be the sidecar `jaxpar prepare` wrote") from None
     if not isinstance(info, dict):
         raise DataError(f"{path}: holds a JSON {type(info).__name__}, not the object `jaxpar prepare` writes")
@@ -229,7 +238,7 @@ def _first_outside(path: str, size: int, mtime_ns: int, dtype: str, vocab_size: 
     """(position, id) of the first token outside [0, vocab_size), or None; cached per version of the file."""
     arr = _open(Path(path), dtype)
     for start in range(0, len(arr), SCAN_CHUNK):
-        chunk = arr[start:start + SCAN_CHUNK]
+        chunk = arr[start : start + SCAN_CHUNK]
         if chunk.min() < 0 or chunk.max() >= vocab_size:
             pos = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
             return pos, int(arr[pos])
@@ -251,9 +260,11 @@ class TokenFiles:
             stat = path.stat()
             bad = _first_outside(str(path.resolve()), stat.st_size, stat.st_mtime_ns, self.dtype, vocab_size)
             if bad:
-                raise DataError(f"{path}: token id {bad[1]} at position {bad[0]} is outside the vocabulary of the "
-                                f"model (model.vocab_size={vocab_size}); set it to the tokenizer's vocab_size "
-                                f"(in {path.with_suffix('.json').name} when written by `jaxpar prepare`)")
+                raise DataError(
+                    f"{path}: token id {bad[1]} at position {bad[0]} is outside the vocabulary of the "
+                    f"model (model.vocab_size={vocab_size}); set it to the tokenizer's vocab_size "
+                    f"(in {path.with_suffix('.json').name} when written by `jaxpar prepare`)"
+                )
 
     def read(self, start: int, stop: int) -> np.ndarray:
         out = np.empty(stop - start, np.int32)
@@ -262,7 +273,7 @@ class TokenFiles:
         while pos < stop:
             lo = pos - int(self.starts[f])
             hi = min(len(self.arrays[f]), stop - int(self.starts[f]))
-            out[pos - start:pos - start + hi - lo] = self.arrays[f][lo:hi]
+            out[pos - start : pos - start + hi - lo] = self.arrays[f][lo:hi]
             pos, f = pos + hi - lo, f + 1
         return out
 
@@ -286,18 +297,20 @@ def _file_windows(cfg: DataConfig, *, vocab_size: int, seq: int, split: str) -> 
     held_out = not cfg.eval_path
     field = "data.path" if split == "train" or held_out else "data.eval_path"
     files = TokenFiles(resolve_files(cfg.path if field == "data.path" else cfg.eval_path, field), cfg.dtype)
-    if not held_out:                               # held-out files must not be trained on
+    if not held_out:  # held-out files must not be trained on
         train = {p.resolve() for p in resolve_files(cfg.path, "data.path")}
         shared = sorted(train & {p.resolve() for p in resolve_files(cfg.eval_path, "data.eval_path")})
         if shared:
             raise DataError(f"data.eval_path and data.path share {', '.join(map(str, shared))}")
     files.check(vocab_size)
-    parts = 2 if held_out else 1                   # a held-out split needs a train and an eval window
+    parts = 2 if held_out else 1  # a held-out split needs a train and an eval window
     if files.total < 1 + parts * seq:
         names = ", ".join(str(p) for p in files.paths)
         most = (files.total - 1) // parts
-        raise DataError(f"{field}: {names} hold {files.total} tokens, too few for {parts} window(s) of --seq {seq} "
-                        f"(needs {1 + parts * seq} tokens)" + (f"; use --seq {most} or less" if most > 0 else ""))
+        raise DataError(
+            f"{field}: {names} hold {files.total} tokens, too few for {parts} window(s) of --seq {seq} "
+            f"(needs {1 + parts * seq} tokens)" + (f"; use --seq {most} or less" if most > 0 else "")
+        )
     windows = (files.total - 1) // seq
     if not held_out:
         return WindowSource(files, seq, 0, windows)
@@ -332,8 +345,10 @@ class Loader:
         """Continue exactly after the batch at which ``state`` was taken."""
         for key, value in self._identity.items():
             if state.get(key) != value:
-                raise DataError(f"data loader state was saved with {key}={state.get(key)!r}, this run has "
-                                f"{key}={value!r}; resume with the same settings")
+                raise DataError(
+                    f"data loader state was saved with {key}={state.get(key)!r}, this run has "
+                    f"{key}={value!r}; resume with the same settings"
+                )
         self._iter.set_state(state["grain"])
 
     def close(self) -> None:
@@ -348,23 +363,36 @@ def _source(cfg: DataConfig, *, vocab_size: int, seq: int, seed: int, split: str
     """(grain source, shuffle?, description, identity, entropy rate) of one split."""
     if cfg.source == "markov":
         chain = markov_chain(vocab_size, branching=cfg.markov_branching, seed=cfg.markov_seed)
-        stream = (0, seed) if split == "train" else (1, 0)   # eval: the same records whatever the run's seed
-        text = (f"markov: vocab {vocab_size}, branching {cfg.markov_branching}, seed {cfg.markov_seed}, "
-                f"entropy rate {chain.entropy_rate:.4f} nats/token, {split} stream of endless windows")
+        stream = (0, seed) if split == "train" else (1, 0)  # eval: the same records whatever the run's seed
+        text = (
+            f"markov: vocab {vocab_size}, branching {cfg.markov_branching}, seed {cfg.markov_seed}, "
+            f"entropy rate {chain.entropy_rate:.4f} nats/token, {split} stream of endless windows"
+        )
         identity = f"markov:{vocab_size}:{cfg.markov_branching}:{cfg.markov_seed}"
         # records are independent draws already: nothing to shuffle (and grain's index_shuffle over 2**40
         # indices leaves them clustered near one value)
         return MarkovSource(chain, seq, stream), False, text, identity, chain.entropy_rate
     src = _file_windows(cfg, vocab_size=vocab_size, seq=seq, split=split)
-    text = (f"files: {len(src.files.paths)} file(s), {src.files.total:,} tokens, {split} windows "
-            f"{src.first:,}..{src.first + src.count - 1:,} of {seq + 1} tokens")
+    text = (
+        f"files: {len(src.files.paths)} file(s), {src.files.total:,} tokens, {split} windows "
+        f"{src.first:,}..{src.first + src.count - 1:,} of {seq + 1} tokens"
+    )
     identity = f"files:{len(src.files.paths)}:{src.files.total}:{src.first}:{src.count}"
     return src, cfg.shuffle, text, identity, None
 
 
-def make_loader(cfg: DataConfig, /, *, vocab_size: int, seq: int, global_batch: int, seed: int,
-                split: str = "train", process_index: int | None = None,
-                process_count: int | None = None) -> Loader:
+def make_loader(
+    cfg: DataConfig,
+    /,
+    *,
+    vocab_size: int,
+    seq: int,
+    global_batch: int,
+    seed: int,
+    split: str = "train",
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> Loader:
     """This process's batches of ``split`` (see the module docstring for the pipeline and guarantees)."""
     import grain
 
@@ -374,17 +402,20 @@ def make_loader(cfg: DataConfig, /, *, vocab_size: int, seq: int, global_batch: 
         raise DataError(f"--seq {seq} --seed {seed}: the sequence length must be ≥ 1 and the seed ≥ 0")
     if process_index is None or process_count is None:
         import jax
+
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise DataError(f"process_index={process_index} is not in [0, process_count={process_count})")
     if global_batch < 1 or global_batch % process_count:
-        raise DataError(f"--batch {global_batch}: must be a positive multiple of the process count "
-                        f"({process_count}), each process loads an equal share")
+        raise DataError(
+            f"--batch {global_batch}: must be a positive multiple of the process count "
+            f"({process_count}), each process loads an equal share"
+        )
     source, shuffle, text, identity, entropy = _source(cfg, vocab_size=vocab_size, seq=seq, seed=seed, split=split)
     ds = grain.MapDataset.source(source)
     if split == "train" and shuffle:
-        ds = ds.shuffle(seed=seed % 2**32)        # grain's lazy index shuffle, reseeded every epoch by repeat
+        ds = ds.shuffle(seed=seed % 2**32)  # grain's lazy index shuffle, reseeded every epoch by repeat
     ds = ds.repeat(ENDLESS // len(source)).batch(global_batch // process_count)
     ds = ds[process_index::process_count].map(_inputs_targets)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch))
@@ -396,6 +427,7 @@ def to_global(batch: dict[str, np.ndarray], sharding) -> dict:
     """Process-local batch -> global ``jax.Array``s; ``sharding`` is one sharding or a dict per key."""
     import jax
 
-    return {key: jax.make_array_from_process_local_data(sharding[key] if isinstance(sharding, dict) else sharding,
-                                                        value)
-            for key, value in batch.items()}
+    return {
+        key: jax.make_array_from_process_local_data(sharding[key] if isinstance(sharding, dict) else sharding, value)
+        for key, value in batch.items()
+    }

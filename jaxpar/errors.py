@@ -14,6 +14,7 @@ exception is ``NonFiniteError``, raised *during* a run: the run failed, so the c
     LaunchError      the multi-process flags and environment (``--coordinator``, ``--process-id``, ...)
     NonFiniteError   a step produced a NaN or inf loss or gradient norm
 """
+
 from __future__ import annotations
 
 

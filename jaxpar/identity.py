@@ -21,6 +21,7 @@ grad_accum, z-loss, checkpoint and log settings. The entry points, all through `
 A refusal raises ``CheckpointError`` listing every field (or array) that differs, before anything is
 written.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,7 @@ EXECUTION_FIELDS = {
     "model.moe.router_z_loss_weight": "a term of the objective, not of the model",
     "model.moe.bias_update_rate": "how fast training balances the routers, not the model",
 }
-STREAM_FIELDS = ("batch", "seq", "seed", "data")     # what decides the batches that come next
+STREAM_FIELDS = ("batch", "seq", "seed", "data")  # what decides the batches that come next
 READ_SETTINGS = ("data.num_threads", "data.prefetch")  # how fast batches are read, not which
 MAX_LISTED_ARRAYS = 12
 
@@ -71,13 +72,15 @@ def _diff(saved, now, path: str, skip) -> list[str]:
 def _normalized_model(data, where) -> dict:
     """A saved model config as the current code writes it (tagged with its class, defaults filled)."""
     from jaxpar.models import DenseConfig
+
     if not isinstance(data, dict):
         raise CheckpointError(f"{where} holds no jaxpar model config (a JSON object); nothing was written")
     try:
         return to_dict(from_dict(DenseConfig, data, where="model"), DenseConfig)
     except ConfigError as err:
-        raise CheckpointError(f"{where}: its saved model config cannot be read by this version of jaxpar "
-                              f"({err}); nothing was written") from None
+        raise CheckpointError(
+            f"{where}: its saved model config cannot be read by this version of jaxpar ({err}); nothing was written"
+        ) from None
 
 
 def model_differences(saved_model: dict, current_model: dict, /, *, where="the checkpoint") -> list[str]:
@@ -88,8 +91,11 @@ def model_differences(saved_model: dict, current_model: dict, /, *, where="the c
 
 def stream_differences(saved: dict, current: dict, /) -> list[str]:
     """``batch``, ``seq``, ``seed`` and ``data.*`` (less the read settings) that differ."""
-    return [line for key in STREAM_FIELDS
-            for line in _diff(saved.get(key, _MISSING), current.get(key, _MISSING), key, set(READ_SETTINGS))]
+    return [
+        line
+        for key in STREAM_FIELDS
+        for line in _diff(saved.get(key, _MISSING), current.get(key, _MISSING), key, set(READ_SETTINGS))
+    ]
 
 
 def saved_arrays(checkpoints: Path, step: int, /) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -97,10 +103,14 @@ def saved_arrays(checkpoints: Path, step: int, /) -> dict[str, tuple[tuple[int, 
     import jax
     import orbax.checkpoint as ocp
 
-    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                "config": ocp.JsonCheckpointHandler()}
-    manager = ocp.CheckpointManager(checkpoints, options=ocp.CheckpointManagerOptions(read_only=True),
-                                    item_handlers=handlers)
+    handlers = {
+        "state": ocp.StandardCheckpointHandler(),
+        "data": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+    }
+    manager = ocp.CheckpointManager(
+        checkpoints, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=handlers
+    )
     try:
         tree = manager.item_metadata(step)["state"]
     finally:
@@ -110,7 +120,7 @@ def saved_arrays(checkpoints: Path, step: int, /) -> dict[str, tuple[tuple[int, 
     out = {}
     for keys, meta in jax.tree_util.tree_flatten_with_path(getattr(tree, "tree", tree))[0]:
         names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
-        names = names[:-1] if names and names[-1] == "value" else names        # nnx.Variable's value
+        names = names[:-1] if names and names[-1] == "value" else names  # nnx.Variable's value
         out["/".join(names)] = (tuple(meta.shape), str(meta.dtype))
     return out
 
@@ -118,6 +128,7 @@ def saved_arrays(checkpoints: Path, step: int, /) -> dict[str, tuple[tuple[int, 
 def abstract_arrays(state, /, *, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
     """``{path: (shape, dtype)}`` of an abstract ``nnx.State`` (from ``nnx.eval_shape``)."""
     from flax import nnx
+
     out = {}
     for keys, var in nnx.to_flat_state(state):
         value = var.get_value()
@@ -127,18 +138,33 @@ def abstract_arrays(state, /, *, prefix: str = "") -> dict[str, tuple[tuple[int,
 
 def array_differences(saved: dict, expected: dict, /) -> list[str]:
     """Arrays missing, extra, or of another shape or dtype (at most ``MAX_LISTED_ARRAYS`` listed)."""
+
     def show(a):
         return f"{a[1]}{list(a[0])}"
-    lines = [f"{path}: saved {show(saved[path]) if path in saved else '(absent)'}, now "
-             f"{show(expected[path]) if path in expected else '(absent)'}"
-             for path in sorted(saved.keys() | expected.keys()) if saved.get(path) != expected.get(path)]
+
+    lines = [
+        f"{path}: saved {show(saved[path]) if path in saved else '(absent)'}, now "
+        f"{show(expected[path]) if path in expected else '(absent)'}"
+        for path in sorted(saved.keys() | expected.keys())
+        if saved.get(path) != expected.get(path)
+    ]
     if len(lines) > MAX_LISTED_ARRAYS:
         lines = lines[:MAX_LISTED_ARRAYS] + [f"... and {len(lines) - MAX_LISTED_ARRAYS} more arrays"]
     return lines
 
 
-def check_fits(entry: Entry, /, *, saved_config: dict, current=None, step: int | None, where: Path,
-               checkpoints: Path | None = None, abstract=None, prefix: str = "") -> None:
+def check_fits(
+    entry: Entry,
+    /,
+    *,
+    saved_config: dict,
+    current=None,
+    step: int | None,
+    where: Path,
+    checkpoints: Path | None = None,
+    abstract=None,
+    prefix: str = "",
+) -> None:
     """Raises ``CheckpointError`` listing every difference between a saved run and the current one.
 
     ``saved_config``: the saved run's config (RESUME: the whole run config; INIT_FROM: the model's);
@@ -149,8 +175,10 @@ def check_fits(entry: Entry, /, *, saved_config: dict, current=None, step: int |
     lines = []
     if entry == Entry.RESUME:
         if not isinstance(saved_config, dict) or not isinstance(saved_config.get("model"), dict):
-            raise CheckpointError(f"{where} holds no jaxpar run config (a JSON object with a model section); "
-                                  "nothing was written. Use another --out.")
+            raise CheckpointError(
+                f"{where} holds no jaxpar run config (a JSON object with a model section); "
+                "nothing was written. Use another --out."
+            )
         lines = model_differences(saved_config["model"], current["model"], where=where)
         lines += stream_differences(saved_config, current)
     elif entry == Entry.INIT_FROM:
@@ -166,14 +194,18 @@ def check_fits(entry: Entry, /, *, saved_config: dict, current=None, step: int |
 
 def _refusal(entry: Entry, where: Path, step: int | None) -> str:
     held = f"a checkpoint (step {step}) of a run" if step is not None else "the config of a run"
-    return {Entry.RESUME: f"{where} holds {held} this one cannot resume:",
-            Entry.INIT_FROM: f"--init-from {where}: its model is not the one this run asks for:",
-            Entry.LOAD: f"{where}: its arrays do not fit the model its config describes:"}[entry]
+    return {
+        Entry.RESUME: f"{where} holds {held} this one cannot resume:",
+        Entry.INIT_FROM: f"--init-from {where}: its model is not the one this run asks for:",
+        Entry.LOAD: f"{where}: its arrays do not fit the model its config describes:",
+    }[entry]
 
 
 def _advice(entry: Entry) -> str:
     free = ", ".join(EXECUTION_FIELDS)
-    return {Entry.RESUME: "Nothing was written. Use another --out, or the saved settings to resume (these may "
-                          f"change on resume: {free}, and the mesh, steps, optimizer, checkpoint and log settings).",
-            Entry.INIT_FROM: f"Nothing was written. Of the model's fields only these may change: {free}.",
-            Entry.LOAD: "Nothing was written. The checkpoint was edited or written by another program."}[entry]
+    return {
+        Entry.RESUME: "Nothing was written. Use another --out, or the saved settings to resume (these may "
+        f"change on resume: {free}, and the mesh, steps, optimizer, checkpoint and log settings).",
+        Entry.INIT_FROM: f"Nothing was written. Of the model's fields only these may change: {free}.",
+        Entry.LOAD: "Nothing was written. The checkpoint was edited or written by another program.",
+    }[entry]

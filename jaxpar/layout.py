@@ -1,4 +1,5 @@
 """Where a model, a batch shape and a mesh preset meet: checked once, before anything compiles."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from jaxpar.rules import Dim, LayoutError, Rules, check_layout, trace_layout, us
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A mesh and the rules checked against one model and batch shape."""
+
     mesh: jax.sharding.Mesh
     rules: Rules
 
@@ -39,12 +41,21 @@ def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> 
     used = {a for _, axes in preset.rules.table for a in axes}
     idle = [f"{a}={n}" for a, n in shape.items() if n > 1 and a not in used]
     if idle:
-        raise LayoutError(f"mesh {preset.mesh}: axis {', '.join(idle)} is used by no rule of preset "
-                          f"{preset.rules.name!r}; every device on it would repeat the same work")
+        raise LayoutError(
+            f"mesh {preset.mesh}: axis {', '.join(idle)} is used by no rule of preset "
+            f"{preset.rules.name!r}; every device on it would repeat the same work"
+        )
     dims = dict(model_cfg.logical_dims())
     dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
     rules = check_layout(dims, preset.rules, shape)
     if hasattr(model_cfg, "context_parallel"):
-        check_context_parallel(model_cfg.context_parallel, model_cfg.cp_order, seq=seq, num_heads=model_cfg.num_heads,
-                               num_kv_heads=model_cfg.num_kv_heads, rules=rules, mesh_shape=shape)
+        check_context_parallel(
+            model_cfg.context_parallel,
+            model_cfg.cp_order,
+            seq=seq,
+            num_heads=model_cfg.num_heads,
+            num_kv_heads=model_cfg.num_kv_heads,
+            rules=rules,
+            mesh_shape=shape,
+        )
     return Layout(mesh, rules)

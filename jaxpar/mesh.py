@@ -24,6 +24,7 @@ The mesh uses ``AxisType.Auto`` axes (classic GSPMD propagation): the model anno
 ``with_sharding_constraint`` through logical names and never has to spell an output sharding per einsum,
 which Explicit axes would force on model code. Flax's eager sharding needs all axes of one type.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,6 @@ import numpy as np
 from jaxpar.errors import MeshError  # noqa: F401  (re-exported)
 
 AXES: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +69,7 @@ class MeshConfig:
 
     # ----------------------------------------------------------------------------------------- forms
     @classmethod
-    def parse(cls, spec: str) -> "MeshConfig":
+    def parse(cls, spec: str) -> MeshConfig:
         """``"data=2,fsdp=-1,tensor=2"``; prefix a key with ``dcn.`` for its across-slice factor."""
         ici, dcn = {}, {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -80,8 +79,9 @@ class MeshConfig:
             if not sep:
                 raise MeshError(f"mesh spec {spec!r}: item {item!r} is not of the form axis=size")
             if name not in AXES:
-                raise MeshError(f"mesh spec {spec!r}: unknown mesh axis {name!r}; "
-                                f"axes are {', '.join(AXES)}{suggest(name, AXES)}")
+                raise MeshError(
+                    f"mesh spec {spec!r}: unknown mesh axis {name!r}; axes are {', '.join(AXES)}{suggest(name, AXES)}"
+                )
             try:
                 target[name] = int(value)
             except ValueError:
@@ -96,24 +96,29 @@ class MeshConfig:
     def dcn_sizes(self) -> dict[str, int]:
         return {a: dict(self.dcn).get(a, 1) for a in AXES}
 
-    def resolve(self, num_devices: int) -> "MeshConfig":
+    def resolve(self, num_devices: int) -> MeshConfig:
         """Fill the -1 axis from ``num_devices`` and check the product matches."""
         dcn = math.prod(self.dcn_sizes().values())
         if num_devices % dcn:
-            raise MeshError(f"mesh {self}: the DCN factors multiply to {dcn}, "
-                            f"which does not divide the {num_devices} devices")
+            raise MeshError(
+                f"mesh {self}: the DCN factors multiply to {dcn}, which does not divide the {num_devices} devices"
+            )
         per_slice = num_devices // dcn
         sizes = {a: getattr(self, a) for a in AXES}
         known = math.prod(s for s in sizes.values() if s != -1)
         wild = [a for a, s in sizes.items() if s == -1]
         if wild:
             if per_slice % known:
-                raise MeshError(f"mesh {self}: cannot fill {wild[0]}=-1: the other axes multiply to {known}, "
-                                f"which does not divide {per_slice} devices per slice")
+                raise MeshError(
+                    f"mesh {self}: cannot fill {wild[0]}=-1: the other axes multiply to {known}, "
+                    f"which does not divide {per_slice} devices per slice"
+                )
             sizes[wild[0]] = per_slice // known
         elif known != per_slice:
-            raise MeshError(f"mesh {self}: axis sizes multiply to {known}"
-                            f"{f' per slice (x{dcn} DCN)' if dcn > 1 else ''} but there are {num_devices} devices")
+            raise MeshError(
+                f"mesh {self}: axis sizes multiply to {known}"
+                f"{f' per slice (x{dcn} DCN)' if dcn > 1 else ''} but there are {num_devices} devices"
+            )
         return dataclasses.replace(self, **sizes)
 
     def shape(self) -> dict[str, int]:
@@ -125,6 +130,7 @@ class MeshConfig:
 def suggest(word: str, choices) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``choices`` (case-insensitive), or ``''``."""
     import difflib
+
     by_lower = {c.lower(): c for c in choices}
     close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
     return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
@@ -148,7 +154,8 @@ def build_mesh(config: MeshConfig | str, /, *, devices=None):
         return jax.sharding.Mesh(np.array(devices).reshape(ici), AXES, axis_types=types)
     if hasattr(devices[0], "slice_index") or jax.process_count() > 1:
         arr = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index"))
+            ici, dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index")
+        )
     else:
         arr = _simulated_hybrid(devices, ici, dcn)
     return jax.sharding.Mesh(arr, AXES, axis_types=types)
@@ -158,7 +165,7 @@ def _simulated_hybrid(devices, ici, dcn) -> np.ndarray:
     """Single-process stand-in for jax's hybrid mesh: consecutive device blocks play the slices."""
     n = len(ici)
     arr = np.array(devices, dtype=object).reshape(tuple(dcn) + tuple(ici))
-    order = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]   # (dcn_0, ici_0, dcn_1, ici_1, ...)
+    order = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]  # (dcn_0, ici_0, dcn_1, ici_1, ...)
     return arr.transpose(order).reshape([d * i for d, i in zip(dcn, ici)])
 
 
@@ -171,9 +178,11 @@ def _simulated_hybrid(devices, ici, dcn) -> np.ndarray:
 # Blocked threads cost no CPU. XLA reads PJRT_NPROC when the backend starts.
 THREADS_PER_SIMULATED_DEVICE = 4
 # A real deadlock still ends the process, after these timeouts, rather than hanging a CI job for hours.
-PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
-                       "--xla_cpu_collective_call_terminate_timeout_seconds=300",
-                       "--xla_cpu_collective_timeout_seconds=300")
+PATIENT_COLLECTIVES = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
+    "--xla_cpu_collective_call_terminate_timeout_seconds=300",
+    "--xla_cpu_collective_timeout_seconds=300",
+)
 
 
 def cpu_runtime_env(n: int, /) -> None:
@@ -200,10 +209,12 @@ def simulate_cpu_devices(n: int, /) -> None:
         raise MeshError(f"--cpu-devices={n}: must be a positive integer")
     cpu_runtime_env(n)
     try:
-        jax.config.update("jax_platforms", "cpu")     # the simulated devices, even where a GPU is present
+        jax.config.update("jax_platforms", "cpu")  # the simulated devices, even where a GPU is present
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         have = jax.device_count()
         if have != n:
-            raise MeshError(f"cpu devices: asked for {n} but JAX already started with {have}; "
-                            "simulate devices before any JAX operation") from None
+            raise MeshError(
+                f"cpu devices: asked for {n} but JAX already started with {have}; "
+                "simulate devices before any JAX operation"
+            ) from None

@@ -21,6 +21,7 @@ extra "▁" per piece of a longer document.
 Nothing is overwritten: the command refuses an existing output, writes temporary files next to it and
 moves them into place only when everything succeeded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,8 @@ from jaxpar.data import DataError
 
 HELP = "tokenize text files (one document each) into a token file for data.source=files"
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
-PIECE_BYTES = 1 << 20          # text read (and encoded) per piece of a document
-BATCH_BYTES = 8 << 20          # text per encode_batch call
+PIECE_BYTES = 1 << 20  # text read (and encoded) per piece of a document
+BATCH_BYTES = 8 << 20  # text per encode_batch call
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how = parser.add_mutually_exclusive_group(required=True)
     how.add_argument("--tokenizer", metavar="JSON", help="a local Hugging Face tokenizer.json")
     how.add_argument("--bytes", action="store_true", help="one token per byte (0..255), EOS = 256")
-    parser.add_argument("--eos-token", help=f"the EOS token of --tokenizer (default: the first of "
-                                            f"{' '.join(EOS_CANDIDATES)} in its vocabulary)")
-    parser.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
-                        help="write the last F of the documents to OUT.eval.bin|.npy (for data.eval_path)")
+    parser.add_argument(
+        "--eos-token",
+        help=f"the EOS token of --tokenizer (default: the first of {' '.join(EOS_CANDIDATES)} in its vocabulary)",
+    )
+    parser.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="write the last F of the documents to OUT.eval.bin|.npy (for data.eval_path)",
+    )
 
 
 class _Encoder:
@@ -65,14 +73,20 @@ class _Encoder:
             raise DataError(f"--tokenizer {tokenizer}: no such file")
         try:
             self.tokenizer = Tokenizer.from_file(tokenizer)
-        except Exception as err:                   # tokenizers raises a bare Exception on bad JSON
+        except Exception as err:  # tokenizers raises a bare Exception on bad JSON
             raise DataError(f"--tokenizer {tokenizer}: not a tokenizers file ({err})") from None
         self.name, self.vocab_size = str(Path(tokenizer).resolve()), self.tokenizer.get_vocab_size()
         names = [eos_token] if eos_token else [t for t in EOS_CANDIDATES if self.tokenizer.token_to_id(t) is not None]
         if not names or self.tokenizer.token_to_id(names[0]) is None:
-            raise DataError(f"--tokenizer {tokenizer}: " + (f"--eos-token {eos_token!r} is not in its vocabulary"
-                            if eos_token else f"none of {' '.join(EOS_CANDIDATES)} is in its vocabulary; "
-                            "name the end-of-document token with --eos-token"))
+            raise DataError(
+                f"--tokenizer {tokenizer}: "
+                + (
+                    f"--eos-token {eos_token!r} is not in its vocabulary"
+                    if eos_token
+                    else f"none of {' '.join(EOS_CANDIDATES)} is in its vocabulary; "
+                    "name the end-of-document token with --eos-token"
+                )
+            )
         self.eos_id = self.tokenizer.token_to_id(names[0])
 
     def chunks(self, paths: list[Path]):
@@ -105,23 +119,23 @@ class _Encoder:
 
 def _text_pieces(path: Path):
     """(text, is_last_piece) of one UTF-8 document, cut after newlines that start a non-space line."""
+
     def decode(raw: bytes) -> str:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {done + err.start}); "
-                            f"try --bytes") from None
+            raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {done + err.start}); try --bytes") from None
 
     carry, done = b"", 0
     with open(path, "rb") as f:
         while block := f.read(PIECE_BYTES):
             carry += block
             cut = len(carry) - 1
-            while (cut := carry.rfind(b"\n", 0, cut)) >= 0 and carry[cut + 1:cut + 2] in b" \t\r\n":
+            while (cut := carry.rfind(b"\n", 0, cut)) >= 0 and carry[cut + 1 : cut + 2] in b" \t\r\n":
                 pass
             if cut >= 0:
-                yield decode(carry[:cut + 1]), False
-                carry, done = carry[cut + 1:], done + cut + 1
+                yield decode(carry[: cut + 1]), False
+                carry, done = carry[cut + 1 :], done + cut + 1
     yield decode(carry), True
 
 
@@ -139,7 +153,7 @@ def _to_npy(raw: Path, npy: Path, dtype: str, count: int) -> None:
     ids = np.memmap(raw, dtype=dtype, mode="r") if count else np.zeros(0, dtype)
     out = np.lib.format.open_memmap(npy, mode="w+", dtype=dtype, shape=(count,))
     for start in range(0, count, 1 << 24):
-        out[start:start + (1 << 24)] = ids[start:start + (1 << 24)]
+        out[start : start + (1 << 24)] = ids[start : start + (1 << 24)]
     out.flush()
     del out, ids
 
@@ -147,10 +161,10 @@ def _to_npy(raw: Path, npy: Path, dtype: str, count: int) -> None:
 def _publish(tmp: Path, final: Path) -> None:
     """Moves ``tmp`` to ``final`` without ever replacing a file that appeared meanwhile."""
     try:
-        os.link(tmp, final)                       # fails if final exists: no overwrite, even in a race
+        os.link(tmp, final)  # fails if final exists: no overwrite, even in a race
     except FileExistsError:
         raise DataError(f"--out: {final} appeared while writing; not overwritten") from None
-    except OSError:                               # filesystems without hard links
+    except OSError:  # filesystems without hard links
         if final.exists():
             raise DataError(f"--out: {final} appeared while writing; not overwritten") from None
         os.replace(tmp, final)
@@ -172,8 +186,10 @@ def _plan(args) -> list[tuple[Path, list[Path]]]:
     if args.eval_fraction == 0:
         return [(out, inputs)]
     if not 0 < args.eval_fraction < 1 or len(inputs) < 2:
-        raise DataError(f"--eval-fraction {args.eval_fraction}: needs 0 < F < 1 and at least two input files "
-                        f"(got {len(inputs)}), to hold out whole documents")
+        raise DataError(
+            f"--eval-fraction {args.eval_fraction}: needs 0 < F < 1 and at least two input files "
+            f"(got {len(inputs)}), to hold out whole documents"
+        )
     n_eval = min(len(inputs) - 1, max(1, int(len(inputs) * args.eval_fraction)))
     return [(out, inputs[:-n_eval]), (out.with_suffix(".eval" + out.suffix), inputs[-n_eval:])]
 
@@ -189,14 +205,20 @@ def _write(out: Path, docs: list[Path], encoder: _Encoder, dtype: str, temps: di
     for final in [out, out.with_suffix(".json")] + ([out.with_suffix(".raw")] if out.suffix == ".npy" else []):
         fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{final.name}.", suffix=".tmp")
         os.close(fd)
-        os.chmod(name, 0o666 & ~_umask())          # mkstemp makes 0600; give the usual permissions
+        os.chmod(name, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
         temps[final] = Path(name)
     raw = temps[out] if out.suffix == ".bin" else temps[out.with_suffix(".raw")]
     count = _write_ids(encoder.chunks(docs), dtype, raw)
     if out.suffix == ".npy":
         _to_npy(raw, temps[out], dtype, count)
-    meta = {"vocab_size": encoder.vocab_size, "eos_id": encoder.eos_id, "dtype": dtype,
-            "tokenizer": encoder.name, "documents": len(docs), "tokens": count}
+    meta = {
+        "vocab_size": encoder.vocab_size,
+        "eos_id": encoder.eos_id,
+        "dtype": dtype,
+        "tokenizer": encoder.name,
+        "documents": len(docs),
+        "tokens": count,
+    }
     temps[out.with_suffix(".json")].write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -219,15 +241,17 @@ def run(args) -> int:
             _publish(temps[final], final)
             published.append(final)
     except BaseException:
-        for path in published:                     # all or nothing
+        for path in published:  # all or nothing
             path.unlink()
         raise
     finally:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
     for (out, _), meta in zip(plan, metas):
-        print(f"wrote {out}: {meta['documents']} documents, {meta['tokens']:,} tokens ({dtype}), "
-              f"vocab {encoder.vocab_size}, EOS id {encoder.eos_id}")
+        print(
+            f"wrote {out}: {meta['documents']} documents, {meta['tokens']:,} tokens ({dtype}), "
+            f"vocab {encoder.vocab_size}, EOS id {encoder.eos_id}"
+        )
     hint = f"--set data.source=files --set data.path={plan[0][0]}"
     hint += f" --set data.eval_path={plan[1][0]}" if len(plan) > 1 else ""
     hint += " --set data.dtype=uint32" if dtype == "uint32" and plan[0][0].suffix == ".bin" else ""

@@ -28,27 +28,47 @@ KV-cache names (generation, ``jaxpar.inference``):
     cache_kv_heads  K of a GQA cache (an MLA cache, one latent per token, has none)
 ``None`` in a names tuple means "never sharded".
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import LayoutError, NoLayoutError  # noqa: F401  (LayoutError: re-exported)
 
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "prefix_layers", "norm",
-              "experts", "q_lora", "kv_lora")
-ACTIVATION_AXES = ("batch", "length", "inner_length", "act_embed", "act_heads", "act_kv_heads",
-                   "act_mlp", "act_vocab", "act_experts")
+PARAM_AXES = (
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "layers",
+    "prefix_layers",
+    "norm",
+    "experts",
+    "q_lora",
+    "kv_lora",
+)
+ACTIVATION_AXES = (
+    "batch",
+    "length",
+    "inner_length",
+    "act_embed",
+    "act_heads",
+    "act_kv_heads",
+    "act_mlp",
+    "act_vocab",
+    "act_experts",
+)
 CACHE_AXES = ("cache_batch", "cache_length", "cache_kv_heads")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES + CACHE_AXES
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +79,13 @@ class Rules:
     table: tuple[tuple[str, tuple[str, ...]], ...]
 
     @classmethod
-    def from_mapping(cls, name: str, mapping: Mapping[str, str | Sequence[str] | None]) -> "Rules":
+    def from_mapping(cls, name: str, mapping: Mapping[str, str | Sequence[str] | None]) -> Rules:
         missing = [a for a in LOGICAL_AXES if a not in mapping]
         unknown = [a for a in mapping if a not in LOGICAL_AXES]
         if missing or unknown:
-            raise LayoutError(f"rules {name!r}: every logical axis needs exactly one rule; "
-                              f"missing {missing}, unknown {unknown}")
+            raise LayoutError(
+                f"rules {name!r}: every logical axis needs exactly one rule; missing {missing}, unknown {unknown}"
+            )
         norm = {k: (() if v is None else (v,) if isinstance(v, str) else tuple(v)) for k, v in mapping.items()}
         return cls(name, tuple((a, norm[a]) for a in LOGICAL_AXES))
 
@@ -74,7 +95,7 @@ class Rules:
                 return axes
         raise LayoutError(f"rules {self.name!r}: unknown logical axis {logical!r}; known: {LOGICAL_AXES}")
 
-    def replace(self, **changes: str | Sequence[str] | None) -> "Rules":
+    def replace(self, **changes: str | Sequence[str] | None) -> Rules:
         mapping = dict(self.table)
         mapping.update(changes)
         return Rules.from_mapping(self.name, mapping)
@@ -166,7 +187,8 @@ def active_layout(*arrays) -> tuple[jax.sharding.Mesh, Rules] | None:
             f"the model is traced on a mesh of {spans} devices but no jaxpar layout is active, so it would run "
             "without sharding constraints and with its one-device attention and MoE paths. Trace it inside "
             "`layout.activate()` (eager code, init) or `layout.activate_trace()` (inside a jitted function), "
-            "with the layout from jaxpar.layout.make_layout; jaxpar.train.step's functions do this for you")
+            "with the layout from jaxpar.layout.make_layout; jaxpar.train.step's functions do this for you"
+        )
     return None
 
 
@@ -186,6 +208,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Dim:
     """One sized dimension that logical axes govern: its size and the config field it comes from."""
+
     size: int
     field: str
 
@@ -210,6 +233,8 @@ def check_layout(dims: Mapping[str, Dim], rules: Rules, mesh_shape: Mapping[str,
             hint = ""
             if logical in ("kv_heads", "act_kv_heads"):
                 hint = f"; kv heads are replicated only when they divide the tensor size {ways}"
-            raise LayoutError(f"{dim.field}={dim.size} (logical axis {logical!r}) is not divisible by mesh "
-                              f"axes {detail} = {ways} under rules {rules.name!r}{hint}")
+            raise LayoutError(
+                f"{dim.field}={dim.size} (logical axis {logical!r}) is not divisible by mesh "
+                f"axes {detail} = {ways} under rules {rules.name!r}{hint}"
+            )
     return rules

@@ -9,6 +9,7 @@ the smallest batch and sequence the mesh splits (or ``--batch``/``--seq``), and 
 changed is marked and explained: today the one such change is kv heads fewer than the tensor size
 (dividing it) replicated over ``tensor``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,11 @@ import math
 
 from jaxpar.rules import ACTIVATION_AXES, CACHE_AXES, LOGICAL_AXES, PARAM_AXES, Dim, Rules
 
-GROUPS = (("params", "parameters", PARAM_AXES), ("activations", "activations", ACTIVATION_AXES),
-          ("cache", "KV cache", CACHE_AXES))
+GROUPS = (
+    ("params", "parameters", PARAM_AXES),
+    ("activations", "activations", ACTIVATION_AXES),
+    ("cache", "KV cache", CACHE_AXES),
+)
 
 
 def axes_text(axes: tuple[str, ...], /) -> str:
@@ -51,6 +55,7 @@ def preset_golden(preset, /) -> dict:
 @dataclasses.dataclass(frozen=True)
 class RuleChange:
     """One line the check against a model changed, and why."""
+
     axis: str
     before: tuple[str, ...]
     after: tuple[str, ...]
@@ -69,8 +74,10 @@ def explain_changes(before: Rules, after: Rules, dims: dict[str, Dim], mesh_shap
         dim = dims.get(axis)
         if dim is not None and not new and dim.size < ways and ways % dim.size == 0:
             gqa = " (Megatron GQA)" if "kv_heads" in axis else ""
-            reason = (f"{dim.field}={dim.size} is fewer than {where} and divides it, so every "
-                      f"{'×'.join(old)} rank holds the whole dimension{gqa}")
+            reason = (
+                f"{dim.field}={dim.size} is fewer than {where} and divides it, so every "
+                f"{'×'.join(old)} rank holds the whole dimension{gqa}"
+            )
         else:
             reason = "changed by the layout check" + (f" ({dim.field}={dim.size}, {where})" if dim else "")
         out.append(RuleChange(axis, old, new, reason))
@@ -80,29 +87,46 @@ def explain_changes(before: Rules, after: Rules, dims: dict[str, Dim], mesh_shap
 @dataclasses.dataclass(frozen=True)
 class RulesReport:
     """A rules table resolved on a device count, optionally as checked against one model."""
-    preset: object                             # jaxpar.meshes.MeshPreset
+
+    preset: object  # jaxpar.meshes.MeshPreset
     num_devices: int
-    mesh_shape: dict[str, int]                 # every mesh axis, resolved
-    rules: Rules                               # as checked, or the preset's own without a model
+    mesh_shape: dict[str, int]  # every mesh axis, resolved
+    rules: Rules  # as checked, or the preset's own without a model
     model: str | None = None
     batch: int | None = None
     seq: int | None = None
     changes: tuple[RuleChange, ...] = ()
 
     def to_dict(self) -> dict:
-        model = None if self.model is None else {
-            "name": self.model, "batch": self.batch, "seq": self.seq,
-            "changes": [{"axis": c.axis, "before": list(c.before), "after": list(c.after), "reason": c.reason}
-                        for c in self.changes]}
-        return {"rules": self.rules.name, "mesh": str(self.preset.mesh), "devices": self.num_devices,
-                "mesh_shape": self.mesh_shape, **table_dict(self.rules), "model": model}
+        model = (
+            None
+            if self.model is None
+            else {
+                "name": self.model,
+                "batch": self.batch,
+                "seq": self.seq,
+                "changes": [
+                    {"axis": c.axis, "before": list(c.before), "after": list(c.after), "reason": c.reason}
+                    for c in self.changes
+                ],
+            }
+        )
+        return {
+            "rules": self.rules.name,
+            "mesh": str(self.preset.mesh),
+            "devices": self.num_devices,
+            "mesh_shape": self.mesh_shape,
+            **table_dict(self.rules),
+            "model": model,
+        }
 
     def to_json(self) -> str:
         return readable_json(self.to_dict())
 
 
-def rules_report(preset, num_devices: int, /, model: str | None = None, *, batch: int | None = None,
-                 seq: int | None = None) -> RulesReport:
+def rules_report(
+    preset, num_devices: int, /, model: str | None = None, *, batch: int | None = None, seq: int | None = None
+) -> RulesReport:
     """The table of ``preset`` (a ``MeshPreset``) on ``num_devices``; with ``model`` (a preset name) as
     ``make_layout`` checks it on the jax devices, which must be ``num_devices`` (``simulate_cpu_devices``)."""
     if model is None:
@@ -116,15 +140,17 @@ def rules_report(preset, num_devices: int, /, model: str | None = None, *, batch
     from jaxpar.shardings import default_batch_seq
 
     if jax.device_count() != num_devices:
-        raise MeshError(f"--devices {num_devices}: jax has {jax.device_count()} devices; "
-                        "simulate them before any JAX operation")
+        raise MeshError(
+            f"--devices {num_devices}: jax has {jax.device_count()} devices; simulate them before any JAX operation"
+        )
     cfg = get_model_preset(model)
     min_batch, min_seq = default_batch_seq(preset, num_devices)
     batch, seq = batch or min_batch, seq or min_seq
     layout = make_layout(cfg, preset, batch=batch, seq=seq)
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
-    dims = dict(cfg.logical_dims()) | dict(batch=Dim(batch, "batch"), length=Dim(seq, "seq"),
-                                           inner_length=Dim(seq, "seq"))
+    dims = dict(cfg.logical_dims()) | dict(
+        batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq")
+    )
     changes = explain_changes(preset.rules, layout.rules, dims, shape)
     return RulesReport(preset, num_devices, shape, layout.rules, model, batch, seq, tuple(changes))
 

@@ -11,13 +11,13 @@ its ``--rules`` form prints a preset's rules table instead (``jaxpar.rules_repor
 This module imports jax but touches no backend at import time, so the command can still simulate devices;
 flax and the model zoo are imported inside the functions that build models.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
 import math
-from typing import Union
 
 import jax
 import numpy as np
@@ -25,9 +25,9 @@ import numpy as np
 from jaxpar.layout import Layout, make_layout
 from jaxpar.mesh import AXES
 
-SpecEntry = Union[None, str, list]        # one dimension of a normalised spec: None | axis | [axes]
+SpecEntry = None | str | list  # one dimension of a normalised spec: None | axis | [axes]
 MiB, GiB = 2**20, 2**30
-ADAM_MOMENT_BYTES = 2 * 4                 # AdamW keeps two fp32 moments (mu, nu) per parameter element
+ADAM_MOMENT_BYTES = 2 * 4  # AdamW keeps two fp32 moments (mu, nu) per parameter element
 
 
 def normalize_spec(spec, ndim: int, /) -> list[SpecEntry]:
@@ -51,17 +51,19 @@ def normalize_spec(spec, ndim: int, /) -> list[SpecEntry]:
 def _spec_str(spec: list[SpecEntry]) -> str:
     def one(e):
         return "None" if e is None else repr(e) if isinstance(e, str) else "(" + ", ".join(map(repr, e)) + ")"
+
     return "P(" + ", ".join(one(e) for e in spec) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamSharding:
     """One parameter: ``shard_shape`` is what every device holds (jax requires even sharding)."""
-    path: str                                  # e.g. 'blocks/attn/q'
+
+    path: str  # e.g. 'blocks/attn/q'
     shape: tuple[int, ...]
     dtype: str
-    names: tuple[str | None, ...]              # logical axis names, one per dimension
-    spec: tuple[SpecEntry, ...]                # normalised PartitionSpec (see ``normalize_spec``)
+    names: tuple[str | None, ...]  # logical axis names, one per dimension
+    spec: tuple[SpecEntry, ...]  # normalised PartitionSpec (see ``normalize_spec``)
     shard_shape: tuple[int, ...]
     bytes_per_device: int
 
@@ -88,7 +90,8 @@ class ShardingReport:
 
         per_device_adamw_bytes = Σ_p prod(shard_shape_p) × (itemsize_p + 2 × 4)
     """
-    mesh: tuple[tuple[str, int], ...]          # axis -> size, physical order
+
+    mesh: tuple[tuple[str, int], ...]  # axis -> size, physical order
     rules: str
     params: tuple[ParamSharding, ...]
 
@@ -110,8 +113,7 @@ class ShardingReport:
 
     @property
     def per_device_adamw_bytes(self) -> int:
-        return sum(math.prod(p.shard_shape) * (np.dtype(p.dtype).itemsize + ADAM_MOMENT_BYTES)
-                   for p in self.params)
+        return sum(math.prod(p.shard_shape) * (np.dtype(p.dtype).itemsize + ADAM_MOMENT_BYTES) for p in self.params)
 
     def golden(self) -> dict[str, list]:
         """``{path: [shape, spec]}``: what the golden files store and compare."""
@@ -124,11 +126,16 @@ class ShardingReport:
 
     def to_dict(self) -> dict:
         return {
-            "mesh": dict(self.mesh), "rules": self.rules, "num_devices": self.num_devices,
+            "mesh": dict(self.mesh),
+            "rules": self.rules,
+            "num_devices": self.num_devices,
             "params": [{**dataclasses.asdict(p), "spec": list(p.spec)} for p in self.params],
-            "totals": {"num_params": self.num_params, "total_bytes": self.total_bytes,
-                       "per_device_bytes": self.per_device_bytes,
-                       "per_device_adamw_bytes": self.per_device_adamw_bytes},
+            "totals": {
+                "num_params": self.num_params,
+                "total_bytes": self.total_bytes,
+                "per_device_bytes": self.per_device_bytes,
+                "per_device_adamw_bytes": self.per_device_adamw_bytes,
+            },
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -142,11 +149,11 @@ def default_batch_seq(preset, num_devices: int, /) -> tuple[int, int]:
 
     def ways(logical):
         return math.prod(shape[a] for a in preset.rules[logical])
+
     return ways("batch"), math.lcm(ways("length"), ways("inner_length"))
 
 
-def default_layout(model_cfg, preset, /, *, batch: int | None = None, seq: int | None = None,
-                   devices=None) -> Layout:
+def default_layout(model_cfg, preset, /, *, batch: int | None = None, seq: int | None = None, devices=None) -> Layout:
     """``make_layout`` with the smallest batch / seq the preset (a name, spec or MeshPreset) accepts."""
     from jaxpar.meshes import resolve_mesh_arg
 
@@ -173,13 +180,20 @@ def param_shardings(model_cfg, layout: Layout, /) -> ShardingReport:
         value, sharding = var.get_value(), by_path[path].get_value()
         shape = tuple(value.shape)
         shard = tuple(sharding.shard_shape(shape))
-        params.append(ParamSharding(
-            path="/".join(map(str, path)), shape=shape, dtype=str(np.dtype(value.dtype)),
-            names=tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape)),
-            spec=tuple(normalize_spec(sharding.spec, len(shape))), shard_shape=shard,
-            bytes_per_device=math.prod(shard) * np.dtype(value.dtype).itemsize))
-    return ShardingReport(mesh=tuple((a, int(n)) for a, n in layout.mesh.shape.items()),
-                          rules=layout.rules.name, params=tuple(params))
+        params.append(
+            ParamSharding(
+                path="/".join(map(str, path)),
+                shape=shape,
+                dtype=str(np.dtype(value.dtype)),
+                names=tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape)),
+                spec=tuple(normalize_spec(sharding.spec, len(shape))),
+                shard_shape=shard,
+                bytes_per_device=math.prod(shard) * np.dtype(value.dtype).itemsize,
+            )
+        )
+    return ShardingReport(
+        mesh=tuple((a, int(n)) for a, n in layout.mesh.shape.items()), rules=layout.rules.name, params=tuple(params)
+    )
 
 
 # ------------------------------------------------------------------------------------------ display
@@ -189,14 +203,17 @@ def _gib(nbytes: int) -> str:
 
 def format_table(report: ShardingReport, /) -> str:
     """A readable table: path, shape, spec, shard shape, MiB per device; then the totals."""
+
     def dims(shape):
         return "×".join(map(str, shape)) or "scalar"
+
     rows = [("path", "shape", "spec", "shard shape", "MiB/device")]
-    rows += [(p.path, dims(p.shape), _spec_str(list(p.spec)), dims(p.shard_shape),
-              f"{p.bytes_per_device / MiB:.3f}") for p in report.params]
+    rows += [
+        (p.path, dims(p.shape), _spec_str(list(p.spec)), dims(p.shard_shape), f"{p.bytes_per_device / MiB:.3f}")
+        for p in report.params
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     mesh = ",".join(f"{a}={n}" for a, n in report.mesh if n > 1) or "1 device"
     lines += [
@@ -210,8 +227,10 @@ def format_table(report: ShardingReport, /) -> str:
 
 
 # ------------------------------------------------------------------------------------- command line
-HELP = ("what each device holds: per-parameter shardings and memory of a model under a mesh preset; "
-        "--rules prints a preset's rules table")
+HELP = (
+    "what each device holds: per-parameter shardings and memory of a model under a mesh preset; "
+    "--rules prints a preset's rules table"
+)
 
 
 def _positive(text: str) -> int:
@@ -227,17 +246,29 @@ def _positive(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument("--model", help="model preset, e.g. tiny, llama3-8b, llama3-70b (required with --mesh)")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--mesh", help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d, cp, ...) or axis sizes "
-                                      "like 'data=2,fsdp=-1'")
-    where.add_argument("--rules", metavar="PRESET_OR_SPEC",
-                       help="print the rules table of a mesh preset or axis spec, one line per logical axis; "
-                            "with --model, as checked against that model")
-    parser.add_argument("--devices", type=_positive, default=None,
-                        help="simulate this many CPU devices (default: what the mesh needs, 8 if it fits)")
-    parser.add_argument("--batch", type=_positive, default=None, help="global batch (default: the smallest that splits)")
-    parser.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the smallest that splits)")
+    where.add_argument(
+        "--mesh", help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d, cp, ...) or axis sizes like 'data=2,fsdp=-1'"
+    )
+    where.add_argument(
+        "--rules",
+        metavar="PRESET_OR_SPEC",
+        help="print the rules table of a mesh preset or axis spec, one line per logical axis; "
+        "with --model, as checked against that model",
+    )
+    parser.add_argument(
+        "--devices",
+        type=_positive,
+        default=None,
+        help="simulate this many CPU devices (default: what the mesh needs, 8 if it fits)",
+    )
+    parser.add_argument(
+        "--batch", type=_positive, default=None, help="global batch (default: the smallest that splits)"
+    )
+    parser.add_argument(
+        "--seq", type=_positive, default=None, help="sequence length (default: the smallest that splits)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(_shardings_parser=parser)           # for usage errors argparse cannot express
+    parser.set_defaults(_shardings_parser=parser)  # for usage errors argparse cannot express
 
 
 def default_device_count(mesh_config, /) -> int:

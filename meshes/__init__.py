@@ -19,6 +19,7 @@ filled from the device count, so each preset works on any device count its fixed
             (``pipeline.schedule``); pp_fsdp, pp_tp, pp_3d add fsdp=-1, tensor=-1, fsdp=2 × tensor=-1
             inside each stage (stage=2)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,11 +36,20 @@ class MeshPreset:
     doc: str
 
 
-_REPLICATED = dict.fromkeys(LOGICAL_AXES)               # every logical axis, none sharded
+_REPLICATED = dict.fromkeys(LOGICAL_AXES)  # every logical axis, none sharded
 
 # Tensor parallelism: heads/mlp/vocab split; the residual stream split along length between blocks.
-_TENSOR = dict(vocab="tensor", heads="tensor", kv_heads="tensor", mlp="tensor", length="tensor",
-               act_heads="tensor", act_kv_heads="tensor", act_mlp="tensor", act_vocab="tensor")
+_TENSOR = dict(
+    vocab="tensor",
+    heads="tensor",
+    kv_heads="tensor",
+    mlp="tensor",
+    length="tensor",
+    act_heads="tensor",
+    act_kv_heads="tensor",
+    act_mlp="tensor",
+    act_vocab="tensor",
+)
 
 
 def compose_rules(name: str, axes, /) -> Rules:
@@ -50,7 +60,7 @@ def compose_rules(name: str, axes, /) -> Rules:
     ``expert`` holds whole experts (expert parallelism) and, outside MoE layers, splits the batch like
     a data axis (so its devices never repeat work)."""
     rules = dict(_REPLICATED)
-    batch = tuple(a for a in ("expert", "data", "fsdp") if a in axes)     # expert-major: see parallel/moe.py
+    batch = tuple(a for a in ("expert", "data", "fsdp") if a in axes)  # expert-major: see parallel/moe.py
     if batch:
         rules["batch"] = batch
     if "fsdp" in axes:
@@ -59,7 +69,7 @@ def compose_rules(name: str, axes, /) -> Rules:
         rules["experts"] = rules["act_experts"] = "expert"
     if "tensor" in axes:
         rules.update(_TENSOR)
-    if "stage" in axes:                                       # pipeline: each stage holds its layers
+    if "stage" in axes:  # pipeline: each stage holds its layers
         rules["layers"] = "stage"
     if "sequence" in axes:
         rules["inner_length"] = "sequence"
@@ -77,21 +87,24 @@ def _sharded_axes(config: MeshConfig) -> set[str]:
     return {a for a in AXES if getattr(config, a) * config.dcn_sizes()[a] != 1}
 
 
-PRESETS: dict[str, MeshPreset] = {p.name: p for p in (
-    _preset("dp", "data=-1", "data parallel"),
-    _preset("fsdp", "fsdp=-1", "fully sharded data parallel (ZeRO-3)"),
-    _preset("tp", "tensor=-1", "Megatron tensor parallel with sequence-parallel activations"),
-    _preset("fsdp_tp", "fsdp=-1,tensor=2", "FSDP × tensor parallel"),
-    _preset("hsdp", "data=2,fsdp=-1", "replicated FSDP groups"),
-    _preset("3d", "data=2,fsdp=2,tensor=-1", "data × FSDP × tensor"),
-    _preset("cp", "sequence=-1", "context parallel: the sequence split over every device"),
-    _preset("fsdp_cp", "fsdp=2,sequence=-1", "FSDP × context parallel"),
-    _preset("tp_cp", "sequence=-1,tensor=2", "context parallel × tensor parallel"),
-    _preset("pp", "stage=-1", "pipeline parallel: the layers split into stages"),
-    _preset("pp_fsdp", "stage=2,fsdp=-1", "pipeline × FSDP inside each stage"),
-    _preset("pp_tp", "stage=2,tensor=-1", "pipeline × tensor parallel inside each stage"),
-    _preset("pp_3d", "stage=2,fsdp=2,tensor=-1", "pipeline × FSDP × tensor parallel"),
-)}
+PRESETS: dict[str, MeshPreset] = {
+    p.name: p
+    for p in (
+        _preset("dp", "data=-1", "data parallel"),
+        _preset("fsdp", "fsdp=-1", "fully sharded data parallel (ZeRO-3)"),
+        _preset("tp", "tensor=-1", "Megatron tensor parallel with sequence-parallel activations"),
+        _preset("fsdp_tp", "fsdp=-1,tensor=2", "FSDP × tensor parallel"),
+        _preset("hsdp", "data=2,fsdp=-1", "replicated FSDP groups"),
+        _preset("3d", "data=2,fsdp=2,tensor=-1", "data × FSDP × tensor"),
+        _preset("cp", "sequence=-1", "context parallel: the sequence split over every device"),
+        _preset("fsdp_cp", "fsdp=2,sequence=-1", "FSDP × context parallel"),
+        _preset("tp_cp", "sequence=-1,tensor=2", "context parallel × tensor parallel"),
+        _preset("pp", "stage=-1", "pipeline parallel: the layers split into stages"),
+        _preset("pp_fsdp", "stage=2,fsdp=-1", "pipeline × FSDP inside each stage"),
+        _preset("pp_tp", "stage=2,tensor=-1", "pipeline × tensor parallel inside each stage"),
+        _preset("pp_3d", "stage=2,fsdp=2,tensor=-1", "pipeline × FSDP × tensor parallel"),
+    )
+}
 
 
 def get_mesh_preset(name: str, /, *, flag: str = "--mesh") -> MeshPreset:
@@ -99,8 +112,10 @@ def get_mesh_preset(name: str, /, *, flag: str = "--mesh") -> MeshPreset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise LayoutError(f"{flag}: unknown mesh preset {name!r}{suggest(name, PRESETS)}; presets are "
-                          f"{', '.join(PRESETS)}, or give axis sizes like 'data=2,fsdp=-1,tensor=2'") from None
+        raise LayoutError(
+            f"{flag}: unknown mesh preset {name!r}{suggest(name, PRESETS)}; presets are "
+            f"{', '.join(PRESETS)}, or give axis sizes like 'data=2,fsdp=-1,tensor=2'"
+        ) from None
 
 
 def resolve_mesh_arg(value: str, /, *, flag: str = "--mesh") -> MeshPreset:

@@ -3,6 +3,7 @@
 Shapes follow the published configs. ``PUBLISHED_PARAMS`` holds the parameter counts the model cards and
 checkpoints state; ``tests/test_presets.py`` checks ours against them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +12,12 @@ from flax import nnx
 
 from jaxpar.config import from_dict, to_dict
 from jaxpar.errors import ConfigError
-from jaxpar.layers.rope import RopeScaling, YarnScaling
 from jaxpar.layers.mla import MLAConfig
 from jaxpar.layers.moe import MoEConfig
+from jaxpar.layers.rope import RopeScaling, YarnScaling
+from jaxpar.mesh import suggest
 from jaxpar.models.dense import DenseConfig, DenseLM, Remat
 from jaxpar.models.moe import MoELM, MoEModelConfig
-from jaxpar.mesh import suggest
 
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
 
@@ -25,81 +26,251 @@ _LLAMA32 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, o
 
 
 def _llama3(d, layers, heads, mlp, head_dim=128, scaling=_LLAMA31, tied=False):
-    return DenseConfig(vocab_size=128_256, embed_dim=d, num_layers=layers, num_heads=heads, num_kv_heads=8,
-                       head_dim=head_dim, mlp_dim=mlp, rope_theta=500_000.0, rope_scaling=scaling, norm_eps=1e-5,
-                       max_seq_len=131_072, tie_embeddings=tied)
+    return DenseConfig(
+        vocab_size=128_256,
+        embed_dim=d,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        mlp_dim=mlp,
+        rope_theta=500_000.0,
+        rope_scaling=scaling,
+        norm_eps=1e-5,
+        max_seq_len=131_072,
+        tie_embeddings=tied,
+    )
 
 
 PRESETS: dict[str, DenseConfig] = {
     # Tests: every dimension divides 8 except kv_heads (2: replicated over tensor=8, sharded over 2).
-    "tiny": DenseConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
-                        mlp_dim=128, rope_theta=10_000.0, max_seq_len=1024),
+    "tiny": DenseConfig(
+        vocab_size=256,
+        embed_dim=64,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=128,
+        rope_theta=10_000.0,
+        max_seq_len=1024,
+    ),
     # ~100M for benchmarks.
-    "llama-100m": DenseConfig(vocab_size=32_000, embed_dim=768, num_layers=8, num_heads=8, num_kv_heads=4,
-                              head_dim=96, mlp_dim=2048, rope_theta=10_000.0),
-    "llama2-7b": DenseConfig(vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
-                             head_dim=128, mlp_dim=11_008, rope_theta=10_000.0, max_seq_len=4096),
-    "llama3.2-1b": _llama3(2048, 16, 32, 8192, head_dim=64, scaling=_LLAMA32, tied=True),   # the GPU checks' ~1B
-    "llama3-8b": _llama3(4096, 32, 32, 14_336),                     # Llama 3.1 8B
-    "llama3-70b": _llama3(8192, 80, 64, 28_672),                    # Llama 3.1 70B
-    "llama3-405b": _llama3(16_384, 126, 128, 53_248),               # Llama 3.1 405B
-    "mistral-7b": DenseConfig(vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                              head_dim=128, mlp_dim=14_336, rope_theta=10_000.0, sliding_window=4096,
-                              max_seq_len=32_768),   # v0.1
-    "qwen2-7b": DenseConfig(vocab_size=152_064, embed_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-                            head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True,
-                            max_seq_len=131_072),
-    "qwen3-8b": DenseConfig(vocab_size=151_936, embed_dim=4096, num_layers=36, num_heads=32, num_kv_heads=8,
-                            head_dim=128, mlp_dim=12_288, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
-                            max_seq_len=40_960),
+    "llama-100m": DenseConfig(
+        vocab_size=32_000,
+        embed_dim=768,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=96,
+        mlp_dim=2048,
+        rope_theta=10_000.0,
+    ),
+    "llama2-7b": DenseConfig(
+        vocab_size=32_000,
+        embed_dim=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        mlp_dim=11_008,
+        rope_theta=10_000.0,
+        max_seq_len=4096,
+    ),
+    "llama3.2-1b": _llama3(2048, 16, 32, 8192, head_dim=64, scaling=_LLAMA32, tied=True),  # the GPU checks' ~1B
+    "llama3-8b": _llama3(4096, 32, 32, 14_336),  # Llama 3.1 8B
+    "llama3-70b": _llama3(8192, 80, 64, 28_672),  # Llama 3.1 70B
+    "llama3-405b": _llama3(16_384, 126, 128, 53_248),  # Llama 3.1 405B
+    "mistral-7b": DenseConfig(
+        vocab_size=32_000,
+        embed_dim=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        mlp_dim=14_336,
+        rope_theta=10_000.0,
+        sliding_window=4096,
+        max_seq_len=32_768,
+    ),  # v0.1
+    "qwen2-7b": DenseConfig(
+        vocab_size=152_064,
+        embed_dim=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        mlp_dim=18_944,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+        max_seq_len=131_072,
+    ),
+    "qwen3-8b": DenseConfig(
+        vocab_size=151_936,
+        embed_dim=4096,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        mlp_dim=12_288,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        max_seq_len=40_960,
+    ),
 }
 
 
 def _moe(vocab, d, layers, heads, kv, mlp_dense, moe, **kw):
-    return MoEModelConfig(vocab_size=vocab, embed_dim=d, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-                          head_dim=128, mlp_dim=mlp_dense, moe=moe, **kw)
+    return MoEModelConfig(
+        vocab_size=vocab,
+        embed_dim=d,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=128,
+        mlp_dim=mlp_dense,
+        moe=moe,
+        **kw,
+    )
 
 
-PRESETS.update({
-    # Tests: 4 experts, top-2 (Mixtral-like); and 8 experts in 4 groups with a shared expert, sigmoid
-    # group-limited routing and a first dense layer (DeepSeek-like, with GQA attention).
-    "tiny-moe": MoEModelConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
-                               head_dim=8, mlp_dim=128, max_seq_len=1024,
-                               moe=MoEConfig(num_experts=4, top_k=2, mlp_dim=64, capacity_factor=2.0)),
-    "tiny-deepseek": MoEModelConfig(vocab_size=256, embed_dim=64, num_layers=3, num_heads=8, num_kv_heads=8,
-                                    head_dim=8, mlp_dim=128, max_seq_len=1024, first_dense_layers=1,
-                                    moe=MoEConfig(num_experts=8, top_k=2, mlp_dim=32, router="sigmoid",
-                                                  num_groups=4, topk_groups=2, routed_scale=2.5,
-                                                  num_shared_experts=1, shared_mlp_dim=32,
-                                                  bias_update_rate=1e-3, capacity_factor=2.0),
-                                    mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
-                                                  qk_rope_head_dim=8, v_head_dim=8)),
-    "mixtral-8x7b": _moe(32_000, 4096, 32, 32, 8, 14_336, MoEConfig(num_experts=8, top_k=2, mlp_dim=14_336),
-                         rope_theta=1_000_000.0, max_seq_len=32_768),
-    "mixtral-8x22b": _moe(32_768, 6144, 56, 48, 8, 16_384, MoEConfig(num_experts=8, top_k=2, mlp_dim=16_384),
-                          rope_theta=1_000_000.0, max_seq_len=65_536),
-    "qwen3-30b-a3b": _moe(151_936, 2048, 48, 32, 4, 6144, MoEConfig(num_experts=128, top_k=8, mlp_dim=768),
-                          rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=40_960),
-    "qwen3-235b-a22b": _moe(151_936, 4096, 94, 64, 4, 12_288, MoEConfig(num_experts=128, top_k=8, mlp_dim=1536),
-                            rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=40_960),
-    # DeepSeek-V3 (671B): MLA, 3 dense layers, 256 routed experts (top 8 in the best 4 of 8 groups,
-    # sigmoid scores, routed scale 2.5) plus one shared expert; without the multi-token-prediction module.
-    "deepseek-v3": MoEModelConfig(
-        vocab_size=129_280, embed_dim=7168, num_layers=61, num_heads=128, num_kv_heads=128, head_dim=128,
-        mlp_dim=18_432, first_dense_layers=3, norm_eps=1e-6, max_seq_len=163_840, rope_scaling=YarnScaling(),
-        moe=MoEConfig(num_experts=256, top_k=8, mlp_dim=2048, router="sigmoid", num_groups=8, topk_groups=4,
-                      routed_scale=2.5, num_shared_experts=1, shared_mlp_dim=2048, bias_update_rate=1e-3),
-        mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128)),
-})
+PRESETS.update(
+    {
+        # Tests: 4 experts, top-2 (Mixtral-like); and 8 experts in 4 groups with a shared expert, sigmoid
+        # group-limited routing and a first dense layer (DeepSeek-like, with GQA attention).
+        "tiny-moe": MoEModelConfig(
+            vocab_size=256,
+            embed_dim=64,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=8,
+            mlp_dim=128,
+            max_seq_len=1024,
+            moe=MoEConfig(num_experts=4, top_k=2, mlp_dim=64, capacity_factor=2.0),
+        ),
+        "tiny-deepseek": MoEModelConfig(
+            vocab_size=256,
+            embed_dim=64,
+            num_layers=3,
+            num_heads=8,
+            num_kv_heads=8,
+            head_dim=8,
+            mlp_dim=128,
+            max_seq_len=1024,
+            first_dense_layers=1,
+            moe=MoEConfig(
+                num_experts=8,
+                top_k=2,
+                mlp_dim=32,
+                router="sigmoid",
+                num_groups=4,
+                topk_groups=2,
+                routed_scale=2.5,
+                num_shared_experts=1,
+                shared_mlp_dim=32,
+                bias_update_rate=1e-3,
+                capacity_factor=2.0,
+            ),
+            mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+        ),
+        "mixtral-8x7b": _moe(
+            32_000,
+            4096,
+            32,
+            32,
+            8,
+            14_336,
+            MoEConfig(num_experts=8, top_k=2, mlp_dim=14_336),
+            rope_theta=1_000_000.0,
+            max_seq_len=32_768,
+        ),
+        "mixtral-8x22b": _moe(
+            32_768,
+            6144,
+            56,
+            48,
+            8,
+            16_384,
+            MoEConfig(num_experts=8, top_k=2, mlp_dim=16_384),
+            rope_theta=1_000_000.0,
+            max_seq_len=65_536,
+        ),
+        "qwen3-30b-a3b": _moe(
+            151_936,
+            2048,
+            48,
+            32,
+            4,
+            6144,
+            MoEConfig(num_experts=128, top_k=8, mlp_dim=768),
+            rope_theta=1_000_000.0,
+            norm_eps=1e-6,
+            qk_norm=True,
+            max_seq_len=40_960,
+        ),
+        "qwen3-235b-a22b": _moe(
+            151_936,
+            4096,
+            94,
+            64,
+            4,
+            12_288,
+            MoEConfig(num_experts=128, top_k=8, mlp_dim=1536),
+            rope_theta=1_000_000.0,
+            norm_eps=1e-6,
+            qk_norm=True,
+            max_seq_len=40_960,
+        ),
+        # DeepSeek-V3 (671B): MLA, 3 dense layers, 256 routed experts (top 8 in the best 4 of 8 groups,
+        # sigmoid scores, routed scale 2.5) plus one shared expert; without the multi-token-prediction module.
+        "deepseek-v3": MoEModelConfig(
+            vocab_size=129_280,
+            embed_dim=7168,
+            num_layers=61,
+            num_heads=128,
+            num_kv_heads=128,
+            head_dim=128,
+            mlp_dim=18_432,
+            first_dense_layers=3,
+            norm_eps=1e-6,
+            max_seq_len=163_840,
+            rope_scaling=YarnScaling(),
+            moe=MoEConfig(
+                num_experts=256,
+                top_k=8,
+                mlp_dim=2048,
+                router="sigmoid",
+                num_groups=8,
+                topk_groups=4,
+                routed_scale=2.5,
+                num_shared_experts=1,
+                shared_mlp_dim=2048,
+                bias_update_rate=1e-3,
+            ),
+            mla=MLAConfig(
+                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            ),
+        ),
+    }
+)
 
 # Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
 PUBLISHED_PARAMS = {
-    "llama3.2-1b": 1_235_814_400, "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248,
-    "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
-    "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
-    "mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296,
-    "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,
+    "llama3.2-1b": 1_235_814_400,
+    "llama2-7b": 6_738_415_616,
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "llama3-405b": 405_853_388_800,
+    "mistral-7b": 7_241_732_096,
+    "qwen2-7b": 7_615_616_512,
+    "qwen3-8b": 8_190_735_360,
+    "mixtral-8x7b": 46_702_792_704,
+    "mixtral-8x22b": 140_630_071_296,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
     # DeepSeek-V3's safetensors (main model, no MTP) hold 671,026,419,200 values; 14,848 of them are the
     # routers' selection biases, which we keep as non-trained state, not parameters.
     "deepseek-v3": 671_026_419_200,
@@ -111,7 +282,9 @@ def get_model_preset(name: str, /, **overrides) -> DenseConfig:
     try:
         cfg = PRESETS[name]
     except KeyError:
-        raise ConfigError(f"--model: unknown model preset {name!r}{suggest(name, PRESETS)}; presets are {', '.join(PRESETS)}") from None
+        raise ConfigError(
+            f"--model: unknown model preset {name!r}{suggest(name, PRESETS)}; presets are {', '.join(PRESETS)}"
+        ) from None
     return dataclasses.replace(cfg, **overrides)
 
 
@@ -129,5 +302,17 @@ def build_model(cfg: DenseConfig, /, *, rngs: nnx.Rngs) -> DenseLM:
     return MoELM(cfg, rngs=rngs) if isinstance(cfg, MoEModelConfig) else DenseLM(cfg, rngs=rngs)
 
 
-__all__ = ["DenseConfig", "DenseLM", "MoEConfig", "MoELM", "MoEModelConfig", "Remat", "PRESETS", "PUBLISHED_PARAMS", "get_model_preset", "build_model",
-           "config_to_dict", "config_from_dict"]
+__all__ = [
+    "DenseConfig",
+    "DenseLM",
+    "MoEConfig",
+    "MoELM",
+    "MoEModelConfig",
+    "Remat",
+    "PRESETS",
+    "PUBLISHED_PARAMS",
+    "get_model_preset",
+    "build_model",
+    "config_to_dict",
+    "config_from_dict",
+]

@@ -10,6 +10,7 @@ The L blocks are created once with ``nnx.vmap`` (every parameter gains a leading
 with ``nnx.scan``, so compile time does not grow with depth; ``remat`` picks what the backward pass keeps.
 Only logical axis names appear here; the mesh presets decide what they mean.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,27 +30,40 @@ from jaxpar.parallel.attention import ContextParallel, TokenOrder, storage_order
 from jaxpar.parallel.common import inverse_order
 from jaxpar.rules import Dim, constrain
 
-
 # What remat=attn keeps: named in jaxpar.layers.attention (MLA names its context only) and the block below.
 ATTN_NAMES = ("attn_q", "attn_k", "attn_v", "attn_ctx", "attn_out")
 
 
 class Remat(Choice):
     """What a scanned block keeps for the backward pass."""
-    NONE = "none"            # keep every intermediate
-    FULL = "full"            # keep only the block input; recompute the rest
-    DOTS = "dots"            # keep matmul outputs without batch dims (weights-side products)
-    ATTN = "attn"            # keep q/k/v, the attention context and the block's output (named checkpoints)
+
+    NONE = "none"  # keep every intermediate
+    FULL = "full"  # keep only the block input; recompute the rest
+    DOTS = "dots"  # keep matmul outputs without batch dims (weights-side products)
+    ATTN = "attn"  # keep q/k/v, the attention context and the block's output (named checkpoints)
 
     def policy(self):
         cp = jax.checkpoint_policies
-        return {Remat.FULL: cp.nothing_saveable, Remat.DOTS: cp.dots_with_no_batch_dims_saveable,
-                Remat.ATTN: cp.save_only_these_names(*ATTN_NAMES), Remat.NONE: None}[self]
+        return {
+            Remat.FULL: cp.nothing_saveable,
+            Remat.DOTS: cp.dots_with_no_batch_dims_saveable,
+            Remat.ATTN: cp.save_only_these_names(*ATTN_NAMES),
+            Remat.NONE: None,
+        }[self]
 
 
 # Sizes that must be positive: the config divides by several of them (num_kv_heads, vocab_multiple).
-SIZE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-               "vocab_multiple", "max_seq_len")
+SIZE_FIELDS = (
+    "vocab_size",
+    "embed_dim",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "vocab_multiple",
+    "max_seq_len",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,30 +76,31 @@ class DenseConfig:
     head_dim: int
     mlp_dim: int
     rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | YarnScaling | None = None      # YaRN: MLA attention only
+    rope_scaling: RopeScaling | YarnScaling | None = None  # YaRN: MLA attention only
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     tie_embeddings: bool = False
-    dtype: DType = DType.FLOAT32           # compute dtype
-    param_dtype: DType = DType.FLOAT32     # storage dtype of parameters (and so of optimizer state)
+    dtype: DType = DType.FLOAT32  # compute dtype
+    param_dtype: DType = DType.FLOAT32  # storage dtype of parameters (and so of optimizer state)
     remat: Remat = Remat.FULL
-    vocab_multiple: int = 128        # the embedding is padded to a multiple of this (shardable vocab)
+    vocab_multiple: int = 128  # the embedding is padded to a multiple of this (shardable vocab)
     attention_impl: AttentionImpl | None = None
-    max_seq_len: int = 2048          # longest sequence the model is meant for (HF max_position_embeddings)
-    context_parallel: ContextParallel = ContextParallel.NONE   # attention when positions are split over `sequence`
-    cp_order: TokenOrder = TokenOrder.ZIGZAG                   # ring: how tokens are stored over the devices
+    max_seq_len: int = 2048  # longest sequence the model is meant for (HF max_position_embeddings)
+    context_parallel: ContextParallel = ContextParallel.NONE  # attention when positions are split over `sequence`
+    cp_order: TokenOrder = TokenOrder.ZIGZAG  # ring: how tokens are stored over the devices
 
     def __post_init__(self):
         check_choices(self, "model")
-        for name in SIZE_FIELDS:                  # before any division by them
+        for name in SIZE_FIELDS:  # before any division by them
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be ≥ 1")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"model.num_heads={self.num_heads} is not a multiple of "
-                              f"model.num_kv_heads={self.num_kv_heads}")
-        if not (self.norm_eps > 0 and self.rope_theta > 0):       # also refuses NaN
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+        if not (self.norm_eps > 0 and self.rope_theta > 0):  # also refuses NaN
             raise ConfigError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be > 0")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"model.sliding_window={self.sliding_window} must be ≥ 1 (or None: full attention)")
@@ -102,10 +117,20 @@ class DenseConfig:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     def attention(self) -> AttentionConfig:
-        return AttentionConfig(self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim,
-                               rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, qkv_bias=self.qkv_bias,
-                               qk_norm=self.qk_norm, norm_eps=self.norm_eps, sliding_window=self.sliding_window,
-                               implementation=self.attention_impl, context_parallel=self.context_parallel)
+        return AttentionConfig(
+            self.embed_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm,
+            norm_eps=self.norm_eps,
+            sliding_window=self.sliding_window,
+            implementation=self.attention_impl,
+            context_parallel=self.context_parallel,
+        )
 
     def attention_module(self, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Module:
         """The attention layer of a block (families with another attention override this)."""
@@ -113,10 +138,16 @@ class DenseConfig:
 
     def logical_dims(self) -> dict[str, Dim]:
         """Sizes of the dimensions each logical axis governs, for the layout check."""
-        d = dict(vocab=Dim(self.padded_vocab, "model.vocab_size (padded)"), embed=Dim(self.embed_dim, "model.embed_dim"),
-                 heads=Dim(self.num_heads, "model.num_heads"), kv_heads=Dim(self.num_kv_heads, "model.num_kv_heads"),
-                 head_dim=Dim(self.head_dim, "model.head_dim"), mlp=Dim(self.mlp_dim, "model.mlp_dim"),
-                 layers=Dim(self.num_layers, "model.num_layers"), norm=Dim(self.embed_dim, "model.embed_dim"))
+        d = dict(
+            vocab=Dim(self.padded_vocab, "model.vocab_size (padded)"),
+            embed=Dim(self.embed_dim, "model.embed_dim"),
+            heads=Dim(self.num_heads, "model.num_heads"),
+            kv_heads=Dim(self.num_kv_heads, "model.num_kv_heads"),
+            head_dim=Dim(self.head_dim, "model.head_dim"),
+            mlp=Dim(self.mlp_dim, "model.mlp_dim"),
+            layers=Dim(self.num_layers, "model.num_layers"),
+            norm=Dim(self.embed_dim, "model.embed_dim"),
+        )
         acts = dict(act_embed="embed", act_heads="heads", act_kv_heads="kv_heads", act_mlp="mlp", act_vocab="vocab")
         return d | {a: d[p] for a, p in acts.items()}
 
@@ -174,6 +205,7 @@ class ForwardOutput:
     that order (position p holds token ``order[p]``; None = natural), the weighted auxiliary losses
     the objective adds (MoE balancing and router z-loss; 0 for dense models), and MoE statistics
     stacked over the MoE layers (None for dense models)."""
+
     logits: jax.Array
     order: np.ndarray | None
     aux_loss: jax.Array
@@ -183,6 +215,7 @@ class ForwardOutput:
 def stacked(n: int, make, rngs: nnx.Rngs, axis: str = "layers"):
     """``n`` blocks made by ``make(rngs)``, created once with ``nnx.vmap``: every parameter gains a
     leading stacked axis (logical name ``axis``), and ``nnx.scan`` runs them."""
+
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make_blocks(rngs):
@@ -194,6 +227,7 @@ def stacked(n: int, make, rngs: nnx.Rngs, axis: str = "layers"):
 def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs: bool = False):
     """Runs stacked ``blocks`` over x. A block returns x, or with ``per_layer_outputs`` (x, outputs),
     and the outputs come back stacked over the layers."""
+
     def body(x, block, positions, index):
         return block(x, positions, index)
 
@@ -206,13 +240,15 @@ def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs:
 def scan_cached(blocks, x, positions, cache, step: Step):
     """Runs stacked ``blocks`` over x with their stacked KV ``cache`` (a leading layers axis):
     (x, updated cache). Positions are the tokens' own (no storage order in generation)."""
+
     def body(x, block, cache, positions, lengths):
         out, cache = block(x, positions, positions, cache, Step(step.mode, lengths))
-        return (out[0] if isinstance(out, tuple) else out), cache     # MoE blocks: (x, stats)
+        return (out[0] if isinstance(out, tuple) else out), cache  # MoE blocks: (x, stats)
 
     lengths = jnp.zeros(x.shape[:1], jnp.int32) if step.lengths is None else step.lengths
     return nnx.scan(body, in_axes=(nnx.Carry, 0, 0, None, None), out_axes=(nnx.Carry, 0))(
-        x, blocks, cache, positions, lengths)
+        x, blocks, cache, positions, lengths
+    )
 
 
 class DenseLM(nnx.Module):
@@ -230,7 +266,7 @@ class DenseLM(nnx.Module):
 
     # The stacked layers a pipeline splits over `stage` (jaxpar.pipeline), by attribute name.
     pipeline_stack = "blocks"
-    prefix_stack = None                  # the stacked layers ``prefix`` runs, by attribute name (or None)
+    prefix_stack = None  # the stacked layers ``prefix`` runs, by attribute name (or None)
 
     def run_stack(self, blocks, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
         """``blocks`` (this model's pipelined stack, or a chunk of its layers) over x:
@@ -256,7 +292,7 @@ class DenseLM(nnx.Module):
         ``ids`` are in storage order already (the pipeline permutes them once, outside its stages)."""
         order = self.storage_order(ids.shape[1])
         natural = np.arange(ids.shape[1], dtype=np.int32) if order is None else order.astype(np.int32)
-        index = jnp.broadcast_to(jnp.asarray(natural), ids.shape)    # zig-zag: RoPE positions follow the tokens
+        index = jnp.broadcast_to(jnp.asarray(natural), ids.shape)  # zig-zag: RoPE positions follow the tokens
         if order is not None and not stored:
             ids = ids[:, order]
             positions = None if positions is None else positions[:, order]
@@ -280,13 +316,13 @@ class DenseLM(nnx.Module):
         vocabulary and the layout's storage order, for the training loss)."""
         out = self.forward(ids, positions)
         logits = out.logits if out.order is None else out.logits[:, inverse_order(out.order)]
-        return logits[..., :self.cfg.vocab_size]
+        return logits[..., : self.cfg.vocab_size]
 
     def forward(self, ids: jax.Array, positions: jax.Array | None = None) -> ForwardOutput:
         """Logits in the order the layout stores tokens in (see ``ForwardOutput``): a loss can permute
         its targets by ``order`` instead of paying to put the logits back (zig-zag context parallelism)."""
         ids, positions, index, order = self.inputs(ids, positions)
-        x, aux_loss, stats = self._blocks(self.embed(ids), positions, index)        # x: [B, T, D]
+        x, aux_loss, stats = self._blocks(self.embed(ids), positions, index)  # x: [B, T, D]
         logits = self.head(x)
         return ForwardOutput(logits, order, aux_loss, stats)
 
@@ -304,8 +340,10 @@ class DenseLM(nnx.Module):
         """Zero page pools {stack: PagedKVCache or PagedLatentCache with a leading layers axis, no table
         yet}; give each call its table with ``jaxpar.layers.kvcache.with_table``. Page 0 is the null page."""
         paged = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
-        return {name: paged[type(c)](*(getattr(c, f.name) for f in dataclasses.fields(c)), None)
-                for name, c in self._zeros(num_pages, page_size).items()}
+        return {
+            name: paged[type(c)](*(getattr(c, f.name) for f in dataclasses.fields(c)), None)
+            for name, c in self._zeros(num_pages, page_size).items()
+        }
 
     def _zeros(self, batch: int, s: int) -> dict:
         cfg = self.cfg
@@ -315,8 +353,10 @@ class DenseLM(nnx.Module):
             n = prefix if name == self.prefix_stack else cfg.num_layers - prefix
             if cfg.uses_mla:
                 mla = cfg.mla
-                out[name] = LatentCache(jnp.zeros((n, batch, s, mla.kv_lora_rank), cfg.dtype),
-                                        jnp.zeros((n, batch, s, mla.qk_rope_head_dim), cfg.dtype))
+                out[name] = LatentCache(
+                    jnp.zeros((n, batch, s, mla.kv_lora_rank), cfg.dtype),
+                    jnp.zeros((n, batch, s, mla.qk_rope_head_dim), cfg.dtype),
+                )
             else:
                 shape = (n, batch, s, cfg.num_kv_heads, cfg.head_dim)
                 out[name] = KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
@@ -334,12 +374,11 @@ class DenseLM(nnx.Module):
         each prompt's last token, the cache holding the prompts). No storage order: positions are natural."""
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
         x, cache = self._cached(ids, positions, cache, Step(PREFILL, lengths))
-        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)             # [B, 1, D]
-        return self.head(last)[:, 0, :self.cfg.vocab_size], cache
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
+        return self.head(last)[:, 0, : self.cfg.vocab_size], cache
 
     def decode(self, ids: jax.Array, positions: jax.Array, cache: dict):
         """New tokens ids [B, T] at positions [B, T] (T = 1 when decoding) -> (float32 logits [B, T, V],
         the cache with them appended)."""
         x, cache = self._cached(ids, positions, cache, Step(DECODE))
-        return self.head(x)[..., :self.cfg.vocab_size], cache
-
+        return self.head(x)[..., : self.cfg.vocab_size], cache

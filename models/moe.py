@@ -12,6 +12,7 @@ head and forward pass; only the layer stack differs. Each MoE layer reports ``Mo
 their weighted losses into the objective and hands the statistics (stacked [L, ...]) to the train step,
 which logs them and, when ``moe.bias_update_rate`` > 0, nudges the routers' selection bias.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,17 +31,18 @@ from jaxpar.rules import Dim, constrain
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEModelConfig(DenseConfig):
-    moe: MoEConfig                       # the MoE layers' router, experts and capacity
-    first_dense_layers: int = 0          # DeepSeek: the first layers keep a dense SwiGLU of width mlp_dim
-    mla: MLAConfig | None = None         # DeepSeek: Multi-head Latent Attention instead of GQA
+    moe: MoEConfig  # the MoE layers' router, experts and capacity
+    first_dense_layers: int = 0  # DeepSeek: the first layers keep a dense SwiGLU of width mlp_dim
+    mla: MLAConfig | None = None  # DeepSeek: Multi-head Latent Attention instead of GQA
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.moe, MoEConfig):
             raise ConfigError(f"model.moe: an MoE model needs its MoEConfig, got {self.moe!r}")
         if not 0 <= self.first_dense_layers < self.num_layers:
-            raise ConfigError(f"model.first_dense_layers={self.first_dense_layers} must be in [0, "
-                              f"model.num_layers={self.num_layers})")
+            raise ConfigError(
+                f"model.first_dense_layers={self.first_dense_layers} must be in [0, model.num_layers={self.num_layers})"
+            )
 
     @property
     def uses_mla(self) -> bool:
@@ -67,13 +69,13 @@ class MoEModelConfig(DenseConfig):
             if self.mla.q_lora_rank:
                 dims["q_lora"] = Dim(self.mla.q_lora_rank, "model.mla.q_lora_rank")
             dims["kv_lora"] = Dim(self.mla.kv_lora_rank, "model.mla.kv_lora_rank")
-        widths = {"model.moe.mlp_dim": self.moe.mlp_dim}        # `mlp` names every MLP width here:
-        if self.first_dense_layers:                              # each must divide its mesh axes, which
-            widths["model.mlp_dim"] = self.mlp_dim               # their gcd does exactly when all do
+        widths = {"model.moe.mlp_dim": self.moe.mlp_dim}  # `mlp` names every MLP width here:
+        if self.first_dense_layers:  # each must divide its mesh axes, which
+            widths["model.mlp_dim"] = self.mlp_dim  # their gcd does exactly when all do
         if self.moe.num_shared_experts:
             widths["model.moe.shared experts' width"] = self.moe.num_shared_experts * self.moe.shared_mlp_dim
         mlp = Dim(math.gcd(*widths.values()), " / ".join(widths) + (" (gcd)" if len(widths) > 1 else ""))
-        if self.first_dense_layers:                              # the dense prefix, then the MoE stack
+        if self.first_dense_layers:  # the dense prefix, then the MoE stack
             dims["layers"] = Dim(self.num_moe_layers, "model.num_layers - first_dense_layers")
             dims["prefix_layers"] = Dim(self.first_dense_layers, "model.first_dense_layers")
         return dims | dict(mlp=mlp, act_mlp=mlp)
@@ -82,7 +84,9 @@ class MoEModelConfig(DenseConfig):
         """Exact parameter count: the dense count with each MoE layer's SwiGLU replaced by its router,
         experts and shared experts."""
         d, m = self.embed_dim, self.moe
-        moe_mlp = d * m.num_experts + m.num_experts * 3 * d * m.mlp_dim + 3 * d * m.num_shared_experts * m.shared_mlp_dim
+        moe_mlp = (
+            d * m.num_experts + m.num_experts * 3 * d * m.mlp_dim + 3 * d * m.num_shared_experts * m.shared_mlp_dim
+        )
         total = super().num_params(padded=padded) + self.num_moe_layers * (moe_mlp - 3 * d * self.mlp_dim)
         if self.mla is not None:
             mla = mla_param_count(self.mla, embed_dim=d, num_heads=self.num_heads)
@@ -95,13 +99,14 @@ class MoEModelConfig(DenseConfig):
         routed = (m.top_k + m.num_shared_experts * m.shared_mlp_dim / m.mlp_dim) * 3 * d * m.mlp_dim
         dense_mlp = 3 * d * self.mlp_dim
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        score_width = self.head_dim                              # per head: (q·k width + v width) / 2
+        score_width = self.head_dim  # per head: (q·k width + v width) / 2
         if self.mla is not None:
             la = self.mla
-            attn = (mla_param_count(la, embed_dim=d, num_heads=self.num_heads)
-                    - (la.q_lora_rank or 0) - la.kv_lora_rank)                        # matmul weights only
+            attn = (
+                mla_param_count(la, embed_dim=d, num_heads=self.num_heads) - (la.q_lora_rank or 0) - la.kv_lora_rank
+            )  # matmul weights only
             score_width = (la.qk_nope_head_dim + la.qk_rope_head_dim + la.v_head_dim) / 2
-        moe = routed + d * m.num_experts                                      # experts + router
+        moe = routed + d * m.num_experts  # experts + router
         matmul = self.num_layers * attn + self.first_dense_layers * dense_mlp + self.num_moe_layers * moe
         matmul += self.padded_vocab * d
         return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * score_width * seq

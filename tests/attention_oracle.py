@@ -16,6 +16,7 @@ differentiable with ``jax.grad``/``jax.vjp`` in q, k and v (the mask is a consta
 
 Legend: B batch, T queries, S keys, N query heads, K kv heads, H head dim.
 """
+
 from __future__ import annotations
 
 import jax
@@ -32,7 +33,7 @@ def causal_mask(q_index, kv_index) -> np.ndarray:
 def window_mask(q_index, kv_index, window: int) -> np.ndarray:
     """bool [B, T, S]: key s is at most ``window - 1`` indices before query t. Later keys are not limited."""
     q_index, kv_index = np.asarray(q_index), np.asarray(kv_index)
-    earliest = q_index[:, :, None] - (window - 1)          # the first index the window still covers
+    earliest = q_index[:, :, None] - (window - 1)  # the first index the window still covers
     return kv_index[:, None, :] >= earliest
 
 
@@ -42,8 +43,9 @@ def segment_mask(q_segment, kv_segment) -> np.ndarray:
     return q_segment[:, :, None] == kv_segment[:, None, :]
 
 
-def mask(q_index, kv_index, q_segment=None, kv_segment=None, *, causal: bool = True,
-         window: int | None = None) -> np.ndarray:
+def mask(
+    q_index, kv_index, q_segment=None, kv_segment=None, *, causal: bool = True, window: int | None = None
+) -> np.ndarray:
     """bool [B, T, S]: the intersection of the requested rules (all keys visible when none applies)."""
     q_index, kv_index = np.asarray(q_index), np.asarray(kv_index)
     allowed = np.ones((q_index.shape[0], q_index.shape[1], kv_index.shape[1]), bool)
@@ -61,15 +63,15 @@ def attention(q, k, v, allowed, *, scale: float | None = None):
     n, kv = q.shape[2], k.shape[2]
     assert n % kv == 0, (n, kv)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    k_per_head = jnp.repeat(jnp.asarray(k, jnp.float32), n // kv, axis=2)        # [B, S, N, H]
+    k_per_head = jnp.repeat(jnp.asarray(k, jnp.float32), n // kv, axis=2)  # [B, S, N, H]
     v_per_head = jnp.repeat(jnp.asarray(v, jnp.float32), n // kv, axis=2)
     scores = jnp.einsum("btnh,bsnh->bnts", jnp.asarray(q, jnp.float32), k_per_head) * scale
-    allowed = jnp.asarray(allowed)[:, None]                                       # [B, 1, T, S]
-    row_has_key = allowed.any(axis=-1, keepdims=True)                             # [B, 1, T, 1]
+    allowed = jnp.asarray(allowed)[:, None]  # [B, 1, T, S]
+    row_has_key = allowed.any(axis=-1, keepdims=True)  # [B, 1, T, 1]
     scores = jnp.where(allowed, scores, -jnp.inf)
-    scores = jnp.where(row_has_key, scores, 0.0)       # an all -inf row would make softmax NaN
+    scores = jnp.where(row_has_key, scores, 0.0)  # an all -inf row would make softmax NaN
     probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(row_has_key, probs, 0.0)         # fully masked rows output 0
+    probs = jnp.where(row_has_key, probs, 0.0)  # fully masked rows output 0
     return jnp.einsum("bnts,bsnh->btnh", probs, v_per_head)
 
 

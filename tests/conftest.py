@@ -15,6 +15,7 @@ workers and every ``jaxpar`` process a test starts (they inherit the environment
 ``JAXPAR_FIXTURE_LOG=FILE``: append one JSON line per module- or session-scoped fixture set up (worker,
 fixture, module, seconds), to count fixtures that pytest-xdist builds on more than one worker.
 """
+
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _FAST = os.environ.get("JAXPAR_TESTS_PLAIN_XLA", "0") in ("", "0")
 if _FAST and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-_OWN_CACHE = _FAST and "JAX_COMPILATION_CACHE_DIR" not in os.environ   # the first process (xdist's controller)
+_OWN_CACHE = _FAST and "JAX_COMPILATION_CACHE_DIR" not in os.environ  # the first process (xdist's controller)
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -50,8 +51,12 @@ def pytest_fixture_setup(fixturedef, request):
         return
     start = time.perf_counter()
     yield
-    record = dict(worker=os.environ.get("PYTEST_XDIST_WORKER", "main"), fixture=fixturedef.argname,
-                  module=request.node.nodeid.split("::")[0], param=str(getattr(request, "param", "")),
-                  seconds=round(time.perf_counter() - start, 2))
+    record = dict(
+        worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        fixture=fixturedef.argname,
+        module=request.node.nodeid.split("::")[0],
+        param=str(getattr(request, "param", "")),
+        seconds=round(time.perf_counter() - start, 2),
+    )
     with open(log, "a") as f:
         f.write(json.dumps(record) + "\n")

@@ -13,6 +13,7 @@ directions, and later gradients then differ by far more than rounding. That ampl
 Adam, not to the layout; a large eps removes it and leaves differences at the 1e-6 level (measured),
 which is what these tests guard.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,11 +35,11 @@ ONE_DEVICE = dataclasses.replace(get_mesh_preset("dp"), mesh=MeshConfig())
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    losses: list[float]                     # each step's mean cross-entropy
-    grads: list[dict[str, np.ndarray]]      # each step's gradients, by parameter path (``flat``)
-    moe: list                               # each step's MoE statistics as numpy ([] for dense models)
-    state: object                           # the state after the last step
-    mesh: dict[str, int]                    # the layout's mesh axes of size > 1
+    losses: list[float]  # each step's mean cross-entropy
+    grads: list[dict[str, np.ndarray]]  # each step's gradients, by parameter path (``flat``)
+    moe: list  # each step's MoE statistics as numpy ([] for dense models)
+    state: object  # the state after the last step
+    mesh: dict[str, int]  # the layout's mesh axes of size > 1
 
 
 def flat(tree) -> dict[str, np.ndarray]:
@@ -58,7 +59,7 @@ def train_steps(cfg, preset, tokens: np.ndarray, *, devices=None, grad_accum: in
     state, losses, grads, moe = ts.state, [], [], []
     for i in range(steps):
         data = {"inputs": tokens[i, :, :-1], "targets": tokens[i, :, 1:]}
-        grads.append(flat(grad_fn(state, data)[1]))         # before the step: it donates ``state``
+        grads.append(flat(grad_fn(state, data)[1]))  # before the step: it donates ``state``
         state, metrics = step(state, data)
         losses.append(float(metrics.loss))
         if metrics.moe is not None:
@@ -81,7 +82,9 @@ def assert_same_gradients(got: list[dict], want: list[dict], label: str, *, rtol
         assert g.keys() == w.keys(), f"{label} step {step}: parameters {sorted(g.keys() ^ w.keys())} differ"
         for path, ref in w.items():
             err, scale = float(np.max(np.abs(g[path] - ref))), float(np.max(np.abs(ref)))
-            assert err <= rtol * scale, (f"{label} step {step} {path}: max err {err:.3g} > {rtol:g} · max|g| "
-                                         f"{scale:.3g} (ratio {err / scale if scale else np.inf:.3g})")
+            assert err <= rtol * scale, (
+                f"{label} step {step} {path}: max err {err:.3g} > {rtol:g} · max|g| "
+                f"{scale:.3g} (ratio {err / scale if scale else np.inf:.3g})"
+            )
             worst = max(worst, err / scale if scale else 0.0)
     return worst

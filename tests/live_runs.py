@@ -1,18 +1,43 @@
 """Helpers for tests that start `jaxpar train` as real processes, watch them and interrupt them."""
+
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-SETTINGS = ["log.progress=false", "log.tensorboard=false", "log.eval_every=0", "optimizer.schedule=constant",
-            "optimizer.warmup_steps=0", "optimizer.learning_rate=1e-2"]
+SETTINGS = [
+    "log.progress=false",
+    "log.tensorboard=false",
+    "log.eval_every=0",
+    "optimizer.schedule=constant",
+    "optimizer.warmup_steps=0",
+    "optimizer.learning_rate=1e-2",
+]
 QUIET = [arg for setting in SETTINGS for arg in ("--set", setting)]
 
 
 def train_command(out: Path, *args: str, steps: int, every: int) -> list[str]:
-    return [sys.executable, "-m", "jaxpar", "train", "--model", "tiny", "--batch", "8", "--seq", "16",
-            "--steps", str(steps), "--out", str(out), "--set", f"checkpoint.every={every}", *QUIET, *args]
+    return [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "train",
+        "--model",
+        "tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "16",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--set",
+        f"checkpoint.every={every}",
+        *QUIET,
+        *args,
+    ]
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
@@ -24,7 +49,7 @@ def records(out: Path) -> list[dict]:
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines if line.endswith("}")]     # a line being written is skipped
+    return [json.loads(line) for line in lines if line.endswith("}")]  # a line being written is skipped
 
 
 def last_step(out: Path) -> int:
@@ -50,8 +75,10 @@ def wait_until(condition, proc: subprocess.Popen, log: Path, *, timeout: float =
     end = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended (rc {proc.returncode}) before the moment the test waits for; "
-                                 f"its output:\n{log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"the run ended (rc {proc.returncode}) before the moment the test waits for; "
+                f"its output:\n{log.read_text()[-3000:]}"
+            )
         if time.monotonic() > end:
             proc.kill()
             raise AssertionError(f"timed out; output:\n{log.read_text()[-3000:]}")

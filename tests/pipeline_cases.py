@@ -5,6 +5,7 @@ MoE statistics of one device accumulating over the same m microbatches (``grad_a
 largest entry (``invariance.assert_same_gradients``), except where ``GRAD_RTOL`` says otherwise, with
 the reason in ``tests/test_pipeline_moe.py``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,26 +13,29 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
 from invariance import assert_same_gradients, one_device, train_steps
+
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import get_model_preset
 from jaxpar.pipeline import build
 
 STEPS, BATCH, SEQ = 3, 16, 16
-MODELS = {                                   # name: (preset, model fields, MoE fields)
+MODELS = {  # name: (preset, model fields, MoE fields)
     "tiny": ("tiny", dict(num_layers=8), {}),
-    "tiny-ring": ("tiny", dict(num_layers=8, context_parallel="ring"), {}),        # zig-zag token order
+    "tiny-ring": ("tiny", dict(num_layers=8, context_parallel="ring"), {}),  # zig-zag token order
     "tiny-ulysses": ("tiny", dict(num_layers=8, context_parallel="ulysses"), {}),
     "tiny-moe": ("tiny-moe", dict(num_layers=4), {}),
     "tiny-moe-dropless": ("tiny-moe", dict(num_layers=4), dict(capacity_factor=None)),
-    "tiny-deepseek": ("tiny-deepseek", dict(num_layers=5, first_dense_layers=1), {}),   # 1 dense + 4 MoE
+    "tiny-deepseek": ("tiny-deepseek", dict(num_layers=5, first_dense_layers=1), {}),  # 1 dense + 4 MoE
 }
-GRAD_RTOL = {("tiny-deepseek", "stage=4,fsdp=2"): 2e-5,       # see tests/test_pipeline_moe.py
-             # measured 1.05e-5 (attn_norm scale; gpipe and interleaved) and 1.17e-5 (the embedding) at step
-             # 2 on an AMD EPYC host, under 1e-5 on earlier hosts: XLA:CPU's vectorized sums differ by CPU,
-             # and these gradients are sums over every token, taken in another order than one device's
-             ("tiny", "stage=2,fsdp=2,tensor=2"): 2e-5, ("tiny-ulysses", "stage=2,data=2,sequence=2"): 2e-5}
+GRAD_RTOL = {
+    ("tiny-deepseek", "stage=4,fsdp=2"): 2e-5,  # see tests/test_pipeline_moe.py
+    # measured 1.05e-5 (attn_norm scale; gpipe and interleaved) and 1.17e-5 (the embedding) at step
+    # 2 on an AMD EPYC host, under 1e-5 on earlier hosts: XLA:CPU's vectorized sums differ by CPU,
+    # and these gradients are sums over every token, taken in another order than one device's
+    ("tiny", "stage=2,fsdp=2,tensor=2"): 2e-5,
+    ("tiny-ulysses", "stage=2,data=2,sequence=2"): 2e-5,
+}
 _REFERENCES: dict = {}
 
 
@@ -59,21 +63,23 @@ def reference(name: str, m: int):
 def invariance_test(cases):
     """The parametrized test of ``cases`` [(model, schedule, p, m, v, mesh)], for a test module to bind
     as ``test_pipeline_equals_one_device``."""
+
     @pytest.mark.parametrize("name,schedule,p,m,v,mesh", cases, ids=[case_id(c) for c in cases])
     def test(name, schedule, p, m, v, mesh):
         check_case(name, schedule, p, m, v, mesh)
+
     return test
 
 
 def check_case(name: str, schedule: str, p: int, m: int, v: int, mesh: str) -> None:
     preset = resolve_mesh_arg(mesh)
-    devices = jax.devices()[:int(np.prod([n for n in dataclasses.astuple(preset.mesh)[:6]]))]
+    devices = jax.devices()[: int(np.prod([n for n in dataclasses.astuple(preset.mesh)[:6]]))]
     got = train_steps(model(name), preset, tokens(name), devices=devices, pipeline=build(schedule, p, m, v))
     want = reference(name, m)
     label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}"
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5, err_msg=label)
     assert_same_gradients(got.grads, want.grads, label, rtol=GRAD_RTOL.get((name, mesh), 1e-5))
-    for g, w in zip(got.moe, want.moe):                    # routing statistics pass through the pipeline
+    for g, w in zip(got.moe, want.moe):  # routing statistics pass through the pipeline
         np.testing.assert_allclose(g.expert_load, w.expert_load, atol=1e-6, err_msg=label)
         np.testing.assert_allclose(g.aux_loss, w.aux_loss, rtol=1e-5, atol=1e-7, err_msg=label)
     assert len(got.moe) == len(want.moe) == (STEPS if "moe" in name or "deepseek" in name else 0)

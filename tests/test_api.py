@@ -1,5 +1,6 @@
 """The OpenAI request format without a server: what is refused and why, chat templates, streamed text
 with stop strings, and the replica router."""
+
 import json
 
 import pytest
@@ -8,14 +9,20 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from jaxpar.inference.api import APIError, Parser, TextStream, load_chat_template
 from jaxpar.inference.worker import Router
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "<user>", "<assistant>", "<system>"]
-                                        + [f"w{i}" for i in range(59)] + ["é"])}
+    vocab = {
+        w: i
+        for i, w in enumerate(
+            ["[UNK]", "<s>", "<user>", "<assistant>", "<system>"] + [f"w{i}" for i in range(59)] + ["é"]
+        )
+    }
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return tok
@@ -23,8 +30,14 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def parser(tokenizer):
-    return Parser(model_name="m", vocab_size=65, max_length=32, tokenizer=tokenizer, chat_template=TEMPLATE,
-                  special_tokens={"bos_token": "<s>"})
+    return Parser(
+        model_name="m",
+        vocab_size=65,
+        max_length=32,
+        tokenizer=tokenizer,
+        chat_template=TEMPLATE,
+        special_tokens={"bos_token": "<s>"},
+    )
 
 
 def body(**fields) -> bytes:
@@ -55,8 +68,12 @@ BAD = [  # (raw body, endpoint, the field the error names, a word the message mu
     (body(stream="yes"), "completions", "stream", "true or false"),
     (body(stop_token_ids=[70]), "completions", "stop_token_ids", "token ids"),
     (json.dumps({"model": "m", "messages": "hi"}).encode(), "chat", "messages", "role"),
-    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "w1"}], "prompt": "x"}).encode(),
-     "chat", "prompt", "unknown"),
+    (
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "w1"}], "prompt": "x"}).encode(),
+        "chat",
+        "prompt",
+        "unknown",
+    ),
 ]
 
 
@@ -70,19 +87,25 @@ def test_bad_requests_are_refused_naming_the_field(parser, raw, kind, param, wor
 
 
 def test_a_good_completion_request(parser, tokenizer):
-    job = parser.parse("completions", body(prompt=["w1 w2", [5, 6, 7]], max_tokens=4, n=2, temperature=0.5,
-                                           seed=9, stop="w3", user="alice"))
+    job = parser.parse(
+        "completions",
+        body(prompt=["w1 w2", [5, 6, 7]], max_tokens=4, n=2, temperature=0.5, seed=9, stop="w3", user="alice"),
+    )
     choices = job.choices()
     assert [c[0] for c in choices] == [0, 1, 2, 3]
     assert choices[0][1] == tokenizer.encode("w1 w2").ids and choices[2][1] == [5, 6, 7]
-    assert [c[3]["seed"] for c in choices] == [9, 10, 9, 10]          # choice i of n: seed + i
+    assert [c[3]["seed"] for c in choices] == [9, 10, 9, 10]  # choice i of n: seed + i
     assert job.stop_text == ["w3"] and job.user == "alice" and job.max_tokens == [4, 4]
-    assert parser.parse("completions", body()).max_tokens == [16]    # OpenAI's default
+    assert parser.parse("completions", body()).max_tokens == [16]  # OpenAI's default
 
 
 def test_chat_renders_the_template_and_defaults_to_the_room_left(parser, tokenizer):
-    job = parser.parse("chat", json.dumps({"model": "m", "messages": [
-        {"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3"}]}).encode())
+    job = parser.parse(
+        "chat",
+        json.dumps(
+            {"model": "m", "messages": [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3"}]}
+        ).encode(),
+    )
     want = tokenizer.encode("<s><system> w1 <user> w2 w3 <assistant>").ids
     assert job.prompts == [want] and job.max_tokens == [32 - len(want)]
     no_template = Parser(model_name="m", vocab_size=65, max_length=32, tokenizer=tokenizer)
@@ -93,8 +116,9 @@ def test_chat_renders_the_template_and_defaults_to_the_room_left(parser, tokeniz
 def test_chat_template_found_beside_the_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     assert load_chat_template(tmp_path / "tokenizer.json") == (None, {})
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": [{"name": "default", "template": "T"}], "bos_token": {"content": "<s>"}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "default", "template": "T"}], "bos_token": {"content": "<s>"}})
+    )
     assert load_chat_template(tmp_path / "tokenizer.json") == ("T", {"bos_token": "<s>"})
     (tmp_path / "chat_template.jinja").write_text("J")
     assert load_chat_template(tmp_path / "tokenizer.json")[0] == "J"
@@ -104,9 +128,9 @@ def test_text_stream_holds_back_a_stop_string_until_it_is_decided(tokenizer):
     ids = lambda text: tokenizer.encode(text).ids
     stream = TextStream(tokenizer, ["w3 w4"])
     assert stream.add(ids("w1")) == "w1"
-    assert stream.add(ids("w3")) == " "            # "w3" may begin the stop string: held back
+    assert stream.add(ids("w3")) == " "  # "w3" may begin the stop string: held back
     assert stream.add(ids("w5")) == "w3 w5"
-    assert stream.add(ids("w3 w4 w6")) == " " and stream.stopped   # cut before the stop string
+    assert stream.add(ids("w3 w4 w6")) == " " and stream.stopped  # cut before the stop string
     assert stream.sent == "w1 w3 w5 "
 
 
@@ -121,14 +145,14 @@ def test_router_picks_the_least_loaded_and_keeps_sessions_sticky():
     assert router.pick(None) == 1
     key = router.key("alice", [1, 2])
     assert router.pick(key) == 1
-    workers[1].load = 3                           # within the slack of the least loaded (2): stays
+    workers[1].load = 3  # within the slack of the least loaded (2): stays
     assert router.pick(key) == 1
-    workers[1].load = 5                           # beyond it: the key moves
+    workers[1].load = 5  # beyond it: the key moves
     assert router.pick(key) == 2 and router.sticky[key] == 2
     shared = list(range(10))
-    assert router.key(None, shared + [7]) == router.key(None, shared[:4] + [9, 9])   # the first page decides
-    assert router.key(None, [1, 2, 3]) is None    # no full page: nothing to share
+    assert router.key(None, shared + [7]) == router.key(None, shared[:4] + [9, 9])  # the first page decides
+    assert router.key(None, [1, 2, 3]) is None  # no full page: nothing to share
     workers[0].error = "broken"
     workers[0].load = 0
-    assert router.pick(None) != 0                  # a failed replica gets nothing
-    assert router.routed["sticky"] == 1              # the second pick of the key (the first placed it)
+    assert router.pick(None) != 0  # a failed replica gets nothing
+    assert router.routed["sticky"] == 1  # the second pick of the key (the first placed it)

@@ -1,4 +1,5 @@
 """The ``jaxpar`` command, run in-process on the 8 test devices (so no --devices, or --devices 8)."""
+
 import json
 
 import pytest
@@ -29,16 +30,19 @@ def test_shardings_axis_spec(capsys):
     assert json.loads(capsys.readouterr().out)["mesh"]["fsdp"] == 2
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--model", "llama3-8", "--mesh", "tp"], ["'llama3-8'", "did you mean 'llama3-8b'"]),
-    (["--model", "tiny", "--mesh", "tpp"], ["'tpp'", "did you mean 'tp'"]),
-    (["--model", "tiny", "--mesh", "tp", "--seq", "3"], ["seq=3", "tensor=8"]),
-    (["--model", "tiny", "--mesh", "tensor=4", "--devices", "8"], ["tensor=4", "8 devices"]),
-    (["--rules", "tpp"], ["--rules: unknown mesh preset 'tpp'", "did you mean 'tp'"]),
-    (["--rules", "data=two"], ["'data=two'", "size 'two', not an integer"]),
-    (["--rules", "tensor=3", "--devices", "8"], ["tensor=3", "multiply to 3 but there are 8 devices"]),
-    (["--rules", "tp", "--model", "tiny", "--seq", "3"], ["seq=3", "tensor=8"]),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--model", "llama3-8", "--mesh", "tp"], ["'llama3-8'", "did you mean 'llama3-8b'"]),
+        (["--model", "tiny", "--mesh", "tpp"], ["'tpp'", "did you mean 'tp'"]),
+        (["--model", "tiny", "--mesh", "tp", "--seq", "3"], ["seq=3", "tensor=8"]),
+        (["--model", "tiny", "--mesh", "tensor=4", "--devices", "8"], ["tensor=4", "8 devices"]),
+        (["--rules", "tpp"], ["--rules: unknown mesh preset 'tpp'", "did you mean 'tp'"]),
+        (["--rules", "data=two"], ["'data=two'", "size 'two', not an integer"]),
+        (["--rules", "tensor=3", "--devices", "8"], ["tensor=3", "multiply to 3 but there are 8 devices"]),
+        (["--rules", "tp", "--model", "tiny", "--seq", "3"], ["seq=3", "tensor=8"]),
+    ],
+)
 def test_errors_exit_2_without_traceback(capsys, argv, words):
     assert main(["shardings", *argv]) == 2
     captured = capsys.readouterr()
@@ -48,13 +52,16 @@ def test_errors_exit_2_without_traceback(capsys, argv, words):
     assert captured.out == ""
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--model", "tiny", "--mesh", "tp", "--devices", "0"], "positive integer"),
-    (["--mesh", "tp"], "--model is required with --mesh"),
-    (["--model", "tiny"], "one of the arguments --mesh --rules is required"),
-    (["--mesh", "tp", "--rules", "tp"], "not allowed with argument"),
-    (["--rules", "tp", "--seq", "8"], "--batch and --seq need --model"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--model", "tiny", "--mesh", "tp", "--devices", "0"], "positive integer"),
+        (["--mesh", "tp"], "--model is required with --mesh"),
+        (["--model", "tiny"], "one of the arguments --mesh --rules is required"),
+        (["--mesh", "tp", "--rules", "tp"], "not allowed with argument"),
+        (["--rules", "tp", "--seq", "8"], "--batch and --seq need --model"),
+    ],
+)
 def test_usage_errors_are_argparse_exit_2(capsys, argv, words):
     with pytest.raises(SystemExit) as exc:
         main(["shardings", *argv])
@@ -103,7 +110,9 @@ def test_rules_checked_json(capsys):
     assert report["params"]["kv_heads"] == [] and report["params"]["heads"] == ["tensor"]
     assert report["activations"]["length"] == ["tensor"]
     assert [(c["axis"], c["before"], c["after"]) for c in report["model"]["changes"]] == [
-        ("kv_heads", ["tensor"], []), ("act_kv_heads", ["tensor"], [])]
+        ("kv_heads", ["tensor"], []),
+        ("act_kv_heads", ["tensor"], []),
+    ]
 
 
 def test_rules_checked_unchanged(capsys):
@@ -114,8 +123,10 @@ def test_rules_checked_unchanged(capsys):
     assert report["params"]["experts"] == ["expert"] and report["activations"]["batch"] == ["expert", "fsdp"]
 
 
-@pytest.mark.parametrize("error, code", [("ConfigError", 2), ("CheckpointError", 2), ("LaunchError", 2),
-                                         ("NoLayoutError", 2), ("NonFiniteError", 1)])
+@pytest.mark.parametrize(
+    "error, code",
+    [("ConfigError", 2), ("CheckpointError", 2), ("LaunchError", 2), ("NoLayoutError", 2), ("NonFiniteError", 1)],
+)
 def test_library_errors_exit_with_their_status(capsys, monkeypatch, error, code):
     """Bad input exits 2; a run that failed on the way (a NaN loss) exits 1. Both print the message."""
     import jaxpar.errors
@@ -123,6 +134,7 @@ def test_library_errors_exit_with_their_status(capsys, monkeypatch, error, code)
 
     def fail(args):
         raise getattr(jaxpar.errors, error)("the message")
+
     monkeypatch.setattr(jaxpar.train.command, "run", fail)
     assert main(["train", "--out", "unused"]) == code
     assert capsys.readouterr().err == "jaxpar: error: the message\n"

@@ -15,6 +15,7 @@ kind XLA picks. XLA:CPU writes every reduce-scatter of the SPMD partitioner as a
 (a GPU would emit reduce-scatter), which sends twice the bytes: the tests check the reduced volume, and
 the kinds only loosely. b = 4 (float32 everywhere).
 """
+
 import functools
 import math
 
@@ -29,48 +30,47 @@ from jaxpar.models import build_model, get_model_preset
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
 from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
 
-CFG = get_model_preset('tiny')            # fp32, remat FULL
-B, T, b, n = 8, 24, 4, 8                   # batch, sequence, bytes per element, devices on the axis
+CFG = get_model_preset("tiny")  # fp32, remat FULL
+B, T, b, n = 8, 24, 4, 8  # batch, sequence, bytes per element, devices on the axis
 D, V, L, F = CFG.embed_dim, CFG.padded_vocab, CFG.num_layers, CFG.mlp_dim
 N, K, H = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
 P = CFG.num_params(padded=True)
-P_EMBED = P_HEAD = V * D                                   # embedding table, LM head
-P_NORM = L * 2 * D + D                                     # norm scales: replicated in every preset here
-P_BLOCKS = L * (D * H * (2 * N + 2 * K) + 3 * D * F)       # block matrices (scanned, [L, ...])
-A = B * T * D                                              # one [B, T, D] activation, elements
+P_EMBED = P_HEAD = V * D  # embedding table, LM head
+P_NORM = L * 2 * D + D  # norm scales: replicated in every preset here
+P_BLOCKS = L * (D * H * (2 * N + 2 * K) + 3 * D * F)  # block matrices (scanned, [L, ...])
+A = B * T * D  # one [B, T, D] activation, elements
 MODEL_DIMS = {D, V, L, F, N, K, H}
 
 
 def test_parameter_bookkeeping():
-    assert P == P_EMBED + P_HEAD + P_NORM + P_BLOCKS == 102_720        # README
-    assert T not in MODEL_DIMS                 # so "has a T dimension" marks an activation below
-    assert A < P_EMBED                         # vocab-parallel embedding regime (see test_tp_*)
+    assert P == P_EMBED + P_HEAD + P_NORM + P_BLOCKS == 102_720  # README
+    assert T not in MODEL_DIMS  # so "has a T dimension" marks an activation below
+    assert A < P_EMBED  # vocab-parallel embedding regime (see test_tp_*)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def step_report(preset: str):
     """Compile one train step of the tiny model on ``preset``; its collectives (once per preset)."""
     layout = make_layout(CFG, get_mesh_preset(preset), batch=B, seq=T)
     opt = functools.partial(make_optimizer, OptimizerConfig())
     ts = init_train_state(lambda r: build_model(CFG, rngs=r), opt, layout, seed=0)
-    batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=s)
-             for k, s in batch_sharding(layout).items()}
+    batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     return analyze_compiled(make_train_step(ts, layout).lower(ts.state, batch).compile())
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def dp():
-    return step_report('dp')
+    return step_report("dp")
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def fsdp():
-    return step_report('fsdp')
+    return step_report("fsdp")
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def tp():
-    return step_report('tp')
+    return step_report("tp")
 
 
 def on(ops, axis, *kinds):
@@ -79,8 +79,11 @@ def on(ops, axis, *kinds):
 
 def reduced(ops, axis):
     """Elements of every tensor reduced over ``axis``, with its executions per step."""
-    return [(math.prod(s) * (c.group_size if c.kind == 'reduce-scatter' else 1), c.executions)
-            for c in on(ops, axis, 'all-reduce', 'reduce-scatter') for s in c.shapes]
+    return [
+        (math.prod(s) * (c.group_size if c.kind == "reduce-scatter" else 1), c.executions)
+        for c in on(ops, axis, "all-reduce", "reduce-scatter")
+        for s in c.shapes
+    ]
 
 
 def reduced_bytes(ops, axis):
@@ -89,7 +92,7 @@ def reduced_bytes(ops, axis):
 
 def scalars_reduced(ops, axis):
     """How many scalars (loss, norm partial sums) are reduced over ``axis`` per step."""
-    return sum(c.executions for c in on(ops, axis, 'all-reduce', 'reduce-scatter') for s in c.shapes if s == ())
+    return sum(c.executions for c in on(ops, axis, "all-reduce", "reduce-scatter") for s in c.shapes if s == ())
 
 
 def gradient_check(report, axis):
@@ -98,7 +101,7 @@ def gradient_check(report, axis):
 
 
 def gathered_bytes(report, axis):
-    return report.collectives.bytes('all-gather', axes=(axis,))
+    return report.collectives.bytes("all-gather", axes=(axis,))
 
 
 # ------------------------------------------------------------------------------------------ dp
@@ -107,15 +110,18 @@ def test_dp_gradient_all_reduce(dp):
     exactly (README); a ring sends 2(n-1)/n of that. Block gradients are reduced inside the scanned
     backward loop, L times."""
     assert dp.collectives.trip_counts_known
-    assert {c.axes for c in dp.ops} == {('data',)} and {c.kind for c in dp.ops} <= {
-        'all-reduce', 'reduce-scatter', 'all-gather'}
-    assert scalars_reduced(dp.ops, 'data') == 1                               # the loss
-    assert reduced_bytes(dp.ops, 'data') == P * b + 4 == 410_884
-    assert dp.collectives.total_bytes == P * b + 4                             # nothing else moves
+    assert {c.axes for c in dp.ops} == {("data",)} and {c.kind for c in dp.ops} <= {
+        "all-reduce",
+        "reduce-scatter",
+        "all-gather",
+    }
+    assert scalars_reduced(dp.ops, "data") == 1  # the loss
+    assert reduced_bytes(dp.ops, "data") == P * b + 4 == 410_884
+    assert dp.collectives.total_bytes == P * b + 4  # nothing else moves
     sent = sum(c.sent_bytes * c.executions for c in dp.ops)
     assert sent == 2 * (n - 1) / n * (P * b + 4) == 719_047
     in_loop = [c for c in dp.ops if c.executions == L]
-    assert sum(c.total_bytes for c in in_loop) == (P_BLOCKS + L * 2 * D) * b   # matrices + norms
+    assert sum(c.total_bytes for c in in_loop) == (P_BLOCKS + L * 2 * D) * b  # matrices + norms
     # Counting each instruction once (no loop multiplicity) would miss (L-1) layers' gradients.
     assert sum(c.bytes for c in dp.ops) < 0.95 * P * b
 
@@ -135,26 +141,26 @@ def test_fsdp_gathers_and_gradient_reduction(fsdp):
       * plus the token ids gathered ([B, T] int32) and the loss / grad-norm scalars reduced.
     """
     ops = fsdp.ops
-    assert fsdp.collectives.trip_counts_known and {c.axes for c in ops} == {('fsdp',)}
-    ids = B * T * 4                                             # the token ids, gathered once
-    scalars = b * scalars_reduced(ops, 'fsdp')                  # loss, grad-norm partial sums
-    assert scalars == 68                                        # 17 scalars, as measured (README)
-    assert gathered_bytes(fsdp, 'fsdp') == b * (2 * P_BLOCKS + P_HEAD) + ids
-    assert reduced_bytes(ops, 'fsdp') == b * (P - P_EMBED) + scalars
-    assert fsdp.collectives.bytes('all-to-all', axes=('fsdp',)) == 2 * A * b // n
+    assert fsdp.collectives.trip_counts_known and {c.axes for c in ops} == {("fsdp",)}
+    ids = B * T * 4  # the token ids, gathered once
+    scalars = b * scalars_reduced(ops, "fsdp")  # loss, grad-norm partial sums
+    assert scalars == 68  # 17 scalars, as measured (README)
+    assert gathered_bytes(fsdp, "fsdp") == b * (2 * P_BLOCKS + P_HEAD) + ids
+    assert reduced_bytes(ops, "fsdp") == b * (P - P_EMBED) + scalars
+    assert fsdp.collectives.bytes("all-to-all", axes=("fsdp",)) == 2 * A * b // n
     # Against the formula: equal, byte for byte, once the embedding (3·b·P_embed), the LM head's
     # second gather (b·P_head) and the replicated norms (2·b·P_norm gathers) are taken out and the
     # ids and scalars (836 B) added (measured/formula is 0.79 for tiny: the vocabulary is a third
     # of its parameters).
     formula = (2 * b + b) * P
-    measured = gathered_bytes(fsdp, 'fsdp') + reduced_bytes(ops, 'fsdp')
+    measured = gathered_bytes(fsdp, "fsdp") + reduced_bytes(ops, "fsdp")
     assert measured <= formula
     saved = 3 * b * P_EMBED + b * P_HEAD + 2 * b * P_NORM
     assert measured == formula - saved + ids + scalars == 968_772
     assert ids + scalars == 836
     # Each of the 6 block matrices (q, k, v, o, gate_up, down) is gathered by one instruction in
     # the forward loop and one in the backward loop, each run L times.
-    loop_gathers = [c for c in on(ops, 'fsdp', 'all-gather') if c.executions == L]
+    loop_gathers = [c for c in on(ops, "fsdp", "all-gather") if c.executions == L]
     assert len(loop_gathers) == 2 * 6
     assert sum(c.total_bytes for c in loop_gathers) == 2 * P_BLOCKS * b
 
@@ -173,11 +179,11 @@ def test_tp_activation_collectives_per_layer(tp):
                 the MLP input gradient is reduced once; with two separate weights XLA:CPU reduced
                 both dX tensors (3 per layer, measured before the fusion).
     """
-    assert tp.collectives.trip_counts_known and {c.axes for c in tp.ops} == {('tensor',)}
+    assert tp.collectives.trip_counts_known and {c.axes for c in tp.ops} == {("tensor",)}
     loop = [c for c in tp.ops if c.executions == L]
-    act_gathers = [c for c in on(loop, 'tensor', 'all-gather') if c.shapes == ((B, T, D),)]
+    act_gathers = [c for c in on(loop, "tensor", "all-gather") if c.shapes == ((B, T, D),)]
     assert len(act_gathers) == 2 + 2 + 2
-    act_reduced = [x for x, _ in reduced(loop, 'tensor') if x == A]
+    act_reduced = [x for x, _ in reduced(loop, "tensor") if x == A]
     assert len(act_reduced) == 2 + 1 + 2
     # The rest of the loop: K < n so K/V heads are replicated over tensor: dK and dV (B·T·H each
     # per kv head) are reduced over the n/K devices sharing a head, then gathered over the K heads
@@ -189,24 +195,24 @@ def test_tp_activation_collectives_per_layer(tp):
 def test_tp_weights_stay_sharded(tp):
     """Every all-gather on tensor carries the T dimension (an activation or token ids), so no
     parameter is gathered; the embedding lookup is vocab-parallel (partial [B, T, D] rows reduced)."""
-    gathers = on(tp.ops, 'tensor', 'all-gather')
+    gathers = on(tp.ops, "tensor", "all-gather")
     assert gathers and all(T in s for c in gathers for s in c.shapes)
     # Whole step: the loop's 6 per layer, plus 2 outside: the final norm's output for the LM
     # head and the embedding's dX for the vocab-parallel scatter-add; plus [B, T] ids/softmax stats.
     act = sum(c.executions for c in gathers if c.shapes == ((B, T, D),))
     assert act == 6 * L + 2
-    small = L * 2 * B * T * K * H * b + 4 * B * T * 4     # GQA dK/dV (above); ids x2, softmax stats x2
+    small = L * 2 * B * T * K * H * b + 4 * B * T * 4  # GQA dK/dV (above); ids x2, softmax stats x2
     assert sum(c.total_bytes for c in gathers) == (6 * L + 2) * A * b + small
     # Reductions outside the loop: the embedding's partial rows and the LM head's dX, A each.
-    outside = [x for x, e in reduced(tp.ops, 'tensor') if e == 1 and x == A]
+    outside = [x for x, e in reduced(tp.ops, "tensor") if e == 1 and x == A]
     assert len(outside) == 2
 
 
 # ------------------------------------------------------------------------- the checks can fail
 def test_expectations_tell_presets_apart(dp, fsdp, tp):
-    assert abs(gradient_check(dp, 'data')) < 0.05
-    assert gradient_check(fsdp, 'fsdp') < -0.05      # fsdp reduces no embedding gradient
-    assert gradient_check(tp, 'tensor') > 0.05       # tp reduces activations, not gradients
-    assert gathered_bytes(dp, 'data') == 0 < gathered_bytes(fsdp, 'fsdp')
+    assert abs(gradient_check(dp, "data")) < 0.05
+    assert gradient_check(fsdp, "fsdp") < -0.05  # fsdp reduces no embedding gradient
+    assert gradient_check(tp, "tensor") > 0.05  # tp reduces activations, not gradients
+    assert gathered_bytes(dp, "data") == 0 < gathered_bytes(fsdp, "fsdp")
     # fsdp gathers parameters: its gathers have no T dimension, so the tp check would fail.
-    assert not all(T in s for c in on(fsdp.ops, 'fsdp', 'all-gather') for s in c.shapes)
+    assert not all(T in s for c in on(fsdp.ops, "fsdp", "all-gather") for s in c.shapes)

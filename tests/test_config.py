@@ -1,5 +1,6 @@
 """The run configuration: --set parsing, suggestions, JSON round trip (every preset keeps its family's
 config class), string choices checked at construction, error classes, schedules. No devices needed."""
+
 import dataclasses
 import json
 
@@ -10,15 +11,33 @@ from jaxpar import errors
 from jaxpar.data import DataConfig
 from jaxpar.layers import AttentionConfig, MoEConfig
 from jaxpar.models import PRESETS, DenseConfig, MoEModelConfig, Remat, get_model_preset
-from jaxpar.train.config import (ConfigError, TrainConfig, apply_overrides, default_config, describe_fields,
-                                 field_paths, from_dict, to_dict)
+from jaxpar.train.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    default_config,
+    describe_fields,
+    field_paths,
+    from_dict,
+    to_dict,
+)
 from jaxpar.train.optim import OptimizerConfig, make_schedule
 
 
 def test_every_field_is_settable_and_parsed_by_type():
-    cfg = apply_overrides(default_config("tiny"), [
-        "optimizer.learning_rate=1e-3", "steps=7", "model.remat=dots", "optimizer.clip_norm=none",
-        "checkpoint.async_save=false", "data.source=files", "model.sliding_window=32", "mesh=fsdp"])
+    cfg = apply_overrides(
+        default_config("tiny"),
+        [
+            "optimizer.learning_rate=1e-3",
+            "steps=7",
+            "model.remat=dots",
+            "optimizer.clip_norm=none",
+            "checkpoint.async_save=false",
+            "data.source=files",
+            "model.sliding_window=32",
+            "mesh=fsdp",
+        ],
+    )
     assert cfg.optimizer.learning_rate == 1e-3 and cfg.steps == 7 and cfg.model.remat is Remat.DOTS
     assert cfg.optimizer.clip_norm is None and cfg.checkpoint.async_save is False
     assert cfg.data.source == "files" and cfg.model.sliding_window == 32 and cfg.mesh == "fsdp"
@@ -29,16 +48,19 @@ def test_every_field_is_settable_and_parsed_by_type():
     assert all(p in help_text for p in paths)
 
 
-@pytest.mark.parametrize("item, message", [
-    ("optimizer.learnig_rate=1", "did you mean optimizer.learning_rate"),
-    ("learning_rate=1", "did you mean optimizer.learning_rate"),
-    ("stepz=3", "did you mean steps"),
-    ("steps=three", "steps=three: expected int"),
-    ("model.remat=some", "--set model.remat='some': choose one of none, full, dots, attn"),
-    ("checkpoint.async_save=maybe", "expected true or false"),
-    ("steps", "expected key=value"),
-    ("model.rope_scaling.factor=2", "rope_scaling is None"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("optimizer.learnig_rate=1", "did you mean optimizer.learning_rate"),
+        ("learning_rate=1", "did you mean optimizer.learning_rate"),
+        ("stepz=3", "did you mean steps"),
+        ("steps=three", "steps=three: expected int"),
+        ("model.remat=some", "--set model.remat='some': choose one of none, full, dots, attn"),
+        ("checkpoint.async_save=maybe", "expected true or false"),
+        ("steps", "expected key=value"),
+        ("model.rope_scaling.factor=2", "rope_scaling is None"),
+    ],
+)
 def test_bad_overrides_name_the_field(item, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         apply_overrides(default_config("tiny"), [item])
@@ -60,8 +82,10 @@ def test_every_preset_round_trips_through_json_with_its_class(preset):
 
 
 def test_set_keeps_the_family_and_reaches_its_fields():
-    cfg = apply_overrides(default_config("tiny-deepseek"), ["model.moe.top_k=1", "model.mla.kv_lora_rank=8",
-                                                            "model.moe.router=softmax", "model.dtype=bfloat16"])
+    cfg = apply_overrides(
+        default_config("tiny-deepseek"),
+        ["model.moe.top_k=1", "model.mla.kv_lora_rank=8", "model.moe.router=softmax", "model.dtype=bfloat16"],
+    )
     assert type(cfg.model) is MoEModelConfig and cfg.model.moe.top_k == 1 and cfg.model.mla.kv_lora_rank == 8
     assert cfg.model.moe.router == "softmax" and cfg.model.dtype == "bfloat16"
     assert from_dict(TrainConfig, json.loads(json.dumps(to_dict(cfg)))) == cfg
@@ -80,20 +104,23 @@ def test_untagged_model_data_is_read_by_its_fields():
         from_dict(DenseConfig, {**to_dict(get_model_preset("tiny")), "colour": 1})
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: get_model_preset("tiny", context_parallel="rings"), "model.context_parallel='rings'"),
-    (lambda: get_model_preset("tiny", cp_order="zag"), "model.cp_order='zag'"),
-    (lambda: get_model_preset("tiny", dtype="float8"), "model.dtype='float8'"),
-    (lambda: get_model_preset("tiny", param_dtype="int8"), "model.param_dtype='int8'"),
-    (lambda: get_model_preset("tiny", attention_impl="flash"), "model.attention_impl='flash'"),
-    (lambda: get_model_preset("tiny", remat="some"), "model.remat='some'"),
-    (lambda: MoEConfig(num_experts=4, top_k=2, mlp_dim=8, router="topk"), "model.moe.router='topk'"),
-    (lambda: OptimizerConfig(schedule="cosin"), "optimizer.schedule='cosin'"),
-    (lambda: DataConfig(source="web"), "data.source='web'"),
-    (lambda: DataConfig(dtype="int64"), "data.dtype='int64'"),
-    (lambda: dataclasses.replace(default_config("tiny"), nonfinite="ignore"), "nonfinite='ignore'"),
-    (lambda: AttentionConfig(8, 2, 2, 4, context_parallel="x"), "model.context_parallel='x'"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: get_model_preset("tiny", context_parallel="rings"), "model.context_parallel='rings'"),
+        (lambda: get_model_preset("tiny", cp_order="zag"), "model.cp_order='zag'"),
+        (lambda: get_model_preset("tiny", dtype="float8"), "model.dtype='float8'"),
+        (lambda: get_model_preset("tiny", param_dtype="int8"), "model.param_dtype='int8'"),
+        (lambda: get_model_preset("tiny", attention_impl="flash"), "model.attention_impl='flash'"),
+        (lambda: get_model_preset("tiny", remat="some"), "model.remat='some'"),
+        (lambda: MoEConfig(num_experts=4, top_k=2, mlp_dim=8, router="topk"), "model.moe.router='topk'"),
+        (lambda: OptimizerConfig(schedule="cosin"), "optimizer.schedule='cosin'"),
+        (lambda: DataConfig(source="web"), "data.source='web'"),
+        (lambda: DataConfig(dtype="int64"), "data.dtype='int64'"),
+        (lambda: dataclasses.replace(default_config("tiny"), nonfinite="ignore"), "nonfinite='ignore'"),
+        (lambda: AttentionConfig(8, 2, 2, 4, context_parallel="x"), "model.context_parallel='x'"),
+    ],
+)
 def test_choices_are_enums_checked_when_built(make, field):
     with pytest.raises(ConfigError, match=field + ": choose one of"):
         make()
@@ -102,10 +129,19 @@ def test_choices_are_enums_checked_when_built(make, field):
 
 
 def test_choices_parse_into_their_enums():
-    cfg = apply_overrides(default_config("tiny-moe"), ["model.context_parallel=ring", "nonfinite=skip",
-                                                       "optimizer.schedule=wsd", "data.source=files"])
-    for value in (cfg.model.context_parallel, cfg.model.moe.router, cfg.nonfinite, cfg.optimizer.schedule,
-                  cfg.data.source, cfg.model.dtype, cfg.model.cp_order):
+    cfg = apply_overrides(
+        default_config("tiny-moe"),
+        ["model.context_parallel=ring", "nonfinite=skip", "optimizer.schedule=wsd", "data.source=files"],
+    )
+    for value in (
+        cfg.model.context_parallel,
+        cfg.model.moe.router,
+        cfg.nonfinite,
+        cfg.optimizer.schedule,
+        cfg.data.source,
+        cfg.model.dtype,
+        cfg.model.cp_order,
+    ):
         assert type(value).__mro__[1].__name__ == "Choice", value
 
 
@@ -121,39 +157,56 @@ def test_error_classes_say_what_they_are():
     assert not issubclass(errors.NonFiniteError, errors.LayoutError)
     assert not issubclass(errors.LaunchError, errors.MeshError)
     assert not issubclass(errors.ConfigError, errors.LayoutError)
-    for name in ("ConfigError", "MeshError", "LayoutError", "DataError", "CheckpointError", "ConvertError",
-                 "LaunchError", "NonFiniteError", "NoLayoutError"):
+    for name in (
+        "ConfigError",
+        "MeshError",
+        "LayoutError",
+        "DataError",
+        "CheckpointError",
+        "ConvertError",
+        "LaunchError",
+        "NonFiniteError",
+        "NoLayoutError",
+    ):
         assert issubclass(getattr(errors, name), errors.JaxparError), name
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(seq=4096), "seq=4096 is longer than model.max_seq_len=1024"),
-    (dict(batch=10, grad_accum=4), "batch=10 is not divisible by grad_accum=4"),
-    (dict(steps=0), "steps=0 must be"),
-    (dict(z_loss=-1.0), "z_loss=-1.0"),
-    (dict(optimizer=OptimizerConfig(warmup_steps=-1)), "optimizer.warmup_steps=-1"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(seq=4096), "seq=4096 is longer than model.max_seq_len=1024"),
+        (dict(batch=10, grad_accum=4), "batch=10 is not divisible by grad_accum=4"),
+        (dict(steps=0), "steps=0 must be"),
+        (dict(z_loss=-1.0), "z_loss=-1.0"),
+        (dict(optimizer=OptimizerConfig(warmup_steps=-1)), "optimizer.warmup_steps=-1"),
+    ],
+)
 def test_validate_names_the_field(fields, message):
     with pytest.raises(ConfigError, match=message):
         dataclasses.replace(default_config("tiny"), **fields).validate()
 
 
 def test_schedules():
-    lr = lambda **kw: np.array([float(make_schedule(OptimizerConfig(learning_rate=1.0, **kw), 100)(s))
-                                for s in (0, 5, 10, 50, 79, 80, 90, 99, 100)])
-    np.testing.assert_allclose(lr(schedule="constant", warmup_steps=10), [0, .5, 1, 1, 1, 1, 1, 1, 1], atol=1e-6)
+    lr = lambda **kw: np.array(
+        [
+            float(make_schedule(OptimizerConfig(learning_rate=1.0, **kw), 100)(s))
+            for s in (0, 5, 10, 50, 79, 80, 90, 99, 100)
+        ]
+    )
+    np.testing.assert_allclose(lr(schedule="constant", warmup_steps=10), [0, 0.5, 1, 1, 1, 1, 1, 1, 1], atol=1e-6)
     cosine = lr(schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
-    np.testing.assert_allclose(cosine[:3], [0, .5, 1], atol=1e-6)
+    np.testing.assert_allclose(cosine[:3], [0, 0.5, 1], atol=1e-6)
     assert cosine[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 40 / 90)), rel=1e-5)
     assert cosine[-1] == pytest.approx(0.1, rel=1e-5)
     wsd = lr(schedule="wsd", warmup_steps=10, min_lr_ratio=0.0, decay_fraction=0.2)
-    np.testing.assert_allclose(wsd, [0, .5, 1, 1, 1, 1, .5, 0.05, 0], atol=1e-6)
+    np.testing.assert_allclose(wsd, [0, 0.5, 1, 1, 1, 1, 0.5, 0.05, 0], atol=1e-6)
     with pytest.raises(ValueError, match="needs the run's total steps"):
         make_schedule(OptimizerConfig(schedule="cosine"), None)
 
 
 def test_peak_flops_and_throughput():
     from jaxpar.train.metrics import peak_flops, throughput
+
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("NVIDIA B200") == 2250e12 and peak_flops("TPU v5 lite") == 197e12
     assert peak_flops("TPU v5p") == 459e12 and peak_flops("TPU v6 lite") == 918e12
@@ -164,6 +217,6 @@ def test_peak_flops_and_throughput():
 
 
 def test_flops_per_token_by_hand():
-    cfg = default_config("tiny").model     # D64 L2 N8 K2 H8 F128, V256
+    cfg = default_config("tiny").model  # D64 L2 N8 K2 H8 F128, V256
     matmul = 2 * (64 * 8 * (2 * 8 + 2 * 2) + 3 * 64 * 128) + 256 * 64
     assert cfg.flops_per_token(128) == 6 * matmul + 6 * 2 * 8 * 8 * 128

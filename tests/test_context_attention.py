@@ -15,13 +15,14 @@
    layout: each device keeps one kv head, which a sequence axis of 2 cannot split, and it refuses
    while tracing, before anything compiles.
 """
+
 import functools
 
+import attention_oracle as oracle
 import jax
 import numpy as np
 import pytest
 
-import attention_oracle as oracle
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import get_model_preset
@@ -37,7 +38,7 @@ def _inputs(n_heads, n_kv, head_dim, seed=0):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, T, n_heads, head_dim), np.float32)
     k, v = (rng.standard_normal((B, T, n_kv, head_dim), np.float32) for _ in range(2))
-    ct = rng.standard_normal((B, T, n_heads, head_dim), np.float32)          # output cotangent
+    ct = rng.standard_normal((B, T, n_heads, head_dim), np.float32)  # output cotangent
     return q, k, v, ct
 
 
@@ -52,14 +53,19 @@ def _assert_close(got, want):
 # ------------------------------------------------------------------------ the oracle on its own
 @functools.partial(jax.jit, static_argnames=("causal", "window"))
 def _jax_nn(q, k, v, ct, *, causal, window):
-    local = None if window is None else (window - 1, 0 if causal else T)     # (left, right)
+    local = None if window is None else (window - 1, 0 if causal else T)  # (left, right)
     attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=local)
     out, vjp = jax.vjp(attn, q, k, v)
     return (out, *vjp(ct))
 
 
 JAX_NN_CASES = [  # kv heads, causal, window
-    (8, True, None), (2, True, None), (1, True, 5), (2, False, None), (2, False, 6)]
+    (8, True, None),
+    (2, True, None),
+    (1, True, 5),
+    (2, False, None),
+    (2, False, 6),
+]
 
 
 @pytest.mark.parametrize("n_kv,causal,window", JAX_NN_CASES)
@@ -80,7 +86,7 @@ def test_mask_rules_match_a_loop():
         for t in range(12):
             for s in range(12):
                 seen = ki[0, s] <= qi[0, t] if causal else True
-                if window is not None:             # at most window - 1 tokens back (the past only)
+                if window is not None:  # at most window - 1 tokens back (the past only)
                     seen = seen and qi[0, t] - ki[0, s] <= window - 1
                 if segments:
                     seen = seen and qs[0, t] == ks[0, s]
@@ -90,7 +96,7 @@ def test_mask_rules_match_a_loop():
 def test_fully_masked_rows_are_zero():
     """Queries whose segment has no key: output 0, gradients finite (no NaN from an all -inf row)."""
     q, k, v, ct = _inputs(4, 2, 8)
-    q_seg = np.where(np.arange(T) < 5, 7, 0)[None].repeat(B, 0)             # segment 7 has no key
+    q_seg = np.where(np.arange(T) < 5, 7, 0)[None].repeat(B, 0)  # segment 7 has no key
     kv_seg = np.zeros((B, T), np.int64)
     out, dq, dk, dv = oracle.value_and_grads(q, k, v, ct, oracle.mask(NATURAL, NATURAL, q_seg, kv_seg))
     assert np.all(np.asarray(out)[:, :5] == 0) and np.all(np.asarray(dq)[:, :5] == 0)
@@ -104,10 +110,14 @@ def _segments(first_of_second: int):
 
 MUTANTS = {  # name: () -> (the rule's mask, the mask of a kernel with one deliberate bug)
     "window-off-by-one": lambda: (oracle.mask(NATURAL, NATURAL, window=5), oracle.mask(NATURAL, NATURAL, window=6)),
-    "causal-without-diagonal": lambda: (oracle.mask(NATURAL, NATURAL),
-                                        oracle.mask(NATURAL, NATURAL) & ~np.eye(T, dtype=bool)),
-    "segment-boundary-moved": lambda: (oracle.mask(NATURAL, NATURAL, _segments(9), _segments(9)),
-                                       oracle.mask(NATURAL, NATURAL, _segments(10), _segments(10))),
+    "causal-without-diagonal": lambda: (
+        oracle.mask(NATURAL, NATURAL),
+        oracle.mask(NATURAL, NATURAL) & ~np.eye(T, dtype=bool),
+    ),
+    "segment-boundary-moved": lambda: (
+        oracle.mask(NATURAL, NATURAL, _segments(9), _segments(9)),
+        oracle.mask(NATURAL, NATURAL, _segments(10), _segments(10)),
+    ),
 }
 
 
@@ -118,8 +128,10 @@ def test_oracle_catches_a_mutant_mask(name):
     window, 5.1 for the diagonal, 6.8 for the segment boundary)."""
     q, k, v, ct = _inputs(8, 2, 8)
     right, wrong = (oracle.value_and_grads(q, k, v, ct, m) for m in MUTANTS[name]())
-    excess = max(float(np.max(np.abs(np.asarray(a) - b) - 100 * (1e-5 + 1e-5 * np.abs(b))))
-                 for a, b in zip(wrong, map(np.asarray, right)))
+    excess = max(
+        float(np.max(np.abs(np.asarray(a) - b) - 100 * (1e-5 + 1e-5 * np.abs(b))))
+        for a, b in zip(wrong, map(np.asarray, right))
+    )
     assert excess > 0, name
 
 
@@ -141,22 +153,27 @@ def _context_fn(strategy, window):
             attn = lambda q, k, v: context_attention(q, k, v, index, strategy=strategy, window=window)
             out, vjp = jax.vjp(attn, q, k, v)
             return (out, *vjp(ct))
+
     return run
 
 
 def _place(layout, q, k, v, ct, index):
     qs = layout.sharding(("batch", "inner_length", "act_heads", None))
     kvs = layout.sharding(("batch", "inner_length", "act_kv_heads", None))
-    return (*(jax.device_put(a, s) for a, s in ((q, qs), (k, kvs), (v, kvs), (ct, qs))),
-            jax.device_put(index, layout.sharding(("batch", "inner_length"))))
+    return (
+        *(jax.device_put(a, s) for a, s in ((q, qs), (k, kvs), (v, kvs), (ct, qs))),
+        jax.device_put(index, layout.sharding(("batch", "inner_length"))),
+    )
 
 
 CONTEXT_CASES = [("none", False, None), ("ring", False, None), ("ring", True, None), ("ring", True, 5)]
 
 
-@pytest.mark.parametrize("strategy,zigzag,window", CONTEXT_CASES,
-                         ids=[f"{s}-{'zigzag' if z else 'natural'}{'-w' + str(w) if w else ''}"
-                              for s, z, w in CONTEXT_CASES])
+@pytest.mark.parametrize(
+    "strategy,zigzag,window",
+    CONTEXT_CASES,
+    ids=[f"{s}-{'zigzag' if z else 'natural'}{'-w' + str(w) if w else ''}" for s, z, w in CONTEXT_CASES],
+)
 def test_context_attention_with_replicated_kv_heads(strategy, zigzag, window):
     cfg, layout = _layout(strategy)
     rules = layout.rules
@@ -185,6 +202,7 @@ def test_ulysses_refuses_replicated_kv_heads_before_compiling():
         def attend(q, k, v, index):
             with layout.activate_trace():
                 return context_attention(q, k, v, index, strategy="ulysses")
+
         jax.eval_shape(jax.jit(attend), *placed[:3], placed[4])
 
 

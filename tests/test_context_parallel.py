@@ -5,12 +5,13 @@ exactly the K/V the formula says, and layouts a strategy cannot run are refused 
 The kernels themselves are checked against the dense oracle in tests/test_ring.py and test_ulysses.py;
 MLA (tiny-deepseek) under ring and Ulysses in tests/test_moe_models.py.
 """
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-
 from invariance import assert_same_gradients, one_device, train_steps
+
 from jaxpar.analysis import analyze_compiled
 from jaxpar.errors import ConfigError
 from jaxpar.layout import make_layout
@@ -27,14 +28,17 @@ def reference():
     return one_device(get_model_preset("tiny"), TOKENS)
 
 
-@pytest.mark.parametrize("strategy, order, mesh", [
-    ("ring", "zigzag", "sequence=4,tensor=2"),
-    ("ring", "zigzag", "data=2,sequence=2,tensor=2"),
-    ("ring", "contiguous", "cp"),
-    ("ring", "zigzag", "fsdp_cp"),
-    ("ulysses", "zigzag", "data=2,fsdp=2,sequence=2"),
-    ("none", "zigzag", "tp_cp"),
-])
+@pytest.mark.parametrize(
+    "strategy, order, mesh",
+    [
+        ("ring", "zigzag", "sequence=4,tensor=2"),
+        ("ring", "zigzag", "data=2,sequence=2,tensor=2"),
+        ("ring", "contiguous", "cp"),
+        ("ring", "zigzag", "fsdp_cp"),
+        ("ulysses", "zigzag", "data=2,fsdp=2,sequence=2"),
+        ("none", "zigzag", "tp_cp"),
+    ],
+)
 def test_same_losses_and_gradients_as_one_device(reference, strategy, order, mesh):
     """3 steps: losses rtol 1e-5, and at every step each parameter's gradient within 1e-5 of its largest
     entry (``invariance.assert_same_gradients``)."""
@@ -42,7 +46,7 @@ def test_same_losses_and_gradients_as_one_device(reference, strategy, order, mes
     run = train_steps(cfg, resolve_mesh_arg(mesh), TOKENS)
     np.testing.assert_allclose(run.losses, reference.losses, rtol=1e-5)
     assert_same_gradients(run.grads, reference.grads, f"{strategy} {order} {mesh}")
-    assert abs(reference.losses[0] - reference.losses[-1]) > 1e-3          # the steps really change the model
+    assert abs(reference.losses[0] - reference.losses[-1]) > 1e-3  # the steps really change the model
 
 
 def test_logits_come_back_in_natural_order():
@@ -76,17 +80,24 @@ def test_ring_moves_exactly_the_kv_blocks():
     kv = (n - 1) / n * 2 * B * seq * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
     permuted = report.collectives.bytes("collective-permute", axes=("sequence",))
     assert kv <= permuted <= 1.1 * kv, (permuted, kv)
-    full_kv = [c for c in report.ops if c.kind == "all-gather"          # [B, T, K, H] with the full T
-               and any(len(shape) == 4 and seq in shape for shape in c.shapes)]
+    full_kv = [
+        c
+        for c in report.ops
+        if c.kind == "all-gather"  # [B, T, K, H] with the full T
+        and any(len(shape) == 4 and seq in shape for shape in c.shapes)
+    ]
     assert not full_kv, full_kv
 
 
-@pytest.mark.parametrize("strategy, heads, mesh, seq, error, message", [
-    ("ring", 8, "cp", 40, LayoutError, "seq=40 is not divisible by 2 × sequence=8 = 16"),
-    ("ulysses", 8, "sequence=4,tensor=2", 32, LayoutError, "num_kv_heads (1 on this device) divisible by 4"),
-    ("ulysses", 6, "data=2,sequence=4", 32, LayoutError, "num_heads (6 on this device) divisible by 4"),
-    ("spiral", 8, "cp", 32, ConfigError, "model.context_parallel='spiral'"),     # refused by the config itself
-])
+@pytest.mark.parametrize(
+    "strategy, heads, mesh, seq, error, message",
+    [
+        ("ring", 8, "cp", 40, LayoutError, "seq=40 is not divisible by 2 × sequence=8 = 16"),
+        ("ulysses", 8, "sequence=4,tensor=2", 32, LayoutError, "num_kv_heads (1 on this device) divisible by 4"),
+        ("ulysses", 6, "data=2,sequence=4", 32, LayoutError, "num_heads (6 on this device) divisible by 4"),
+        ("spiral", 8, "cp", 32, ConfigError, "model.context_parallel='spiral'"),  # refused by the config itself
+    ],
+)
 def test_layouts_a_strategy_cannot_run_are_refused(strategy, heads, mesh, seq, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         cfg = get_model_preset("tiny", context_parallel=strategy, num_heads=heads)

@@ -2,18 +2,19 @@
 device, under fsdp=4 × tensor=2 and into a pipeline layout (stage=2 × fsdp=2 × tensor=2, each stage
 holding its half of the layer stack); HF → jaxpar → HF gives the same tensors and a folder transformers
 loads with the same logits; bad folders are refused with the file, tensor or field named."""
+
 import json
 import struct
 
+import hf_models
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-import hf_models
 from jaxpar.convert import ConvertError, from_hf, to_hf
 
-pytest.importorskip("transformers")          # test-only dependency, installed by the [dev] extra
+pytest.importorskip("transformers")  # test-only dependency, installed by the [dev] extra
 FAMILIES = sorted(hf_models.CONFIGS)
 
 
@@ -34,14 +35,14 @@ def folders(tmp_path_factory):
 def test_logits_match_transformers(folders, family, mesh):
     folder, want = folders[family]
     model = from_hf(folder, mesh=mesh)
-    with model.layout.activate():            # a sharded model is traced inside its layout (else: NoLayoutError)
+    with model.layout.activate():  # a sharded model is traced inside its layout (else: NoLayoutError)
         got = np.asarray(jax.jit(lambda m, ids: m(ids))(model, hf_models.IDS))
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     if mesh:
         embed = model.embed.embedding[...]
         assert len(embed.sharding.device_set) == 8 and embed.addressable_shards[0].data.size < embed.size
-    if mesh and "stage" in mesh:                 # each stage holds its layers: the stack's leading axis split
+    if mesh and "stage" in mesh:  # each stage holds its layers: the stack's leading axis split
         for leaf in jax.tree.leaves(nnx.state(getattr(model, model.pipeline_stack), nnx.Param)):
             assert leaf.sharding.spec[0] == "stage", leaf.sharding.spec
 
@@ -54,8 +55,10 @@ def test_round_trip_gives_the_same_tensors_and_transformers_loads_it(folders, fa
 
     folder, want = folders[family]
     out = to_hf(from_hf(folder), tmp_path / "export", max_shard_bytes=300_000)
+
     def tensors(d):
         return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
     theirs, ours = tensors(folder), tensors(out)
     assert sorted(ours) == sorted(theirs)
     for name, value in theirs.items():
@@ -69,6 +72,7 @@ def test_round_trip_gives_the_same_tensors_and_transformers_loads_it(folders, fa
 def llama(folders, tmp_path):
     """A copy of the llama folder to spoil."""
     import shutil
+
     dst = tmp_path / "llama"
     shutil.copytree(folders["llama"][0], dst)
     return dst
@@ -86,13 +90,16 @@ def test_missing_config(llama):
         from_hf(llama)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), r"unknown architecture \(model_type='gpt2'"),
-    (dict(attention_bias=True), r"attention_bias=True is not supported for llama"),
-    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
-    (dict(partial_rotary_factor=0.5), r"unsupported field 'partial_rotary_factor'"),
-    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"rope_scaling type 'dynamic' is not supported"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), r"unknown architecture \(model_type='gpt2'"),
+        (dict(attention_bias=True), r"attention_bias=True is not supported for llama"),
+        (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+        (dict(partial_rotary_factor=0.5), r"unsupported field 'partial_rotary_factor'"),
+        (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"rope_scaling type 'dynamic' is not supported"),
+    ],
+)
 def test_unsupported_config_is_refused_by_name(llama, changes, message):
     _edit_config(llama, **changes)
     with pytest.raises(ConvertError, match=message):
@@ -101,6 +108,7 @@ def test_unsupported_config_is_refused_by_name(llama, changes, message):
 
 def _rewrite_tensor(folder, name, transform):
     from safetensors.numpy import load_file, save_file
+
     file = next(f for f in folder.glob("*.safetensors") if name in load_file(f))
     tensors = load_file(file)
     tensors[name] = transform(tensors[name])
@@ -110,8 +118,11 @@ def _rewrite_tensor(folder, name, transform):
 
 def test_shape_mismatch_names_the_tensor(llama):
     file = _rewrite_tensor(llama, "model.layers.1.self_attn.k_proj.weight", lambda w: w[:8])
-    with pytest.raises(ConvertError, match=rf"{file.name}: tensor model.layers.1.self_attn.k_proj.weight has "
-                                           r"shape \[8, 64\], the config says \[16, 64\]"):
+    with pytest.raises(
+        ConvertError,
+        match=rf"{file.name}: tensor model.layers.1.self_attn.k_proj.weight has "
+        r"shape \[8, 64\], the config says \[16, 64\]",
+    ):
         from_hf(llama)
 
 
@@ -119,16 +130,21 @@ def test_missing_tensor_is_named(llama):
     _rewrite_tensor(llama, "model.layers.0.mlp.down_proj.weight", lambda w: w)
     file = next(llama.glob("*.safetensors"))
     from safetensors.numpy import load_file, save_file
+
     tensors = load_file(file)
     tensors["model.layers.0.mlp.extra_proj.weight"] = tensors.pop("model.layers.0.mlp.down_proj.weight")
     save_file(tensors, str(file), metadata={"format": "pt"})
-    with pytest.raises(ConvertError, match=r"tensor model.layers.0.mlp.down_proj.weight is missing \(needed for "
-                                           r"blocks/mlp/down\)"):
+    with pytest.raises(
+        ConvertError,
+        match=r"tensor model.layers.0.mlp.down_proj.weight is missing \(needed for "
+        r"blocks/mlp/down\)",
+    ):
         from_hf(llama)
 
 
 def test_unexpected_tensor_is_named(llama):
     from safetensors.numpy import load_file, save_file
+
     file = next(llama.glob("*.safetensors"))
     tensors = load_file(file)
     tensors["model.layers.0.mlp.extra_proj.weight"] = np.zeros((4, 4), np.float32)

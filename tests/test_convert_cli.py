@@ -1,13 +1,14 @@
 """``jaxpar convert`` and ``jaxpar train --init-from``: HF folder → model checkpoint → fine-tuning run →
 HF folder. With a vanishing learning rate the exported folder gives transformers the original logits,
 so the run really started from the converted weights and the export read the run's checkpoint."""
+
 import json
 
+import hf_models
 import jax
 import numpy as np
 import pytest
 
-import hf_models
 from jaxpar.cli import main
 
 pytest.importorskip("transformers")
@@ -39,10 +40,31 @@ def test_hf_to_checkpoint_to_fine_tune_to_hf(hf_folder, tmp_path):
         got = np.asarray(jax.jit(lambda m, ids: m(ids))(model, hf_models.IDS))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
-    assert main(["train", "--init-from", str(ckpt), "--out", str(run), "--mesh", "data=2,expert=4", "--steps", "2",
-                 "--batch", "8", "--seq", "16", "--set", "optimizer.learning_rate=1e-12", *QUIET]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--init-from",
+                str(ckpt),
+                "--out",
+                str(run),
+                "--mesh",
+                "data=2,expert=4",
+                "--steps",
+                "2",
+                "--batch",
+                "8",
+                "--seq",
+                "16",
+                "--set",
+                "optimizer.learning_rate=1e-12",
+                *QUIET,
+            ]
+        )
+        == 0
+    )
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    assert first < 6.0                          # a random 250-token model starts near ln 250 = 5.52
+    assert first < 6.0  # a random 250-token model starts near ln 250 = 5.52
     assert main(["convert", "--to-hf", str(run), "--out", str(back)]) == 0
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
     np.testing.assert_allclose(hf_models.logits(reloaded, hf_models.IDS), want, atol=1e-4, rtol=1e-4)
@@ -50,6 +72,7 @@ def test_hf_to_checkpoint_to_fine_tune_to_hf(hf_folder, tmp_path):
 
 def _cfg(ckpt):
     from jaxpar.convert.store import model_config
+
     return model_config(ckpt)[0]
 
 
@@ -67,8 +90,26 @@ def test_init_from_refuses_another_shape(hf_folder, tmp_path, capsys):
     folder, _ = hf_folder
     ckpt = tmp_path / "ckpt"
     assert main(["convert", "--from-hf", str(folder), "--out", str(ckpt)]) == 0
-    code = main(["train", "--init-from", str(ckpt), "--out", str(tmp_path / "run"), "--mesh", "dp", "--steps", "1",
-                 "--batch", "8", "--seq", "16", "--set", "model.moe.mlp_dim=64", *QUIET])
+    code = main(
+        [
+            "train",
+            "--init-from",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "run"),
+            "--mesh",
+            "dp",
+            "--steps",
+            "1",
+            "--batch",
+            "8",
+            "--seq",
+            "16",
+            "--set",
+            "model.moe.mlp_dim=64",
+            *QUIET,
+        ]
+    )
     assert code == 2
     assert "--init-from" in capsys.readouterr().err and not (tmp_path / "run" / "checkpoints").exists()
 

@@ -2,6 +2,7 @@
 equals the one-device grouped matmuls (forward and gradients) for expert = 1, 2, 4, 8, uniform or with
 every assignment on one device's experts; the CPU exchange does what ``ragged_all_to_all`` documents;
 the GPU/TPU path lowers to ``ragged_all_to_all`` (it cannot run on XLA:CPU)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,14 +20,20 @@ RNG = np.random.default_rng(0)
 X = RNG.normal(size=(B, T, D)).astype(np.float32)
 GATE_UP = (RNG.normal(size=(E, D, 2, F)) / 4).astype(np.float32)
 DOWN = (RNG.normal(size=(E, F, D)) / 3).astype(np.float32)
-ROUTES = {"uniform": RNG.integers(0, E, (B, T, K)).astype(np.int32),
-          "hot": RNG.integers(0, 2, (B, T, K)).astype(np.int32)}    # all on experts 0, 1: one device's
+ROUTES = {
+    "uniform": RNG.integers(0, E, (B, T, K)).astype(np.int32),
+    "hot": RNG.integers(0, 2, (B, T, K)).astype(np.int32),
+}  # all on experts 0, 1: one device's
 
 
 def _oracle(x, idx, gate_up, down):
     """Each assignment through its expert, one at a time (the expert MLP on a [1, 1, 1, D] buffer)."""
-    rows = [expert_mlp(x[b, t][None, None, None], gate_up[e][None], down[e][None])[0, 0, 0]
-            for b in range(B) for t in range(T) for e in idx[b, t]]
+    rows = [
+        expert_mlp(x[b, t][None, None, None], gate_up[e][None], down[e][None])[0, 0, 0]
+        for b in range(B)
+        for t in range(T)
+        for e in idx[b, t]
+    ]
     return jnp.stack(rows).reshape(B, T, K, D)
 
 
@@ -42,8 +49,9 @@ def reference(request):
     return idx, np.asarray(_oracle(X, idx, GATE_UP, DOWN)), grads
 
 
-@pytest.mark.parametrize("spec", ["data=8", "data=4,expert=2", "data=2,expert=4", "expert=8", "fsdp=2,expert=4",
-                                  "data=2,expert=2,tensor=2"])
+@pytest.mark.parametrize(
+    "spec", ["data=8", "data=4,expert=2", "data=2,expert=4", "expert=8", "fsdp=2,expert=4", "data=2,expert=2,tensor=2"]
+)
 def test_dropless_expert_parallel_equals_oracle(reference, spec):
     idx, want, want_grads = reference
     preset = resolve_mesh_arg(spec)
@@ -59,11 +67,16 @@ def test_padded_exchange_follows_the_ragged_all_to_all_contract():
     """The two-device example of ``jax.lax.ragged_all_to_all``'s documentation."""
     mesh = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
     operand = jnp.array([1, 2, 2, 3, 4, 0], jnp.float32)
-    per_device = dict(input_offsets=[0, 1, 0, 1], send_sizes=[1, 2, 1, 1], output_offsets=[0, 0, 1, 2],
-                      recv_sizes=[1, 1, 2, 1])
+    per_device = dict(
+        input_offsets=[0, 1, 0, 1], send_sizes=[1, 2, 1, 1], output_offsets=[0, 0, 1, 2], recv_sizes=[1, 1, 2, 1]
+    )
     args = [jnp.array(v, jnp.int32) for v in per_device.values()]
-    fn = jax.shard_map(lambda o, out, *a: padded_ragged_all_to_all(o, out, *a, axis_name="expert"), mesh=mesh,
-                       in_specs=P("expert"), out_specs=P("expert"))
+    fn = jax.shard_map(
+        lambda o, out, *a: padded_ragged_all_to_all(o, out, *a, axis_name="expert"),
+        mesh=mesh,
+        in_specs=P("expert"),
+        out_specs=P("expert"),
+    )
     got = jax.jit(fn)(operand, jnp.zeros(8, jnp.float32), *args)
     np.testing.assert_array_equal(np.asarray(got), [1, 3, 0, 0, 2, 2, 4, 0])
 
@@ -78,8 +91,10 @@ def test_gpu_and_tpu_lower_to_ragged_all_to_all():
     with use_layout(build_mesh(preset.mesh), preset.rules):
         fwd = jax.jit(lambda x, g, d: dropless_apply(x, idx, g, d, exchange="ragged"))
         grad = jax.jit(jax.grad(_loss(lambda *a: dropless_apply(*a, exchange="ragged"), idx), argnums=(0, 1, 2)))
-        texts = [jax.export.export(f, platforms=("cuda", "tpu"), disabled_checks=allow)(X, GATE_UP, DOWN).mlir_module()
-                 for f in (fwd, grad)]
+        texts = [
+            jax.export.export(f, platforms=("cuda", "tpu"), disabled_checks=allow)(X, GATE_UP, DOWN).mlir_module()
+            for f in (fwd, grad)
+        ]
     assert [t.count("custom_call @ragged_all_to_all") for t in texts] == [2, 3]
 
 

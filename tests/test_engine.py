@@ -1,4 +1,5 @@
 """The serving engine: continuous batching gives each request exactly what it gets alone."""
+
 import dataclasses
 
 import numpy as np
@@ -21,8 +22,10 @@ def _engine(model, **kw):
 
 def _requests(n, seed=0):
     rng = np.random.default_rng(seed)
-    return [Request(i, [int(t) for t in rng.integers(0, 256, rng.integers(1, 40))],
-                    max_new_tokens=int(rng.integers(1, 20))) for i in range(n)]
+    return [
+        Request(i, [int(t) for t in rng.integers(0, 256, rng.integers(1, 40))], max_new_tokens=int(rng.integers(1, 20)))
+        for i in range(n)
+    ]
 
 
 def test_batched_equals_alone_bitwise(tiny):
@@ -43,7 +46,7 @@ def test_batched_equals_alone_bitwise(tiny):
         engine.step()
         engine.pages.check()
         step += 1
-    assert engine.compiles == compiled                       # nothing compiled after warm-up
+    assert engine.compiles == compiled  # nothing compiled after warm-up
     assert max(s.decoded for s in engine.log) >= 3 and max(s.prefilled for s in engine.log) > 16
     assert engine.pages.used == 0
     alone = _engine(tiny)
@@ -57,7 +60,7 @@ def test_batched_equals_alone_bitwise(tiny):
 def _agree_under_margin(a: Request, b: Request, logits_a, tol: float) -> int:
     """Tokens equal wherever the top-two gap of a's logits exceeds tol; after the first position where
     they may differ, the rest is not compared. Returns the positions compared."""
-    gen_a, gen_b = a.tokens[len(a.prompt):], b.tokens[len(b.prompt):]
+    gen_a, gen_b = a.tokens[len(a.prompt) :], b.tokens[len(b.prompt) :]
     for i, (x, y) in enumerate(zip(gen_a, gen_b)):
         top2 = np.sort(logits_a[i])[-2:]
         if top2[1] - top2[0] <= tol:
@@ -136,6 +139,7 @@ def test_speculative_sampling_runs_and_reproduces(tiny):
         reqs = [Request(i, [3, 4, 5] * 5, max_new_tokens=20) for i in range(2)]
         engine.run(reqs, sampling=dict(temperature=1.0, top_k=20, seed=7))
         return [r.tokens for r in reqs]
+
     first = once()
     assert first == once() and all(len(t) == 35 for t in first)
 
@@ -144,7 +148,7 @@ def test_pool_sized_from_a_memory_budget(tiny):
     from jaxpar.errors import ConfigError
     from jaxpar.inference.engine import page_bytes
 
-    per_page = 2 * 2 * 8 * 2 * 8 * 4                 # K and V · layers · page · kv heads · head width · f32
+    per_page = 2 * 2 * 8 * 2 * 8 * 4  # K and V · layers · page · kv heads · head width · f32
     assert page_bytes(tiny, 8) == per_page
     engine = Engine(tiny, max_slots=2, page_size=8, max_length=64, memory_budget=10 * per_page + 5)
     assert engine.pages.num_pages == 10
@@ -159,8 +163,7 @@ def test_a_draft_identical_to_the_target_is_always_accepted(tiny):
     guess is kept (greedy), and the output is plain greedy decoding's under the margin rule."""
     from jaxpar.errors import ConfigError
 
-    spec = Engine(tiny, max_slots=3, page_size=8, max_length=64, chunk=16, record_logits=True, speculate=3,
-                  draft=tiny)
+    spec = Engine(tiny, max_slots=3, page_size=8, max_length=64, chunk=16, record_logits=True, speculate=3, draft=tiny)
     spec.warm_up()
     compiled = spec.compiles
     reqs = _requests(6, seed=4)
@@ -180,11 +183,13 @@ def test_a_sampling_draft_identical_to_the_target_is_accepted_nearly_always(tiny
     its draft, p = q up to rounding (width 1 against width k + 1), so min(1, q/p) keeps nearly every
     guess. A greedy proposal is kept with probability q(argmax), for this near-uniform random model
     0.006 on average (measured over these requests' 64 positions). Reproducible for a seed."""
+
     def once():
         spec = Engine(tiny, max_slots=3, page_size=8, max_length=64, chunk=16, speculate=3, draft=tiny)
         reqs = _requests(6, seed=7)
         spec.run(reqs, sampling=dict(temperature=1.0, seed=11))
         return spec.acceptance(), [r.tokens for r in reqs]
+
     (report, tokens), (_, again) = once(), once()
     assert report["rate"] >= 0.97 and report["verifications"] > 10, report
     assert tokens == again
@@ -196,12 +201,13 @@ def test_an_engine_sharded_over_two_devices_agrees_with_one(tiny, mesh):
     tokens as one device under the margin rule (a sharded matmul sums in another order), the weights
     and every pool placed as the layout says."""
     import jax
+
     reqs = _requests(12, seed=5)
     engine = _engine(tiny, mesh=mesh, devices=jax.devices()[:2])
     engine.run(reqs)
     k = engine.models["target"].pools[next(iter(engine.models["target"].pools))].k
     assert len(k.sharding.device_set) == 2
-    split = k.addressable_shards[0].data.shape[-2]                # kv heads
+    split = k.addressable_shards[0].data.shape[-2]  # kv heads
     assert split == (k.shape[-2] // 2 if mesh == "decode_tp" else k.shape[-2])
     compared = _compared_with_alone(tiny, reqs)
     assert sum(compared) >= 0.8 * sum(r.generated for r in reqs)

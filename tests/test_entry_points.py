@@ -14,6 +14,7 @@
    constraints and with the one-device attention and MoE paths. One device needs no layout.
 Everything compiles from abstract inputs; the only real arrays are the eager cases' tiny models.
 """
+
 import dataclasses
 
 import jax
@@ -28,8 +29,7 @@ from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
-from jaxpar.train.step import (TrainState, batch_sharding, init_program, make_eval_step, make_grad_fn,
-                               make_train_step)
+from jaxpar.train.step import TrainState, batch_sharding, init_program, make_eval_step, make_grad_fn, make_train_step
 
 B, T = 8, 16
 MESH = "data=2,expert=2,sequence=2"
@@ -51,8 +51,9 @@ def model_config(name):
 def setup(request):
     cfg = model_config(request.param)
     layout = make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T)
-    program = init_program(lambda r: build_model(cfg, rngs=r),
-                           lambda m: make_optimizer(OptimizerConfig(), m, total_steps=10), layout)
+    program = init_program(
+        lambda r: build_model(cfg, rngs=r), lambda m: make_optimizer(OptimizerConfig(), m, total_steps=10), layout
+    )
     state = abstract_like(program.abstract, program.shardings)
     batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     return request.param, layout, program, state, batch
@@ -66,7 +67,8 @@ def test_compiled_entry_point_holds_the_layouts_kernels(setup, entry):
     report = analyze_compiled(fn.lower(state, batch).compile(), mesh=layout.mesh)
     for kind, axis in LAYOUTS[name][2]:
         assert report.collectives.count(kind, axes=(axis,)) > 0, (
-            f"{name} {entry}: no {kind} over {axis}; the program's collectives: {report.collectives.to_json()}")
+            f"{name} {entry}: no {kind} over {axis}; the program's collectives: {report.collectives.to_json()}"
+        )
 
 
 def test_compiled_init_places_every_array_as_the_layout_says(setup):
@@ -79,7 +81,7 @@ def test_compiled_init_places_every_array_as_the_layout_says(setup):
     for g, w, a in zip(got, want, shapes):
         assert g.is_equivalent_to(w, len(a.shape)), (g, w, a.shape)
     flat = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(program.shardings)}
-    gate_up = flat["0/moe_blocks/moe/gate_up"]                         # [L, E, D, 2, F], E=4 over expert=2
+    gate_up = flat["0/moe_blocks/moe/gate_up"]  # [L, E, D, 2, F], E=4 over expert=2
     assert gate_up.shard_shape((2, 4, 64, 2, 64))[1] == 2
 
 
@@ -89,8 +91,9 @@ def sharded_tiny():
     """tiny, born sharded under fsdp=8 (real arrays), and its layout."""
     cfg = get_model_preset("tiny")
     layout = make_layout(cfg, resolve_mesh_arg("fsdp"), batch=B, seq=T)
-    program = init_program(lambda r: build_model(cfg, rngs=r),
-                           lambda m: make_optimizer(OptimizerConfig(), m, total_steps=10), layout)
+    program = init_program(
+        lambda r: build_model(cfg, rngs=r), lambda m: make_optimizer(OptimizerConfig(), m, total_steps=10), layout
+    )
     with layout.activate():
         state = program.create()
     model, _ = nnx.merge(program.graphdef, state)
@@ -108,17 +111,17 @@ def test_a_users_jit_without_the_layout_is_refused(sharded_tiny):
     forward = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))
     with pytest.raises(NoLayoutError, match="traced on a mesh of 8 devices but " + SAYS):
         forward.lower(state, ids)
-    with layout.activate():                                    # what the message says to do
+    with layout.activate():  # what the message says to do
         assert forward.lower(state, ids) is not None
 
 
 def test_eager_and_set_mesh_without_the_layout_are_refused(sharded_tiny):
     model, layout = sharded_tiny
     with pytest.raises(NoLayoutError, match=SAYS):
-        model(IDS)                                              # the parameters live on 8 devices
+        model(IDS)  # the parameters live on 8 devices
     one_device = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))
     with jax.set_mesh(layout.mesh), pytest.raises(NoLayoutError, match=SAYS):
-        jax.jit(lambda m, i: m(i)).lower(one_device, IDS)      # a multi-device mesh in context
+        jax.jit(lambda m, i: m(i)).lower(one_device, IDS)  # a multi-device mesh in context
 
 
 def test_one_device_needs_no_layout():

@@ -1,13 +1,14 @@
 """Expert parallelism: the all-to-all expert MLP equals the one-device MLP (forward and gradients) for
 expert = 1, 2, 4, 8, composes with data and tensor sharding, and moves the bytes the formula says."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxpar.analysis import analyze_compiled
-from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.mesh import build_mesh
+from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.parallel.moe import a2a_bytes_formula, expert_mlp, experts_apply
 from jaxpar.rules import LayoutError, use_layout
 
@@ -25,7 +26,9 @@ def _loss(fn):
 
 @pytest.fixture(scope="module")
 def dense():
-    return np.asarray(expert_mlp(BUF, GATE_UP, DOWN)), jax.grad(_loss(expert_mlp), argnums=(0, 1, 2))(BUF, GATE_UP, DOWN)
+    return np.asarray(expert_mlp(BUF, GATE_UP, DOWN)), jax.grad(_loss(expert_mlp), argnums=(0, 1, 2))(
+        BUF, GATE_UP, DOWN
+    )
 
 
 def _sharded(spec):
@@ -33,13 +36,17 @@ def _sharded(spec):
     mesh = build_mesh(preset.mesh)
     rules = preset.rules
     s = lambda names: jax.sharding.NamedSharding(mesh, rules.spec(names))
-    shardings = (s(("batch", None, None, "act_embed")), s(("experts", "embed", None, "mlp")),
-                 s(("experts", "mlp", "embed")))
+    shardings = (
+        s(("batch", None, None, "act_embed")),
+        s(("experts", "embed", None, "mlp")),
+        s(("experts", "mlp", "embed")),
+    )
     return mesh, rules, shardings
 
 
-@pytest.mark.parametrize("spec", ["data=8", "data=4,expert=2", "data=2,expert=4", "expert=8",
-                                  "data=2,expert=2,tensor=2", "fsdp=2,expert=4"])
+@pytest.mark.parametrize(
+    "spec", ["data=8", "data=4,expert=2", "data=2,expert=4", "expert=8", "data=2,expert=2,tensor=2", "fsdp=2,expert=4"]
+)
 def test_expert_parallel_equals_one_device(dense, spec):
     want, want_grads = dense
     mesh, rules, shardings = _sharded(spec)
@@ -61,10 +68,11 @@ def test_all_to_all_bytes_match_the_formula():
     sent = sum(c.sent_bytes * c.executions for c in report.ops if c.kind == "all-to-all")
     # the buffer holds T·k·cf tokens per device: here B/8 groups × E × C slots
     slots_per_device = B // 8 * E * C
-    want = a2a_bytes_formula(tokens_per_device=slots_per_device, top_k=1, capacity_factor=1.0, embed_dim=D,
-                             ep=ep, bytes_per_element=4)
+    want = a2a_bytes_formula(
+        tokens_per_device=slots_per_device, top_k=1, capacity_factor=1.0, embed_dim=D, ep=ep, bytes_per_element=4
+    )
     assert report.collectives.count("all-to-all") == 4
-    assert sent == want, (sent, want)              # exactly: 4,608 bytes here
+    assert sent == want, (sent, want)  # exactly: 4,608 bytes here
 
 
 def test_groups_or_experts_not_divisible_by_the_expert_axis():

@@ -12,6 +12,7 @@ the losses and loads and saves each step's gradients (``invariance.train_steps``
 the test compares parameter by parameter (``invariance.assert_same_gradients``: max |a − b| ≤ 1e-5 ·
 max |b|).
 """
+
 import json
 import os
 import subprocess
@@ -21,10 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from invariance import assert_same_gradients
 
-LAYOUTS = {                  # name: (mesh, pipeline schedule and microbatches, or None)
+LAYOUTS = {  # name: (mesh, pipeline schedule and microbatches, or None)
     "5d": ("data=2,fsdp=2,tensor=2,expert=2,sequence=2", None),
     "6d": ("stage=2,fsdp=2,tensor=2,expert=2,sequence=2", ("1f1b", 2)),
 }
@@ -71,15 +71,20 @@ def test_all_axes_match_one_device(layout, tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     grads_file = tmp_path / "grads.npz"
     extra = [] if pipeline is None else [pipeline[0], str(pipeline[1])]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mesh, str(grads_file), str(Path(__file__).parent), *extra],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mesh, str(grads_file), str(Path(__file__).parent), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["many"]["mesh"] == {a: int(n) for a, n in (part.split("=") for part in mesh.split(","))}
     np.testing.assert_allclose(out["many"]["losses"], out["one"]["losses"], rtol=1e-5)
-    np.testing.assert_array_equal(out["many"]["loads"], out["one"]["loads"])       # routing is exact
-    assert np.all(np.diff(out["one"]["losses"]) < -1e-2)                    # it trains (same batch each step)
+    np.testing.assert_array_equal(out["many"]["loads"], out["one"]["loads"])  # routing is exact
+    assert np.all(np.diff(out["one"]["losses"]) < -1e-2)  # it trains (same batch each step)
     grads = _load_grads(grads_file)
-    assert len(grads["one"]) == 3 and any("gate_up" in p for p in grads["one"][0])     # the experts' too
+    assert len(grads["one"]) == 3 and any("gate_up" in p for p in grads["one"][0])  # the experts' too
     assert_same_gradients(grads["many"], grads["one"], mesh)
     print(layout, "losses", out["many"]["losses"], "one device", out["one"]["losses"])

@@ -1,11 +1,13 @@
 """Property-based fuzzing of the two text parsers every run starts with: the mesh spec (``--mesh``) and
 ``--set path=value``. Whatever the text, each either returns a valid object or raises the library's own
-error (a ``jaxpar.errors.JaxparError``: ``MeshError``, ``LayoutError``, ``ConfigError``, ...), never a bare ValueError, TypeError, KeyError,
+error (a ``jaxpar.errors.JaxparError``: ``MeshError``, ``LayoutError``, ``ConfigError``, ...), never a bare
+ValueError, TypeError, KeyError,
 ZeroDivisionError, ... that would reach the user as a traceback.
 
 Each test gets a fixed budget of examples and ``derandomize=True``, so CI runs the same examples every
 time; no example database is kept.
 """
+
 import dataclasses
 import math
 
@@ -22,17 +24,23 @@ DEVICES = 8
 
 
 def fuzz(examples: int):
-    return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 # --------------------------------------------------------------------------------------------- mesh specs
 JUNK_AXES = ("pipe", "Data", "dcn.", "dcn.pipe", "dcn.dcn.data", "", " ", "tensor ", "=", "data.fsdp")
 AXIS_KEYS = st.sampled_from([*AXES, *(f"dcn.{a}" for a in AXES), *JUNK_AXES]) | st.text(max_size=6)
-SIZES = (st.integers(-3, 12).map(str)
-         | st.sampled_from(["-1", "0", "", " 2 ", "+4", "1_0", "2.0", "1e3", "two", "0x8", "٣", "9" * 5000,
-                            str(2**64)])
-         | st.text(max_size=4))
+SIZES = (
+    st.integers(-3, 12).map(str)
+    | st.sampled_from(["-1", "0", "", " 2 ", "+4", "1_0", "2.0", "1e3", "two", "0x8", "٣", "9" * 5000, str(2**64)])
+    | st.text(max_size=4)
+)
 
 
 @st.composite
@@ -49,7 +57,7 @@ def check_mesh_spec(spec: str) -> None:
     except MeshError:
         config = None
     if config is not None:
-        assert MeshConfig.parse(str(config)) == config              # the string form round-trips
+        assert MeshConfig.parse(str(config)) == config  # the string form round-trips
         try:
             resolved = config.resolve(DEVICES)
         except MeshError:
@@ -87,15 +95,58 @@ def test_mesh_parser_on_near_valid_specs(spec):
 CONFIGS = {name: default_config(name) for name in ("tiny", "tiny-moe", "tiny-deepseek")}
 PATH_TYPES = {p: tp for cfg in CONFIGS.values() for p, tp in field_paths(cfg).items()}
 PATHS = sorted(PATH_TYPES)
-JUNK_PATHS = ("model", "model.", ".steps", "steps.", "model.moe", "optimizer..schedule", "model.rope_scaling",
-              "STEPS", "log.eval_every.x", "")
-VALUES = (st.integers().map(str)
-          | st.integers(-2, 3).map(str)
-          | st.floats().map(str)
-          | st.sampled_from(["none", "null", "None", "true", "false", "yes", "", " ", "-0", "0", "1e999", "nan",
-                             "-inf", "1_000", "0x10", "2.5", "cosine", "wsd", "cosin", "files", "markov", "dots",
-                             "ring", "ulysses", "zigzag", "bfloat16", "float8", "9" * 5000, "=", "a=b"])
-          | st.text(max_size=8))
+JUNK_PATHS = (
+    "model",
+    "model.",
+    ".steps",
+    "steps.",
+    "model.moe",
+    "optimizer..schedule",
+    "model.rope_scaling",
+    "STEPS",
+    "log.eval_every.x",
+    "",
+)
+VALUES = (
+    st.integers().map(str)
+    | st.integers(-2, 3).map(str)
+    | st.floats().map(str)
+    | st.sampled_from(
+        [
+            "none",
+            "null",
+            "None",
+            "true",
+            "false",
+            "yes",
+            "",
+            " ",
+            "-0",
+            "0",
+            "1e999",
+            "nan",
+            "-inf",
+            "1_000",
+            "0x10",
+            "2.5",
+            "cosine",
+            "wsd",
+            "cosin",
+            "files",
+            "markov",
+            "dots",
+            "ring",
+            "ulysses",
+            "zigzag",
+            "bfloat16",
+            "float8",
+            "9" * 5000,
+            "=",
+            "a=b",
+        ]
+    )
+    | st.text(max_size=8)
+)
 
 
 def typed_values(tp) -> st.SearchStrategy[str]:
@@ -107,8 +158,27 @@ def typed_values(tp) -> st.SearchStrategy[str]:
         return st.floats().map(str) | st.sampled_from(["0", "-0.0", "1e-320", "1e999", "-inf", "nan", "1_0.5"])
     if "bool" in text:
         return st.sampled_from(["true", "false", "TRUE", "on", "0", "1", "2", "maybe"])
-    return st.sampled_from(["none", "", "full", "dots", "ring", "ulysses", "zigzag", "contiguous", "bfloat16",
-                            "float16", "files", "markov", "cosine", "wsd", "3d", "data=2", "uint32"])
+    return st.sampled_from(
+        [
+            "none",
+            "",
+            "full",
+            "dots",
+            "ring",
+            "ulysses",
+            "zigzag",
+            "contiguous",
+            "bfloat16",
+            "float16",
+            "files",
+            "markov",
+            "cosine",
+            "wsd",
+            "3d",
+            "data=2",
+            "uint32",
+        ]
+    )
 
 
 @st.composite
@@ -173,12 +243,16 @@ def test_each_field_with_hostile_values_and_values_of_its_type(path):
     @given(typed_values(PATH_TYPES[path]))
     def typed(value):
         check_overrides(cfg, [f"{path}={value}"], layout=True)
+
     typed()
 
 
 @fuzz(100)
-@given(st.sampled_from(sorted(CONFIGS)), st.lists(set_items(), min_size=1, max_size=3),
-       st.sampled_from(["3d", "dp", "fsdp", "tp", "cp", "data=2,expert=4", "data=2,fsdp=-1", "tensor=3"]))
+@given(
+    st.sampled_from(sorted(CONFIGS)),
+    st.lists(set_items(), min_size=1, max_size=3),
+    st.sampled_from(["3d", "dp", "fsdp", "tp", "cp", "data=2,expert=4", "data=2,fsdp=-1", "tensor=3"]),
+)
 def test_checks_before_any_write_raise_only_library_errors(preset, items, mesh):
     """Past the parser, on whatever config the overrides produce: the checks ``jaxpar train`` runs
     before writing anything."""

@@ -4,6 +4,7 @@ The oracle is the training forward (``model(ids)``: no cache, no decode kernel) 
 fixed-size buffer, so one compiled program serves every step. Tokens must agree wherever the oracle's
 top-two logit margin exceeds the measured logit error (the margin rule); positions below it are reported.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,13 +21,13 @@ from jaxpar.inference.generate import Generator, bucket
 from jaxpar.models import build_model, get_model_preset
 
 NEW = 8
-LOGIT_TOL = 1e-4          # decode logits vs the training forward's, float32 (README: Generation)
-BELOW_MARGIN: list = []   # (case, prompt, step, margin, error): reported, never hidden
+LOGIT_TOL = 1e-4  # decode logits vs the training forward's, float32 (README: Generation)
+BELOW_MARGIN: list = []  # (case, prompt, step, margin, error): reported, never hidden
 
 
 def _cfg(name: str, **kw):
     cfg = get_model_preset(name, **kw)
-    if hasattr(cfg, "moe"):                          # the oracle must route like decode: dropless
+    if hasattr(cfg, "moe"):  # the oracle must route like decode: dropless
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
     return cfg
 
@@ -49,7 +50,7 @@ def _prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int
 
 def _model(cfg):
     model = build_model(cfg, rngs=nnx.Rngs(0))
-    if cfg.qkv_bias:                                  # zero-initialised: make them matter
+    if cfg.qkv_bias:  # zero-initialised: make them matter
         for name in ("q_bias", "k_bias", "v_bias"):
             p = getattr(model.blocks.attn, name)
             p[...] = 0.3 * jax.random.normal(jax.random.key(len(name)), p.shape)
@@ -67,12 +68,12 @@ def _oracle_rollout(model, prompts, steps: int):
     for _ in range(steps):
         buf = np.zeros((len(seqs), width), np.int32)
         for i, s in enumerate(seqs):
-            buf[i, :len(s)] = s
+            buf[i, : len(s)] = s
         out = np.asarray(forward(jnp.asarray(buf)))
         for i, s in enumerate(seqs):
             logits[i].append(out[i, len(s) - 1])
             s.append(int(np.argmax(out[i, len(s) - 1])))
-    return [s[len(p):] for s, p in zip(seqs, prompts)], [np.stack(l) for l in logits]
+    return [s[len(p) :] for s, p in zip(seqs, prompts)], [np.stack(l) for l in logits]
 
 
 def margin_check(case, tokens, logits, ref_tokens, ref_logits, tol: float) -> float:
@@ -102,15 +103,20 @@ def test_decode_rollout_equals_the_training_forward(variant):
     out = Generator(model).generate(prompts, max_new_tokens=NEW, return_logits=True)
     err = margin_check(variant, out.tokens, out.logits, ref_tokens, ref_logits, LOGIT_TOL)
     print(f"{variant}: max |logit error| {err:.2e}")
-    if kw.get("sliding_window"):                     # a window cache keeps the window, no more
+    if kw.get("sliding_window"):  # a window cache keeps the window, no more
         cache = Generator(model).model.empty_cache(2, 64)["blocks"]
         assert cache.k.shape[2] == kw["sliding_window"]
 
 
 # ------------------------------------------------------------------------------------ decode layouts
 LAYOUTS = [  # (model, mesh, devices): every one must give the one-device tokens, its cache unreplicated
-    ("tiny", "tensor=2", 2), ("tiny", "tensor=4", 4), ("tiny", "decode_tp", 8), ("tiny", "data=2,tensor=4", 8),
-    ("tiny", "prefill_cp", 8), ("tiny-moe", "decode_ep", 4), ("tiny-moe", "data=2,expert=4", 8),
+    ("tiny", "tensor=2", 2),
+    ("tiny", "tensor=4", 4),
+    ("tiny", "decode_tp", 8),
+    ("tiny", "data=2,tensor=4", 8),
+    ("tiny", "prefill_cp", 8),
+    ("tiny-moe", "decode_ep", 4),
+    ("tiny-moe", "data=2,expert=4", 8),
     ("tiny-deepseek", "decode_tp", 8),
 ]
 BATCH = 8
@@ -135,6 +141,7 @@ def _cache_bytes(gen, prompts):
     prefill, _ = gen.programs(len(prompts), prompt, slots)
     ids = np.zeros((len(prompts), prompt), np.int32)
     from jaxpar.inference.sampling import SamplingParams
+
     _, _, cache = prefill(gen.state, ids, lengths, SamplingParams.greedy(len(prompts)))
     leaves = jax.tree.leaves(cache)
     per_device = {}
@@ -152,16 +159,15 @@ def test_decode_layouts_agree_and_never_replicate_the_cache(single_device_runs, 
     margin_check(f"{name}@{mesh}", out.tokens, out.logits, ref.tokens, ref.logits, 1e-5)
     total, per_device, slots = _cache_bytes(gen, prompts)
     cfg = gen.cfg
-    if cfg.uses_mla:      # (kv_lora + rope) per token and layer
+    if cfg.uses_mla:  # (kv_lora + rope) per token and layer
         per_token = cfg.num_layers * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 4
-    else:                 # 2 · L · K · H · bytes
+    else:  # 2 · L · K · H · bytes
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     assert total == per_token * BATCH * slots
-    assert sorted(set(per_device.values())) == [total // devices], per_device      # split, not replicated
-    if mesh == "prefill_cp":       # the slot-split cache is read where it lies: partial softmaxes combined
+    assert sorted(set(per_device.values())) == [total // devices], per_device  # split, not replicated
+    if mesh == "prefill_cp":  # the slot-split cache is read where it lies: partial softmaxes combined
         decode_hlo = gen.programs(BATCH, bucket(14), slots)[1].as_text()
         assert "all-reduce" in decode_hlo and "all-gather" not in decode_hlo
-
 
 
 def test_data_parallel_decode_step_sends_only_the_greedy_flag():
@@ -174,6 +180,7 @@ def test_data_parallel_decode_step_sends_only_the_greedy_flag():
     _, decode = gen.programs(BATCH, 16, 32)
     ops = analyze_compiled(decode, mesh=gen.mesh).ops
     assert [(c.kind, c.bytes, c.axes) for c in ops] == [("all-reduce", 1, ("data",))]
+
 
 def test_partial_softmax_decode_equals_dense_attention_forward_and_gradient():
     """The decode kernel over a cache split 8 ways along its slots (shard_map, pmax/psum combine)
@@ -199,7 +206,7 @@ def test_partial_softmax_decode_equals_dense_attention_forward_and_gradient():
     def dense(q, ck, cv):
         rows = jnp.arange(b)
         ck, cv = ck.at[rows, pos[:, 0]].set(kn[:, 0]), cv.at[rows, pos[:, 0]].set(vn[:, 0])
-        kk, vv = jnp.repeat(ck, g, axis=2), jnp.repeat(cv, g, axis=2)            # [B, S, N, H]
+        kk, vv = jnp.repeat(ck, g, axis=2), jnp.repeat(cv, g, axis=2)  # [B, S, N, H]
         scores = jnp.einsum("bnh,bsnh->bns", q[:, 0], kk) / np.sqrt(h)
         scores = jnp.where(jnp.arange(s)[None, None] <= pos[:, :, None], scores, -1e30)
         return jnp.einsum("bns,bsnh->bnh", jax.nn.softmax(scores, -1), vv)[:, None], KVCache(ck, cv)
@@ -227,8 +234,11 @@ def test_new_prompt_lengths_and_sampler_settings_do_not_recompile(tiny_gen):
 
     tiny_gen.generate(_prompts(256, (5, 9)), max_new_tokens=4)
     programs = dict(tiny_gen._compiled)
-    out = tiny_gen.generate(_prompts(256, (12, 3), seed=1), max_new_tokens=4,
-                            sampling=SamplingParams.make(2, temperature=[0.0, 0.7], top_p=0.9, seed=[1, 2]))
+    out = tiny_gen.generate(
+        _prompts(256, (12, 3), seed=1),
+        max_new_tokens=4,
+        sampling=SamplingParams.make(2, temperature=[0.0, 0.7], top_p=0.9, seed=[1, 2]),
+    )
     assert tiny_gen._compiled == programs and out.compile_s < 0.01
 
 
@@ -249,24 +259,27 @@ def test_training_layout_to_decode_layout_is_one_reshard(monkeypatch):
 
     cfg = _cfg("tiny")
     model = layouts.reshard(build_model(cfg, rngs=nnx.Rngs(0)), default_layout(cfg, "fsdp"))
-    assert model.blocks.attn.q[...].sharding.spec[1] == "fsdp"                          # FSDP training layout
+    assert model.blocks.attn.q[...].sharding.spec[1] == "fsdp"  # FSDP training layout
     calls = []
     real = jax.device_put
     monkeypatch.setattr(layouts.jax, "device_put", lambda *a, **k: calls.append(1) or real(*a, **k))
     gen = Generator(model, "decode_tp")
     assert len(calls) == 1
-    assert tuple(gen.model.blocks.attn.q[...].sharding.spec)[:3] == (None, None, "tensor")   # heads over tensor
+    assert tuple(gen.model.blocks.attn.q[...].sharding.spec)[:3] == (None, None, "tensor")  # heads over tensor
     assert gen.model.embed.embedding[...].sharding.spec[0] == "tensor"
     specs = [tuple(x.sharding.spec) for x in jax.tree.leaves(nnx.state(gen.model))]
-    assert not any("fsdp" in s for s in specs)                                         # nothing on fsdp
+    assert not any("fsdp" in s for s in specs)  # nothing on fsdp
 
 
-@pytest.mark.parametrize("prompts,new,match", [
-    ([[]], 4, "prompt 0: empty"),
-    ([[1, 256]], 4, "token id 256 is outside the vocabulary"),
-    ([[1, 2, 3]], 1022, "exceeds model.max_seq_len=1024"),
-    ([[1, 2, 3]], 0, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "prompts,new,match",
+    [
+        ([[]], 4, "prompt 0: empty"),
+        ([[1, 256]], 4, "token id 256 is outside the vocabulary"),
+        ([[1, 2, 3]], 1022, "exceeds model.max_seq_len=1024"),
+        ([[1, 2, 3]], 0, "max_new_tokens"),
+    ],
+)
 def test_bad_requests_are_refused_before_anything_runs(tiny_gen, prompts, new, match):
     compiled = dict(tiny_gen._compiled)
     with pytest.raises(ConfigError, match=match):

@@ -6,6 +6,7 @@ form (JSON, streamed text, streamed ids), the batch, the stop ids or the mesh; i
 refused with status 2, naming the flag or field, before a weight is read and without a file changing.
 Two programs, shared through the suite's compilation cache: batch 1 on one device, 2 on data=2 × tensor=4.
 """
+
 import json
 import shutil
 import types
@@ -31,9 +32,9 @@ def assets(tmp_path_factory):
     save_model(build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0)), tmp / "ckpt", source={"test": True})
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    words = [f"w{i}" for i in range(300)]                 # word i appears 300 - i times: w0..w254 are kept
+    words = [f"w{i}" for i in range(300)]  # word i appears 300 - i times: w0..w254 are kept
     trainer = trainers.WordLevelTrainer(vocab_size=256, special_tokens=["[UNK]"])
-    tokenizer.train_from_iterator([" ".join(words[:i + 1]) for i in range(len(words))], trainer)
+    tokenizer.train_from_iterator([" ".join(words[: i + 1]) for i in range(len(words))], trainer)
     assert tokenizer.get_vocab_size() == 256
     tokenizer.save(str(tmp / "tokenizer.json"))
     shutil.copytree(tmp / "ckpt", tmp / "ckpt_tok")
@@ -41,8 +42,13 @@ def assets(tmp_path_factory):
     (tmp / "bad_tokenizer.json").write_text("{not json")
     (tmp / "plain").mkdir()
     (tmp / "plain" / "notes.txt").write_text("not a model")
-    return types.SimpleNamespace(tmp=tmp, ckpt=tmp / "ckpt", ckpt_tok=tmp / "ckpt_tok", tokenizer=tokenizer,
-                                 tokenizer_file=tmp / "tokenizer.json")
+    return types.SimpleNamespace(
+        tmp=tmp,
+        ckpt=tmp / "ckpt",
+        ckpt_tok=tmp / "ckpt_tok",
+        tokenizer=tokenizer,
+        tokenizer_file=tmp / "tokenizer.json",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +86,36 @@ def greedy(api, prompts, n=MAX_NEW):
 def test_prompt_ids_json_matches_the_api(assets, api, capsys):
     report = generate_json(capsys, "--from", assets.ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", MAX_NEW)
     assert report["tokens"] == greedy(api, [[1, 2, 3]])
-    assert report["finish_reasons"] == ["length"] and "text" not in report           # no tokenizer anywhere
-    for key in ("prefill_s", "time_to_first_token_s", "decode_s", "decode_tokens_per_s", "compile_s",
-                "inter_token_s_p50", "inter_token_s_p99"):
+    assert report["finish_reasons"] == ["length"] and "text" not in report  # no tokenizer anywhere
+    for key in (
+        "prefill_s",
+        "time_to_first_token_s",
+        "decode_s",
+        "decode_tokens_per_s",
+        "compile_s",
+        "inter_token_s_p50",
+        "inter_token_s_p99",
+    ):
         assert report[key] > 0, key
     assert report["inter_token_s_p50"] <= report["inter_token_s_p99"]
     assert report["mesh"] == {"layout": "decode_dp", "axes": {}, "devices": 1}
 
 
 def test_prompt_text_json_decodes_its_tokens(assets, api, capsys):
-    report = generate_json(capsys, "--from", assets.ckpt, "--tokenizer", assets.tokenizer_file,
-                           "--prompt", "w1 w2 w3", "--max-new-tokens", MAX_NEW)
+    report = generate_json(
+        capsys,
+        "--from",
+        assets.ckpt,
+        "--tokenizer",
+        assets.tokenizer_file,
+        "--prompt",
+        "w1 w2 w3",
+        "--max-new-tokens",
+        MAX_NEW,
+    )
     assert report["tokens"] == greedy(api, [assets.tokenizer.encode("w1 w2 w3").ids])
     assert report["text"] == [assets.tokenizer.decode(report["tokens"][0])]
-    assert len(report["text"][0].split()) == MAX_NEW                               # every id is a word
+    assert len(report["text"][0].split()) == MAX_NEW  # every id is a word
 
 
 def test_streamed_text_is_the_decoded_completion(assets, api, capsys):
@@ -106,9 +128,23 @@ def test_streamed_text_is_the_decoded_completion(assets, api, capsys):
 
 def test_sampling_flags_reproduce_by_seed(assets, capsys):
     """Streamed as ids (one prompt, no tokenizer): one line of space-separated ids."""
+
     def sampled(seed):
-        status, out, err = generate(capsys, "--from", assets.ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens",
-                                    MAX_NEW, "--temperature", "0.8", "--top-k", "20", "--seed", seed)
+        status, out, err = generate(
+            capsys,
+            "--from",
+            assets.ckpt,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            MAX_NEW,
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "20",
+            "--seed",
+            seed,
+        )
         assert status == 0 and out.endswith("\n") and out.count("\n") == 1, err
         return [int(t) for t in out.split()]
 
@@ -136,14 +172,24 @@ def test_stream_holds_back_an_incomplete_character(capsys):
     assert printed[:4] == ["a", "", "é", ""] and "\ufffd" not in "".join(printed)
 
 
-MESH = ["--mesh", "data=2,tensor=4", "--cpu-devices", 8]      # 8: the devices there are, so accepted
-TWO = [[1, 2, 3, 4, 5], [9, 8]]                                # of different lengths
+MESH = ["--mesh", "data=2,tensor=4", "--cpu-devices", 8]  # 8: the devices there are, so accepted
+TWO = [[1, 2, 3, 4, 5], [9, 8]]  # of different lengths
 
 
 def test_two_prompts_on_a_mesh_give_the_one_device_tokens(assets, api, capsys):
     """Streamed as one ``[i] ids`` line per prompt; each row is what it is alone on one device."""
-    status, out, err = generate(capsys, "--from", assets.ckpt, "--prompt-ids", "1,2,3,4,5", "--prompt-ids", "9,8",
-                                "--max-new-tokens", MAX_NEW, *MESH)
+    status, out, err = generate(
+        capsys,
+        "--from",
+        assets.ckpt,
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--prompt-ids",
+        "9,8",
+        "--max-new-tokens",
+        MAX_NEW,
+        *MESH,
+    )
     assert status == 0, err
     rows = dict(line.split(" ", 1) for line in out.splitlines())
     assert rows == {f"[{i}]": " ".join(map(str, greedy(api, [p])[0])) for i, p in enumerate(TWO)}
@@ -153,8 +199,20 @@ def test_two_prompts_on_a_mesh_give_the_one_device_tokens(assets, api, capsys):
 def test_stop_ids_end_a_row(assets, api, capsys):
     first = [greedy(api, [p])[0] for p in TWO]
     stop = first[0][2]
-    report = generate_json(capsys, "--from", assets.ckpt, "--prompt-ids", "1,2,3,4,5", "--prompt-ids", "9,8",
-                           "--max-new-tokens", MAX_NEW, "--stop-ids", stop, *MESH)
+    report = generate_json(
+        capsys,
+        "--from",
+        assets.ckpt,
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--prompt-ids",
+        "9,8",
+        "--max-new-tokens",
+        MAX_NEW,
+        "--stop-ids",
+        stop,
+        *MESH,
+    )
     for row, got, reason in zip(first, report["tokens"], report["finish_reasons"]):
         cut = row.index(stop) + 1 if stop in row else len(row)
         assert got == row[:cut] and reason == ("stop" if stop in row else "length")
@@ -182,8 +240,10 @@ def _listing(root):
 
 PROMPT = ["--prompt-ids", "1,2,3"]
 BAD = {
-    "too long": (["--prompt-ids", ",".join(["1"] * 1000), "--max-new-tokens", "25"],
-                 ["1000 tokens", "--max-new-tokens", "25", "max_seq_len=1024"]),
+    "too long": (
+        ["--prompt-ids", ",".join(["1"] * 1000), "--max-new-tokens", "25"],
+        ["1000 tokens", "--max-new-tokens", "25", "max_seq_len=1024"],
+    ),
     "empty prompt": (["--prompt-ids", ""], ["--prompt-ids", "empty"]),
     "id beyond vocab": (["--prompt-ids", "1,256"], ["--prompt-ids", "token id 256", "vocab_size=256"]),
     "not an id": (["--prompt-ids", "1,x"], ["--prompt-ids", "'x'"]),
@@ -191,13 +251,19 @@ BAD = {
     "top-p 1.5": (PROMPT + ["--top-p", "1.5"], ["top_p (--top-p) = 1.5", "(0, 1]"]),
     "temperature -1": (PROMPT + ["--temperature", "-1"], ["temperature (--temperature) = -1.0", ">= 0"]),
     "stop id beyond vocab": (PROMPT + ["--stop-ids", "300"], ["--stop-ids", "300", "vocab_size=256"]),
-    "missing tokenizer": (["--prompt", "w1", "--tokenizer", "{tmp}/nope.json"],
-                          ["--tokenizer", "nope.json", "no such file"]),
-    "malformed tokenizer": (["--prompt", "w1", "--tokenizer", "{tmp}/bad_tokenizer.json"],
-                            ["--tokenizer", "bad_tokenizer.json", "not a tokenizers file"]),
+    "missing tokenizer": (
+        ["--prompt", "w1", "--tokenizer", "{tmp}/nope.json"],
+        ["--tokenizer", "nope.json", "no such file"],
+    ),
+    "malformed tokenizer": (
+        ["--prompt", "w1", "--tokenizer", "{tmp}/bad_tokenizer.json"],
+        ["--tokenizer", "bad_tokenizer.json", "not a tokenizers file"],
+    ),
     "text without tokenizer": (["--prompt", "w1"], ["--prompt needs a tokenizer", "--tokenizer", "--prompt-ids"]),
-    "mesh vs batch": (["--prompt-ids", "1", "--prompt-ids", "2", "--prompt-ids", "3", "--mesh", "data=8"],
-                      ["--mesh data=8", "batch (prompts)=3", "data=8 = 8"]),
+    "mesh vs batch": (
+        ["--prompt-ids", "1", "--prompt-ids", "2", "--prompt-ids", "3", "--mesh", "data=8"],
+        ["--mesh data=8", "batch (prompts)=3", "data=8 = 8"],
+    ),
     "unknown layout": (PROMPT + ["--mesh", "decode_tq"], ["--mesh", "'decode_tq'", "did you mean 'decode_tp'"]),
     "not a checkpoint": (PROMPT + ["--from", "{tmp}/plain"], ["--from", "plain", "Hugging Face folder"]),
     "no such folder": (PROMPT + ["--from", "{tmp}/nowhere"], ["--from", "nowhere", "no such directory"]),
@@ -222,11 +288,14 @@ def test_bad_input_exits_2_before_reading_weights(assets, case, capsys, monkeypa
     assert _listing(assets.tmp) == before
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: '0' is not a positive integer"),
-    (["--prompt-ids", "1", "--prompt", "w1", "--max-new-tokens", "2"], "not allowed with argument"),
-    (["--max-new-tokens", "2"], "one of the arguments --prompt --prompt-ids is required"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: '0' is not a positive integer"),
+        (["--prompt-ids", "1", "--prompt", "w1", "--max-new-tokens", "2"], "not allowed with argument"),
+        (["--max-new-tokens", "2"], "one of the arguments --prompt --prompt-ids is required"),
+    ],
+)
 def test_usage_errors_are_argparse_exit_2(assets, capsys, argv, words):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--from", str(assets.ckpt), *argv])

@@ -15,19 +15,20 @@ move by it in opposite directions). Such near ties are counted and printed (``-s
 a divergence the two runs condition on different tokens, so HF's logits are compared up to and
 including that step only.
 """
+
+import hf_models
 import numpy as np
 import pytest
 
-import hf_models
 from jaxpar.convert import from_hf
 from jaxpar.inference.generate import Generator
 
-pytest.importorskip("transformers")          # test-only dependency, installed by the [dev] extra
+pytest.importorskip("transformers")  # test-only dependency, installed by the [dev] extra
 FAMILIES = sorted(hf_models.CONFIGS)
-ATOL = 1e-4                                  # the README's number: max |logit difference| with transformers
+ATOL = 1e-4  # the README's number: max |logit difference| with transformers
 NEW = 8
 PROMPTS = [np.random.default_rng(1).integers(0, 250, n).tolist() for n in (12, 7, 3)]
-REPORT: dict[str, dict] = {}                 # case -> measured numbers, printed by test_report (last)
+REPORT: dict[str, dict] = {}  # case -> measured numbers, printed by test_report (last)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def hf(tmp_path_factory):
     """family -> (HF model, its saved folder), each built and saved once. Torch runs on one thread here:
     these models are tiny, and its thread pool waiting on a busy machine made HF's side 10× slower."""
     import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cache = {}
@@ -42,11 +44,12 @@ def hf(tmp_path_factory):
     def get(family):
         if family not in cache:
             model = hf_models.build(family)
-            model.generation_config.eos_token_id = None        # never stop early (llama's default eos is 2)
+            model.generation_config.eos_token_id = None  # never stop early (llama's default eos is 2)
             folder = tmp_path_factory.mktemp(family)
             hf_models.save(model, folder)
             cache[family] = model, folder
         return cache[family]
+
     yield get
     torch.set_num_threads(threads)
 
@@ -54,26 +57,35 @@ def hf(tmp_path_factory):
 def hf_generate(model, prompts, new):
     """Hugging Face greedy generation, left-padded with an attention mask -> (tokens [B, new], logits [B, new, V])."""
     import torch
+
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.as_tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.as_tensor(p)
+        mask[i, width - len(p) :] = 1
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                             min_new_tokens=new, pad_token_id=0, eos_token_id=None, output_logits=True,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     assert out.sequences.shape == (len(prompts), width + new) and len(out.logits) == new, "HF stopped early"
     tokens = out.sequences[:, width:].numpy()
-    logits = np.stack([l.float().numpy() for l in out.logits], axis=1)[..., :model.config.vocab_size]
+    logits = np.stack([l.float().numpy() for l in out.logits], axis=1)[..., : model.config.vocab_size]
     return tokens, logits
 
 
 def hf_forward(model, prompt, generated):
     """Cache-free HF logits for each generated step: one forward over prompt + generated[:-1], unpadded."""
     seq = np.asarray(list(prompt) + list(generated[:-1]))[None]
-    return hf_models.logits(model, seq)[0, len(prompt) - 1:, :model.config.vocab_size]
+    return hf_models.logits(model, seq)[0, len(prompt) - 1 :, : model.config.vocab_size]
 
 
 def margin(logits):
@@ -94,12 +106,15 @@ def compare(case, row, ours_tokens, ours_logits, hf_tokens, hf_logits, forward_l
         err_generate = max(err_generate, err)
         m = margin(hf_logits[step])
         if m <= 2 * err:
-            near.append(dict(row=row, step=step, margin=m, err=err, ours=int(ours_tokens[step]),
-                             hf=int(hf_tokens[step])))
+            near.append(
+                dict(row=row, step=step, margin=m, err=err, ours=int(ours_tokens[step]), hf=int(hf_tokens[step]))
+            )
         if ours_tokens[step] != hf_tokens[step]:
-            assert m <= 2 * err, (f"{case} row {row} step {step}: greedy token {ours_tokens[step]} ≠ HF's "
-                                  f"{hf_tokens[step]} with HF's top-two margin {m:.3g} > 2 × |Δlogit| {err:.3g}")
-            break                          # later steps condition on different tokens
+            assert m <= 2 * err, (
+                f"{case} row {row} step {step}: greedy token {ours_tokens[step]} ≠ HF's "
+                f"{hf_tokens[step]} with HF's top-two margin {m:.3g} > 2 × |Δlogit| {err:.3g}"
+            )
+            break  # later steps condition on different tokens
     # the cache-free reference is conditioned on our own tokens: every step compares
     err_forward = float(np.abs(ours_logits - forward_logits).max())
     return err_generate, err_forward, near
@@ -111,17 +126,31 @@ def check_case(case, model, hf_model, prompts, new):
     hf_tokens, hf_logits = hf_generate(hf_model, prompts, new)
     errs_generate, errs_forward, near = [], [], []
     for row, prompt in enumerate(prompts):
-        eg, ef, nr = compare(case, row, out.tokens[row], out.logits[row], hf_tokens[row], hf_logits[row],
-                             hf_forward(hf_model, prompt, out.tokens[row]))
+        eg, ef, nr = compare(
+            case,
+            row,
+            out.tokens[row],
+            out.logits[row],
+            hf_tokens[row],
+            hf_logits[row],
+            hf_forward(hf_model, prompt, out.tokens[row]),
+        )
         errs_generate.append(eg), errs_forward.append(ef), near.extend(nr)
-    numbers = dict(err_generate=max(errs_generate), err_forward=max(errs_forward), near=near,
-                   positions=len(prompts) * new, same_tokens=[list(t) for t in out.tokens] == hf_tokens.tolist())
+    numbers = dict(
+        err_generate=max(errs_generate),
+        err_forward=max(errs_forward),
+        near=near,
+        positions=len(prompts) * new,
+        same_tokens=[list(t) for t in out.tokens] == hf_tokens.tolist(),
+    )
     REPORT[case] = numbers
-    print(f"\n{case}: max |Δlogit| vs HF generate {numbers['err_generate']:.2e}, vs HF forward "
-          f"{numbers['err_forward']:.2e}, near ties {len(near)}/{numbers['positions']} {near}")
+    print(
+        f"\n{case}: max |Δlogit| vs HF generate {numbers['err_generate']:.2e}, vs HF forward "
+        f"{numbers['err_forward']:.2e}, near ties {len(near)}/{numbers['positions']} {near}"
+    )
     assert numbers["err_generate"] <= ATOL, (case, "vs HF generate (left-padded)", errs_generate)
     assert numbers["err_forward"] <= ATOL, (case, "vs HF cache-free forward (unpadded)", errs_forward)
-    assert len(near) <= 2, (case, near)      # near ties are rare with random fp32 weights; many would be a bug
+    assert len(near) <= 2, (case, near)  # near ties are rare with random fp32 weights; many would be a bug
     return numbers
 
 
@@ -145,8 +174,10 @@ def test_report():
         pytest.skip("the generation cases ran in another process")
     print("\ncase                       max|Δ| HF generate   max|Δ| HF forward   near ties   same tokens")
     for case, n in REPORT.items():
-        print(f"{case:26} {n['err_generate']:>18.2e} {n['err_forward']:>19.2e} {len(n['near']):>5}/{n['positions']:<5}"
-              f" {n['same_tokens']!s:>11}")
+        print(
+            f"{case:26} {n['err_generate']:>18.2e} {n['err_forward']:>19.2e} {len(n['near']):>5}/{n['positions']:<5}"
+            f" {n['same_tokens']!s:>11}"
+        )
     for case, n in REPORT.items():
         for tie in n["near"]:
             print(f"near tie: {case} {tie}")

@@ -13,6 +13,7 @@ local process (never under CI or pytest-xdist: ``golden_update_mode`` refuses) a
 
     JAXPAR_UPDATE_GOLDEN=1 pytest -p no:xdist tests/test_golden.py
 """
+
 import json
 import os
 import pathlib
@@ -32,9 +33,11 @@ GOLDEN = pathlib.Path(__file__).parent / "golden"
 REGENERATE = "if intended: JAXPAR_UPDATE_GOLDEN=1 pytest -p no:xdist tests/test_golden.py"
 EXPERT_SPECS = ("data=2,expert=4", "data=2,fsdp=2,tensor=2,expert=2,sequence=2")
 MOE_LAYOUTS = ("data=2,expert=4", "fsdp=2,expert=2,tensor=2", "fsdp", "tp")
-CASES = ([(m, p) for m in ("tiny", "llama3-8b") for p in MESH_PRESETS if (m, p) != ("tiny", "pp")]   # 2 layers, 8 stages
-         + [(m, p) for m in ("tiny-moe", "tiny-deepseek") for p in MOE_LAYOUTS]   # MoE; MLA + shared expert
-         + [("mixtral-8x7b", "fsdp=2,expert=4"), ("deepseek-v3", "expert=4,tensor=2")])
+CASES = (
+    [(m, p) for m in ("tiny", "llama3-8b") for p in MESH_PRESETS if (m, p) != ("tiny", "pp")]  # 2 layers, 8 stages
+    + [(m, p) for m in ("tiny-moe", "tiny-deepseek") for p in MOE_LAYOUTS]  # MoE; MLA + shared expert
+    + [("mixtral-8x7b", "fsdp=2,expert=4"), ("deepseek-v3", "expert=4,tensor=2")]
+)
 RULES_CASES = (*MESH_PRESETS, *EXPERT_SPECS)
 
 
@@ -55,15 +58,19 @@ def golden_update_mode(env) -> bool:
     if value != "1":
         raise GoldenUpdateRefused(f"JAXPAR_UPDATE_GOLDEN={value!r}: set it to 1 to rewrite the golden files")
     if env.get("CI", "").strip().lower() not in ("", "0", "false"):
-        raise GoldenUpdateRefused(f"JAXPAR_UPDATE_GOLDEN=1 under CI (CI={env['CI']!r}): golden files are "
-                                  "rewritten only locally, then reviewed; nothing was written")
+        raise GoldenUpdateRefused(
+            f"JAXPAR_UPDATE_GOLDEN=1 under CI (CI={env['CI']!r}): golden files are "
+            "rewritten only locally, then reviewed; nothing was written"
+        )
     if "PYTEST_XDIST_WORKER" in env:
-        raise GoldenUpdateRefused("JAXPAR_UPDATE_GOLDEN=1 in a pytest-xdist worker: regenerate in one process "
-                                  "(pytest -p no:xdist tests/test_golden.py); nothing was written")
+        raise GoldenUpdateRefused(
+            "JAXPAR_UPDATE_GOLDEN=1 in a pytest-xdist worker: regenerate in one process "
+            "(pytest -p no:xdist tests/test_golden.py); nothing was written"
+        )
     return True
 
 
-UPDATE = golden_update_mode(os.environ)          # at collection: a refusal stops the run before any test
+UPDATE = golden_update_mode(os.environ)  # at collection: a refusal stops the run before any test
 _REPORTS = {}
 
 
@@ -103,6 +110,7 @@ def describe_diff(old: dict, new: dict) -> str:
 
 def describe_rules_diff(old: dict, new: dict) -> str:
     """Readable differences between two golden rules tables, one line per logical axis (or field)."""
+
     def flat(table):
         out = {}
         for key, value in table.items():
@@ -111,6 +119,7 @@ def describe_rules_diff(old: dict, new: dict) -> str:
             else:
                 out[key] = value
         return out
+
     old, new, lines = flat(old), flat(new), []
     for key in sorted(old.keys() | new.keys()):
         if key not in new:
@@ -135,16 +144,16 @@ def compare_or_update(path: pathlib.Path, text: str, describe, what: str) -> Non
 @pytest.mark.parametrize("model,mesh", CASES, ids=[f"{m}__{p}" for m, p in CASES])
 def test_golden_shardings(model, mesh):
     assert jax.device_count() == 8
-    compare_or_update(golden_path(model, mesh), report(model, mesh).golden_json(), describe_diff,
-                      f"shardings of {model} under {mesh}")
+    compare_or_update(
+        golden_path(model, mesh), report(model, mesh).golden_json(), describe_diff, f"shardings of {model} under {mesh}"
+    )
 
 
 @pytest.mark.parametrize("layout", RULES_CASES)
 def test_golden_rules(layout):
     golden = preset_golden(resolve_mesh_arg(layout))
     assert list(golden["params"]) == list(PARAM_AXES) and list(golden["activations"]) == list(ACTIVATION_AXES)
-    compare_or_update(rules_path(layout), readable_json(golden) + "\n", describe_rules_diff,
-                      f"rules of {layout}")
+    compare_or_update(rules_path(layout), readable_json(golden) + "\n", describe_rules_diff, f"rules of {layout}")
 
 
 def test_no_stale_golden_files():
@@ -165,18 +174,29 @@ def test_describe_rules_diff_names_axes():
     old = {"mesh": "fsdp=-1", "params": {"embed": ["fsdp"], "gone": []}, "activations": {"batch": ["fsdp"]}}
     new = {"mesh": "fsdp=-1", "params": {"embed": [], "fresh": ["tensor"]}, "activations": {"batch": ["fsdp"]}}
     assert describe_rules_diff(old, new).splitlines() == [
-        "  changed  params/embed: ['fsdp'] -> []", "  added    params/fresh: ['tensor']", "  removed  params/gone: []"]
+        "  changed  params/embed: ['fsdp'] -> []",
+        "  added    params/fresh: ['tensor']",
+        "  removed  params/gone: []",
+    ]
     assert describe_rules_diff(old, old) == ""
 
 
-@pytest.mark.parametrize("env,refused", [
-    ({}, None), ({"JAXPAR_UPDATE_GOLDEN": "0", "CI": "true"}, None), ({"CI": "true"}, None),
-    ({"JAXPAR_UPDATE_GOLDEN": "1"}, None), ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": "0"}, None),
-    ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": "false"}, None), ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": ""}, None),
-    ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": "true"}, "under CI"), ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": "1"}, "under CI"),
-    ({"JAXPAR_UPDATE_GOLDEN": "1", "PYTEST_XDIST_WORKER": "gw0"}, "pytest-xdist worker"),
-    ({"JAXPAR_UPDATE_GOLDEN": "yes"}, "set it to 1"),
-])
+@pytest.mark.parametrize(
+    "env,refused",
+    [
+        ({}, None),
+        ({"JAXPAR_UPDATE_GOLDEN": "0", "CI": "true"}, None),
+        ({"CI": "true"}, None),
+        ({"JAXPAR_UPDATE_GOLDEN": "1"}, None),
+        ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": "0"}, None),
+        ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": "false"}, None),
+        ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": ""}, None),
+        ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": "true"}, "under CI"),
+        ({"JAXPAR_UPDATE_GOLDEN": "1", "CI": "1"}, "under CI"),
+        ({"JAXPAR_UPDATE_GOLDEN": "1", "PYTEST_XDIST_WORKER": "gw0"}, "pytest-xdist worker"),
+        ({"JAXPAR_UPDATE_GOLDEN": "yes"}, "set it to 1"),
+    ],
+)
 def test_update_switch_refuses_under_ci_and_xdist(env, refused):
     if refused is None:
         assert golden_update_mode(env) is (env.get("JAXPAR_UPDATE_GOLDEN") == "1")
@@ -196,12 +216,15 @@ def test_readme_counts_the_logical_axes():
 
 
 # Spot checks against the rules tables, independent of the stored files.
-@pytest.mark.parametrize("mesh,q_spec,k_spec", [
-    ("tp", [None, None, "tensor", None], [None, None, None, None]),      # kv_heads=2 < tensor=8: replicated
-    ("fsdp", [None, "fsdp", None, None], [None, "fsdp", None, None]),
-    ("3d", [None, "fsdp", "tensor", None], [None, "fsdp", "tensor", None]),
-    ("dp", [None] * 4, [None] * 4),
-])
+@pytest.mark.parametrize(
+    "mesh,q_spec,k_spec",
+    [
+        ("tp", [None, None, "tensor", None], [None, None, None, None]),  # kv_heads=2 < tensor=8: replicated
+        ("fsdp", [None, "fsdp", None, None], [None, "fsdp", None, None]),
+        ("3d", [None, "fsdp", "tensor", None], [None, "fsdp", "tensor", None]),
+        ("dp", [None] * 4, [None] * 4),
+    ],
+)
 def test_tiny_attention_specs(mesh, q_spec, k_spec):
     golden = report("tiny", mesh).golden()
     assert golden["blocks/attn/q"] == [[2, 64, 8, 8], q_spec]
@@ -226,7 +249,7 @@ def test_llama3_8b_fsdp_totals():
     # everything but the norm scales (replicated) is split 8 ways over fsdp
     norms = sum(p.nbytes for p in rep.params if p.path.endswith("/scale"))
     assert rep.per_device_bytes == (rep.total_bytes - norms) // 8 + norms
-    assert rep.per_device_adamw_bytes == 3 * rep.per_device_bytes          # fp32 params + 2 fp32 moments
+    assert rep.per_device_adamw_bytes == 3 * rep.per_device_bytes  # fp32 params + 2 fp32 moments
     q = next(p for p in rep.params if p.path == "blocks/attn/q")
     assert q.shard_shape == (32, 512, 32, 128) and q.bytes_per_device == 32 * 512 * 32 * 128 * 4
     assert q.names == ("layers", "embed", "heads", "head_dim")

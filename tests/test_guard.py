@@ -5,6 +5,7 @@ token appears in the batch of step 3 only, so exactly that step's loss and gradi
   skip: step 3 leaves every array of the state bit for bit as it was; the run goes on, finite, to the end;
         more poisoned steps in a row than ``max_skips`` stop it.
 """
+
 import json
 
 import jax
@@ -44,9 +45,21 @@ def _cfg(tmp_path, poisoned_model, poisoned_steps, *overrides, steps=5):
     data = tmp_path / "tokens.npy"
     np.save(data, _tokens(poisoned_steps))
     cfg = default_config("tiny", steps=steps, batch=B, seq=T, mesh=f"data={DEVICES}", init_from=poisoned_model)
-    return apply_overrides(cfg, ["log.progress=false", "log.tensorboard=false", "log.eval_every=0",
-                                 "checkpoint.every=1", "checkpoint.keep=10", "checkpoint.async_save=false",
-                                 "data.source=files", f"data.path={data}", "data.shuffle=false", *overrides])
+    return apply_overrides(
+        cfg,
+        [
+            "log.progress=false",
+            "log.tensorboard=false",
+            "log.eval_every=0",
+            "checkpoint.every=1",
+            "checkpoint.keep=10",
+            "checkpoint.async_save=false",
+            "data.source=files",
+            f"data.path={data}",
+            "data.shuffle=false",
+            *overrides,
+        ],
+    )
 
 
 def _records(out):
@@ -55,10 +68,13 @@ def _records(out):
 
 def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path, poisoned_model):
     out = tmp_path / "run"
-    with pytest.raises(NonFiniteError, match=r"step 3: loss nan, gradient norm nan: not finite; stopping "
-                                             r"\(nonfinite=stop\)\. The last good checkpoint is step 2 in "):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 3: loss nan, gradient norm nan: not finite; stopping "
+        r"\(nonfinite=stop\)\. The last good checkpoint is step 2 in ",
+    ):
         train(_cfg(tmp_path, poisoned_model, [3]), out, devices=jax.devices()[:DEVICES])
-    assert Checkpointer(out / "checkpoints", every=1, keep=10).steps == [1, 2]     # nothing of step 3
+    assert Checkpointer(out / "checkpoints", every=1, keep=10).steps == [1, 2]  # nothing of step 3
     records = _records(out)
     assert [r["step"] for r in records] == [1, 2, 3] and np.isnan(records[-1]["loss"])
 
@@ -74,21 +90,26 @@ def test_skip_leaves_the_state_unchanged_and_goes_on(tmp_path, poisoned_model):
     assert saved.steps == [1, 2, 3, 4, 5]
     two, three, four = (_saved_arrays(out, s) for s in (2, 3, 4))
     assert two.keys() == three.keys()
-    for path in two:                                    # params, moments and the step count: all of step 2
+    for path in two:  # params, moments and the step count: all of step 2
         np.testing.assert_array_equal(three[path], two[path], err_msg=path)
-    assert any(not np.array_equal(four[p], three[p]) for p in three)     # while a finite step does update
+    assert any(not np.array_equal(four[p], three[p]) for p in three)  # while a finite step does update
 
 
 def _saved_arrays(out, step) -> dict:
     import orbax.checkpoint as ocp
-    with ocp.CheckpointManager(out / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True),
-                               item_names=("state",)) as manager:
+
+    with ocp.CheckpointManager(
+        out / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True), item_names=("state",)
+    ) as manager:
         state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
 def test_skip_stops_after_max_skips_in_a_row(tmp_path, poisoned_model):
     cfg = _cfg(tmp_path, poisoned_model, [2, 3], "nonfinite=skip", "max_skips=1")
-    with pytest.raises(NonFiniteError, match=r"step 3: .*2 non-finite steps in a row, more than max_skips=1; "
-                                             r"stopping\. The last good checkpoint is step 2 "):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 3: .*2 non-finite steps in a row, more than max_skips=1; "
+        r"stopping\. The last good checkpoint is step 2 ",
+    ):
         train(cfg, tmp_path / "run", devices=jax.devices()[:DEVICES])

@@ -1,4 +1,5 @@
 """The layout lab's hardware profiles: units and the relations between them that the profiles' sources state."""
+
 import pytest
 
 from jaxpar.analysis.hardware import HARDWARE, get_hardware
@@ -41,7 +42,7 @@ def test_tpu7x_against_its_page():
     """Google Cloud's TPU7x page, per chip: 2,307 dense BF16 TFLOP/s, 192 GiB of HBM at 7,380 GB/s, 1,200 GB/s of
     bidirectional ICI (6 links of a 3D torus, so 100 GB/s per link and direction, v5p's) and 100 Gb/s of DCN."""
     hw = HARDWARE["tpu7x"]
-    assert (hw.peak_bf16_flops, hw.hbm_bytes, hw.hbm_bandwidth) == (2307e12, 192 * 2 ** 30, 7.38e12)
+    assert (hw.peak_bf16_flops, hw.hbm_bytes, hw.hbm_bandwidth) == (2307e12, 192 * 2**30, 7.38e12)
     assert hw.torus_dims == 3 and 2 * 2 * hw.torus_dims * hw.ici_link == 1200e9 and hw.slow_link * 8 == 100e9
     assert hw.ici_link == HARDWARE["tpu-v5p"].ici_link
 
@@ -49,7 +50,18 @@ def test_tpu7x_against_its_page():
 def test_device_kinds_name_their_profiles():
     from jaxpar.analysis.hardware import hardware_of_device
 
-    kinds = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H200": "h200",
-             "NVIDIA A100-SXM4-80GB": "a100", "NVIDIA L40S": "l40s", "TPU v5 lite": "tpu-v5e", "TPU v5p": "tpu-v5p",
-             "TPU v6 lite": "tpu-v6e", "TPU7x": "tpu7x", "cpu": None, "NVIDIA GH200 480GB": None, "NVIDIA H100 NVL": None}
+    kinds = {
+        "NVIDIA H100 80GB HBM3": "h100",
+        "NVIDIA H100 PCIe": "h100-pcie",
+        "NVIDIA H200": "h200",
+        "NVIDIA A100-SXM4-80GB": "a100",
+        "NVIDIA L40S": "l40s",
+        "TPU v5 lite": "tpu-v5e",
+        "TPU v5p": "tpu-v5p",
+        "TPU v6 lite": "tpu-v6e",
+        "TPU7x": "tpu7x",
+        "cpu": None,
+        "NVIDIA GH200 480GB": None,
+        "NVIDIA H100 NVL": None,
+    }
     assert {k: hardware_of_device(k) for k in kinds} == kinds

@@ -3,6 +3,7 @@ execution settings; the data stream must match on resume; saved arrays are check
 model from checkpoint metadata. Refusals name every differing field. No training step is compiled here:
 the checkpoints are written from abstractly-shaped zeros. The end-to-end refusals (exit status 2, files
 untouched) are in tests/test_bad_input.py."""
+
 import dataclasses
 
 import jax
@@ -13,8 +14,15 @@ from flax import nnx
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import to_dict
 from jaxpar.errors import CheckpointError
-from jaxpar.identity import (EXECUTION_FIELDS, Entry, abstract_arrays, array_differences, check_fits,
-                             model_differences, saved_arrays)
+from jaxpar.identity import (
+    EXECUTION_FIELDS,
+    Entry,
+    abstract_arrays,
+    array_differences,
+    check_fits,
+    model_differences,
+    saved_arrays,
+)
 from jaxpar.layers import MoEConfig, RopeScaling
 from jaxpar.models import DenseConfig, build_model, get_model_preset
 from jaxpar.train.config import apply_overrides, default_config
@@ -34,8 +42,11 @@ def changed(preset: str, *overrides: str):
 REFUSED = [
     ("tiny", ["model.embed_dim=32"], ["model.embed_dim: saved 64, now 32"]),
     ("tiny", ["model.rope_theta=500000"], ["model.rope_theta: saved 10000.0, now 500000.0"]),
-    ("tiny", ["model.qk_norm=true", "model.sliding_window=8"],
-     ["model.qk_norm: saved false, now true", "model.sliding_window: saved null, now 8"]),
+    (
+        "tiny",
+        ["model.qk_norm=true", "model.sliding_window=8"],
+        ["model.qk_norm: saved false, now true", "model.sliding_window: saved null, now 8"],
+    ),
     ("tiny", ["model.param_dtype=bfloat16"], ['model.param_dtype: saved "float32", now "bfloat16"']),
     ("tiny-moe", ["model.moe.num_experts=8"], ["model.moe.num_experts: saved 4, now 8"]),
     ("tiny-moe", ["model.moe.top_k=1"], ["model.moe.top_k: saved 2, now 1"]),
@@ -44,8 +55,11 @@ REFUSED = [
     ("tiny-deepseek", ["model.first_dense_layers=0"], ["model.first_dense_layers: saved 1, now 0"]),
     ("tiny-deepseek", ["model.mla.kv_lora_rank=8"], ["model.mla.kv_lora_rank: saved 16, now 8"]),
     ("tiny-deepseek", ["model.mla.rope_interleave=false"], ["model.mla.rope_interleave: saved true, now false"]),
-    ("tiny-deepseek", ["model.moe.routed_scale=1.0", "model.moe.topk_groups=4"],
-     ["model.moe.topk_groups: saved 2, now 4", "model.moe.routed_scale: saved 2.5, now 1.0"]),
+    (
+        "tiny-deepseek",
+        ["model.moe.routed_scale=1.0", "model.moe.topk_groups=4"],
+        ["model.moe.topk_groups: saved 2, now 4", "model.moe.routed_scale: saved 2.5, now 1.0"],
+    ),
 ]
 
 
@@ -66,11 +80,20 @@ def test_nested_config_and_family_changes_are_listed():
 
 @pytest.mark.parametrize("preset", MODELS)
 def test_execution_settings_may_change(preset):
-    sets = ["model.remat=dots", "model.dtype=bfloat16", "model.attention_impl=xla", "model.context_parallel=ring",
-            "model.cp_order=contiguous"]
+    sets = [
+        "model.remat=dots",
+        "model.dtype=bfloat16",
+        "model.attention_impl=xla",
+        "model.context_parallel=ring",
+        "model.cp_order=contiguous",
+    ]
     if preset != "tiny":
-        sets += ["model.moe.capacity_factor=none", "model.moe.aux_loss_weight=0.1",
-                 "model.moe.router_z_loss_weight=0", "model.moe.bias_update_rate=0.01"]
+        sets += [
+            "model.moe.capacity_factor=none",
+            "model.moe.aux_loss_weight=0.1",
+            "model.moe.router_z_loss_weight=0",
+            "model.moe.bias_update_rate=0.01",
+        ]
     assert {s.split("=")[0] for s in sets} <= set(EXECUTION_FIELDS)
     assert model_differences(data(get_model_preset(preset)), data(changed(preset, *sets))) == []
 
@@ -90,8 +113,13 @@ def saved_model(tmp_path_factory):
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
     directory = tmp_path_factory.mktemp("model") / "checkpoints"
     checkpoints = Checkpointer(directory, every=1, keep=1, async_save=False)
-    checkpoints.save(0, state=zeros, data={}, config={"format": "jaxpar-model",
-                                                       "model": data(get_model_preset("tiny-moe"))}, force=True)
+    checkpoints.save(
+        0,
+        state=zeros,
+        data={},
+        config={"format": "jaxpar-model", "model": data(get_model_preset("tiny-moe"))},
+        force=True,
+    )
     checkpoints.close()
     return directory, abstract
 
@@ -105,7 +133,7 @@ def test_saved_arrays_are_read_from_metadata_and_match_the_abstract_model(saved_
     saved = saved_arrays(directory, 0)
     assert saved == abstract_arrays(abstract)
     assert saved["moe_blocks/moe/gate_up"] == ((2, 4, 64, 2, 64), "float32")
-    assert saved["moe_blocks/moe/router_bias"] == ((2, 4), "float32")          # state, not a parameter
+    assert saved["moe_blocks/moe/router_bias"] == ((2, 4), "float32")  # state, not a parameter
 
 
 def test_array_differences_name_each_array(saved_model):
@@ -114,8 +142,14 @@ def test_array_differences_name_each_array(saved_model):
     lines = array_differences(saved_arrays(directory, 0), abstract_arrays(abstract_of(cfg)))
     assert "moe_blocks/moe/gate_up: saved float32[2, 4, 64, 2, 64], now bfloat16[2, 8, 64, 2, 64]" in lines
     with pytest.raises(CheckpointError, match="its arrays do not fit the model its config describes") as err:
-        check_fits(Entry.LOAD, saved_config=None, step=0, where=directory.parent, checkpoints=directory,
-                   abstract=abstract_of(cfg))
+        check_fits(
+            Entry.LOAD,
+            saved_config=None,
+            step=0,
+            where=directory.parent,
+            checkpoints=directory,
+            abstract=abstract_of(cfg),
+        )
     assert "moe_blocks/moe/router: saved float32[2, 64, 4], now float32[2, 64, 8]" in str(err.value)
 
 
@@ -126,8 +160,11 @@ def test_init_from_refuses_another_model_and_accepts_execution_changes(saved_mod
     ok = changed("tiny-moe", "model.moe.capacity_factor=none", "model.remat=none")
     check_fits(Entry.INIT_FROM, saved_config=saved, current=data(ok), abstract=abstract_of(ok), **kw)
     bad = changed("tiny-moe", "model.moe.top_k=1")
-    with pytest.raises(CheckpointError, match=r"its model is not the one this run asks for:\n"
-                                              r"  model\.moe\.top_k: saved 2, now 1\n"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"its model is not the one this run asks for:\n"
+        r"  model\.moe\.top_k: saved 2, now 1\n",
+    ):
         check_fits(Entry.INIT_FROM, saved_config=saved, current=data(bad), abstract=abstract_of(bad), **kw)
 
 

@@ -1,4 +1,5 @@
 """``jaxpar plan --inference``: what a serving layout holds and moves, against numbers worked by hand."""
+
 import json
 import math
 from pathlib import Path
@@ -6,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from jaxpar.analysis.calibration import CALIBRATED
-
 from jaxpar.analysis.hardware import HARDWARE
 from jaxpar.analysis.inference_plan import plan_inference
 from jaxpar.cli import main
@@ -20,16 +20,16 @@ def test_one_device_by_hand():
     p = plan_inference("llama3-8b", "decode_dp", batch=2, context=1024, hardware="h100", devices=1)
     c = get_model_preset("llama3-8b")
     L, d, n, k, h, f, v = c.num_layers, c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim, c.padded_vocab
-    weights = 2 * (L * (d * h * (2 * n + 2 * k) + 3 * d * f + 2 * d) + 2 * v * d + d)     # bf16, untied head
+    weights = 2 * (L * (d * h * (2 * n + 2 * k) + 3 * d * f + 2 * d) + 2 * v * d + d)  # bf16, untied head
     assert p.weight_bytes_per_device == weights
-    kv = 2 * L * k * h * 2                                                                # K and V, bf16
+    kv = 2 * L * k * h * 2  # K and V, bf16
     assert p.kv_bytes_per_token == p.kv_bytes_per_token_per_device == kv == 131072
     assert p.kv_bytes_per_device == 2 * 1024 * kv
     assert p.max_batch == int((80e9 - weights) // (1024 * kv))
     matmul = L * (d * h * (2 * n + 2 * k) + 3 * d * f)
-    prefill = 2 * (1024 * (2 * matmul + 2 * L * n * h * 1024) + 2 * v * d)               # head at the last token
+    prefill = 2 * (1024 * (2 * matmul + 2 * L * n * h * 1024) + 2 * v * d)  # head at the last token
     assert p.prefill_flops_per_device == pytest.approx(prefill, rel=1e-12)
-    eta = CALIBRATED.matmul["gpu"]                       # the calibrated matmul share of the chip's family
+    eta = CALIBRATED.matmul["gpu"]  # the calibrated matmul share of the chip's family
     assert p.assumptions["efficiency"] == eta
     assert p.prefill_s == pytest.approx(prefill / (eta * H100.peak_bf16_flops))
     read = weights + 2 * 1024 * kv
@@ -47,7 +47,7 @@ def test_tensor_parallel_70b_and_the_texts_claims():
     assert p.weight_bytes_per_device == pytest.approx(2 * c.num_params(padded=True) / 8, rel=0.01)
     assert 65536 * p.kv_bytes_per_token_per_device == 2 * 80 * 1 * 128 * 2 * 65536 == pytest.approx(2.68e9, rel=0.01)
     tp4 = plan_inference("llama3-70b", "decode_tp", batch=4, context=512, hardware="h100", devices=4)
-    assert tp4.weight_bytes_per_device == pytest.approx(35e9, rel=0.02)               # "about 35 GB"
+    assert tp4.weight_bytes_per_device == pytest.approx(35e9, rel=0.02)  # "about 35 GB"
     # The decode step's tensor traffic: at least two ring all-reduces of [batch, d] bf16 per layer.
     ring = 2 * 7 / 8 * 8 * c.embed_dim * 2
     floor = 2 * c.num_layers * ring
@@ -56,8 +56,11 @@ def test_tensor_parallel_70b_and_the_texts_claims():
     # plus each collective's latency: at least the two all-reduces a layer, 15 µs each over 8 NVLink GPUs
     latency = p.decode_times["latency_s"]["tensor"]
     assert 2 * c.num_layers * 15e-6 <= latency <= 1.25 * 2 * c.num_layers * 15e-6
-    assert p.decode_step_s == pytest.approx(max(p.decode_times["memory_s"], p.decode_times["compute_s"])
-                                            + p.decode_bytes_by_axis["tensor"] / H100.fast_link + latency)
+    assert p.decode_step_s == pytest.approx(
+        max(p.decode_times["memory_s"], p.decode_times["compute_s"])
+        + p.decode_bytes_by_axis["tensor"] / H100.fast_link
+        + latency
+    )
 
 
 def test_collective_latency_by_hand():
@@ -78,32 +81,61 @@ def test_each_layer_adds_its_two_all_reduces_latency():
     """tiny on decode_tp over 2 GPUs: two more layers add 2 × 2 all-reduces (attention and MLP outputs) to the
     decode program, 4 × (6.6 + 2 × 0.6) µs of latency; the rest of the program (embedding, head, sampler)
     stays as it was."""
-    two, four = (plan_inference("tiny", "decode_tp", batch=2, context=64, hardware="h100", devices=2, num_layers=n)
-                 for n in (2, 4))
+    two, four = (
+        plan_inference("tiny", "decode_tp", batch=2, context=64, hardware="h100", devices=2, num_layers=n)
+        for n in (2, 4)
+    )
     extra = four.decode_times["latency_s"]["tensor"] - two.decode_times["latency_s"]["tensor"]
     assert extra == pytest.approx(4 * 7.8e-6)
     # cuDNN attention (prefill) compiles on CPU as XLA's: the same programs, the same plan
-    cudnn = plan_inference("tiny", "decode_tp", batch=2, context=64, hardware="h100", devices=2, num_layers=2,
-                           attention_impl="cudnn")
+    cudnn = plan_inference(
+        "tiny", "decode_tp", batch=2, context=64, hardware="h100", devices=2, num_layers=2, attention_impl="cudnn"
+    )
     assert (cudnn.decode_step_s, cudnn.prefill_s, cudnn.decode_bytes_by_axis) == (
-        two.decode_step_s, two.prefill_s, two.decode_bytes_by_axis)
+        two.decode_step_s,
+        two.prefill_s,
+        two.decode_bytes_by_axis,
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--inference", "--mesh", "decode_tp", "--batch", "2"], "--inference needs --context"),
-    (["--mesh", "dp", "--batch", "2"], "--seq ≥ 1 is required"),
-    (["--inference", "--mesh", "decode_tq", "--context", "64", "--batch", "2"], "did you mean 'decode_tp'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--inference", "--mesh", "decode_tp", "--batch", "2"], "--inference needs --context"),
+        (["--mesh", "dp", "--batch", "2"], "--seq ≥ 1 is required"),
+        (["--inference", "--mesh", "decode_tq", "--context", "64", "--batch", "2"], "did you mean 'decode_tp'"),
+    ],
+)
 def test_bad_input(argv, message, capsys):
     assert main(["plan", "--model", "tiny", "--hardware", "h100", "--devices", "8", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_the_command_prints_json(capsys):
-    assert main(["plan", "--inference", "--model", "tiny", "--mesh", "decode_tp", "--devices", "8", "--batch", "8",
-                 "--context", "64", "--hardware", "l40s", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--inference",
+                "--model",
+                "tiny",
+                "--mesh",
+                "decode_tp",
+                "--devices",
+                "8",
+                "--batch",
+                "8",
+                "--context",
+                "64",
+                "--hardware",
+                "l40s",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
-    assert out["mesh"] == {"tensor": 8} and out["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 2   # K,V·layers·kv·h·bf16
+    assert out["mesh"] == {"tensor": 8} and out["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 2  # K,V·layers·kv·h·bf16
     assert out["tokens_per_s"] == pytest.approx(8 / out["decode_step_s"]) and math.isfinite(out["prefill_s"])
 
 
@@ -111,7 +143,7 @@ def _readme_serving_table() -> list[list[str]]:
     """The rows of the README's serving search table (mesh, weights, KV, fits, step, TTFT, tokens/s, batch)."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = text.index("| mesh | weights GB | KV GB | fits | step ms | TTFT ms | tokens/s | max batch |")
-    rows = text[start:text.index("\n\n", start)].splitlines()[2:]
+    rows = text[start : text.index("\n\n", start)].splitlines()[2:]
     return [[c.strip() for c in row.strip("|").split("|")] for row in rows]
 
 
@@ -119,24 +151,56 @@ def test_search_ranks_serving_layouts_under_a_latency_bound(tmp_path, capsys):
     """Llama-3-70B on 8 H100s, batch 32 × 8192: only tensor ≥ 4 holds the 141 GB of weights with the
     cache; the bound on the decode step then decides between the rest."""
     from jaxpar.analysis.inference_plan import search_inference
+
     ranked, refused = search_inference("llama3-70b", 8, batch=32, context=8192, hardware="h100", max_step_s=0.012)
     assert refused == [] and [p.mesh.get("tensor", 1) for p in ranked] == [8, 4, 2, 1]
     assert [p.fits for p in ranked] == [True, True, False, False]
     assert ranked[0].decode_step_s <= 0.012 < ranked[1].decode_step_s
     assert _readme_serving_table() == [
-        [",".join(f"{a}={n}" for a, n in p.mesh.items()), f"{p.weight_bytes_per_device / 1e9:.2f}",
-         f"{p.kv_bytes_per_device / 1e9:.2f}", "yes" if p.fits else "no", f"{p.decode_step_s * 1e3:.2f}",
-         f"{p.time_to_first_token_s * 1e3:.0f}", f"{p.tokens_per_s:,.0f}", str(p.max_batch)] for p in ranked]
+        [
+            ",".join(f"{a}={n}" for a, n in p.mesh.items()),
+            f"{p.weight_bytes_per_device / 1e9:.2f}",
+            f"{p.kv_bytes_per_device / 1e9:.2f}",
+            "yes" if p.fits else "no",
+            f"{p.decode_step_s * 1e3:.2f}",
+            f"{p.time_to_first_token_s * 1e3:.0f}",
+            f"{p.tokens_per_s:,.0f}",
+            str(p.max_batch),
+        ]
+        for p in ranked
+    ]
     # the README's single-layout example is the search's tensor=8 plan, part by part
     best, readme = ranked[0], (Path(__file__).resolve().parents[1] / "README.md").read_text()
     t, ms = best.decode_times, lambda s: f"{s * 1e3:.2f} ms"
-    assert (f"# decode step {ms(best.decode_step_s)} = max(HBM {ms(t['memory_s'])} for "
-            f"{best.decode_bytes_read_per_device / 1e9:.2f} GB, compute {ms(t['compute_s'])}) + collectives "
-            f"{ms(sum(t['communication_s'].values()))}\n#   + their latency {ms(sum(t['latency_s'].values()))}: "
-            f"{best.tokens_per_s:,.0f} tokens/s") in readme
+    assert (
+        f"# decode step {ms(best.decode_step_s)} = max(HBM {ms(t['memory_s'])} for "
+        f"{best.decode_bytes_read_per_device / 1e9:.2f} GB, compute {ms(t['compute_s'])}) + collectives "
+        f"{ms(sum(t['communication_s'].values()))}\n#   + their latency {ms(sum(t['latency_s'].values()))}: "
+        f"{best.tokens_per_s:,.0f} tokens/s"
+    ) in readme
     assert ranked[1].weight_bytes_per_device == pytest.approx(2 * ranked[0].weight_bytes_per_device, rel=1e-3)
     assert [p.tokens_per_s for p in ranked[1:]] == sorted((p.tokens_per_s for p in ranked[1:]), reverse=True)
-    assert main(["plan", "--inference", "--search", "--model", "tiny", "--devices", "8", "--batch", "8",
-                 "--context", "64", "--hardware", "h100", "--plot", str(tmp_path / "rank.png")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--inference",
+                "--search",
+                "--model",
+                "tiny",
+                "--devices",
+                "8",
+                "--batch",
+                "8",
+                "--context",
+                "64",
+                "--hardware",
+                "h100",
+                "--plot",
+                str(tmp_path / "rank.png"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "4 serving layouts" in out and (tmp_path / "rank.png").stat().st_size > 0

@@ -5,12 +5,13 @@ Tolerances: losses rtol 1e-5; each parameter's gradient within 1e-5 of that para
 gradient entry (max |a - b| <= 1e-5 · max |b|), at every step (tests/invariance.py says why AdamW
 runs with eps=1e-3 here). And one bf16 case, with the tolerance its docstring derives.
 """
+
 import math
 
 import numpy as np
 import pytest
-
 from invariance import assert_same_gradients, one_device, train_steps
+
 from jaxpar.meshes import PRESETS
 from jaxpar.models import get_model_preset
 
@@ -33,11 +34,11 @@ def test_same_losses_and_gradients_on_8_devices(name, reference):
 
 
 # bf16 compute: the tolerance ``test_bf16_compute_under_3d_matches_one_device`` derives.
-U = 2.0 ** -8                       # bf16's unit roundoff: 8 significant bits, round to nearest
-DEPTH_FORWARD = 40                  # bf16 roundings on the longest forward chain of tiny
+U = 2.0**-8  # bf16's unit roundoff: 8 significant bits, round to nearest
+DEPTH_FORWARD = 40  # bf16 roundings on the longest forward chain of tiny
 DEPTH_BACKWARD = 2 * DEPTH_FORWARD  # the backward pass runs the chain again, in reverse
-BF16_GRAD_RTOL = 4 * U * math.sqrt(2 * DEPTH_BACKWARD / 3)                                   # 0.114
-BF16_LOSS_RTOL = 2 * 4 * U * math.sqrt(2 * DEPTH_FORWARD / 3) / math.sqrt(BATCH * SEQ)       # 0.0143
+BF16_GRAD_RTOL = 4 * U * math.sqrt(2 * DEPTH_BACKWARD / 3)  # 0.114
+BF16_LOSS_RTOL = 2 * 4 * U * math.sqrt(2 * DEPTH_FORWARD / 3) / math.sqrt(BATCH * SEQ)  # 0.0143
 
 
 def test_bf16_compute_under_3d_matches_one_device():

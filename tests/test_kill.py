@@ -10,6 +10,7 @@ One run directory, four processes of `jaxpar train` (2 simulated CPU devices eac
 Each resume must start from the newest *complete* checkpoint, and the last logged loss of every step
 must equal the reference run's bit for bit.
 """
+
 import re
 import signal
 
@@ -25,8 +26,9 @@ def test_killed_and_preempted_run_logs_the_uninterrupted_losses(tmp_path):
 
     # A: killed between saves: a checkpoint complete, none being written, a later step logged
     a = start(train_command(out, *DEVICES, steps=STEPS, every=EVERY), log)
-    wait_until(lambda: (saved := checkpoint_entries(out))[0] and not saved[1] and last_step(out) > max(saved[0]),
-               a, log)
+    wait_until(
+        lambda: (saved := checkpoint_entries(out))[0] and not saved[1] and last_step(out) > max(saved[0]), a, log
+    )
     a.send_signal(signal.SIGKILL)
     a.wait()
     done_a, unfinished = checkpoint_entries(out)
@@ -44,7 +46,7 @@ def test_killed_and_preempted_run_logs_the_uninterrupted_losses(tmp_path):
     # C: preempted
     logged = len(records(out))
     c = start(train_command(out, *DEVICES, steps=STEPS, every=EVERY), log)
-    wait_until(lambda: len(records(out)) >= logged + 3, c, log)      # C's own steps, not B's records
+    wait_until(lambda: len(records(out)) >= logged + 3, c, log)  # C's own steps, not B's records
     c.send_signal(signal.SIGTERM)
     assert finish(c, log) == 0
     stopped = int(re.findall(r"preempted: stopped after step (\d+); checkpoint \1 is saved", log.read_text())[-1])
@@ -54,8 +56,8 @@ def test_killed_and_preempted_run_logs_the_uninterrupted_losses(tmp_path):
     assert finish(start(train_command(out, *DEVICES, steps=STEPS, every=EVERY), log), log) == 0
     assert finish(reference, tmp_path / "ref.log") == 0
     text = log.read_text()
-    for resumed_at in (max(done_a), max(done_b), stopped):     # B, C, D began at the newest complete one
+    for resumed_at in (max(done_a), max(done_b), stopped):  # B, C, D began at the newest complete one
         assert f"resumed from {out / 'checkpoints'} at step {resumed_at}\n" in text
     want, got = losses(ref), losses(out)
     assert sorted(want) == list(range(1, STEPS + 1))
-    assert got == want                                                # every step, bit for bit
+    assert got == want  # every step, bit for bit

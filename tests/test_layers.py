@@ -1,4 +1,5 @@
 """Layers against independent numpy references (single device, float32)."""
+
 import math
 
 import jax
@@ -48,11 +49,20 @@ def reference_attention(q, k, v, window=None):
     return np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), v)
 
 
-@pytest.mark.parametrize("kv_heads, window, bias, qk_norm", [
-    (4, None, False, False), (2, None, True, False), (1, None, False, True), (2, 3, False, False)])
+@pytest.mark.parametrize(
+    "kv_heads, window, bias, qk_norm",
+    [(4, None, False, False), (2, None, True, False), (1, None, False, True), (2, 3, False, False)],
+)
 def test_attention_matches_reference(kv_heads, window, bias, qk_norm):
-    cfg = AttentionConfig(embed_dim=16, num_heads=4, num_kv_heads=kv_heads, head_dim=8, qkv_bias=bias,
-                          qk_norm=qk_norm, sliding_window=window)
+    cfg = AttentionConfig(
+        embed_dim=16,
+        num_heads=4,
+        num_kv_heads=kv_heads,
+        head_dim=8,
+        qkv_bias=bias,
+        qk_norm=qk_norm,
+        sliding_window=window,
+    )
     attn = Attention(cfg, dtype="float32", param_dtype="float32", rngs=nnx.Rngs(0))
     if bias:
         attn.q_bias[...] = jax.random.normal(jax.random.key(1), attn.q_bias.shape)
@@ -63,7 +73,7 @@ def test_attention_matches_reference(kv_heads, window, bias, qk_norm):
     k = np.asarray(apply_rope(project("k"), pos, attn.inv_freq))
     want = np.einsum("btnh,nhd->btd", reference_attention(q, k, project("v"), window), np.asarray(attn.o[...]))
     np.testing.assert_allclose(np.asarray(attn(jnp.asarray(x), pos)), want, rtol=1e-5, atol=1e-6)
-    if window:   # the window really cuts: without it the output differs
+    if window:  # the window really cuts: without it the output differs
         full = np.einsum("btnh,nhd->btd", reference_attention(q, k, project("v")), np.asarray(attn.o[...]))
         assert np.max(np.abs(full - want)) > 1e-4
 
@@ -72,7 +82,7 @@ def test_rmsnorm_matches_numpy():
     x = np.random.default_rng(2).normal(size=(3, 10)).astype(np.float32)
     norm = RMSNorm(10, eps=1e-6)
     norm.scale[...] = jnp.arange(10.0)
-    want = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6) * np.arange(10.0)
+    want = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * np.arange(10.0)
     np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x))), want, rtol=1e-5)
 
 
@@ -98,21 +108,22 @@ def test_bf16_compute_keeps_fp32_params_and_logits():
     assert logits.dtype == jnp.float32 and model.blocks.attn.q[...].dtype == jnp.float32
     fp32 = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))(jnp.zeros((1, 4), jnp.int32))
     err = float(jnp.max(jnp.abs(logits - fp32)))
-    assert 0 < err < 0.05          # bf16 rounding visible but small
+    assert 0 < err < 0.05  # bf16 rounding visible but small
 
 
 def test_padded_vocab_columns_never_win():
     cfg = get_model_preset("tiny", vocab_size=250)
     model = build_model(cfg, rngs=nnx.Rngs(0))
-    logits = model.forward(jnp.zeros((1, 4), jnp.int32)).logits                    # what the loss sees
+    logits = model.forward(jnp.zeros((1, 4), jnp.int32)).logits  # what the loss sees
     assert logits.shape[-1] == 256 and float(jnp.max(logits[..., 250:])) < -1e8
-    assert model(jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, 250)               # what users see
+    assert model(jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, 250)  # what users see
 
 
 def test_model_state_holds_only_parameters():
     """Constants (RoPE frequencies) stay out of the state: in it they would be a runtime input of the
     layer scan and block constant folding, and would be checkpointed for nothing."""
     from jaxpar.models import build_model, get_model_preset
+
     model = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))
     others = nnx.state(model, nnx.Not(nnx.Param))
     assert not jax.tree.leaves(others), jax.tree_util.tree_structure(others)

@@ -1,10 +1,11 @@
 """Where model, batch and mesh meet: divisibility, kv-head replication, unknown presets."""
+
 import pytest
 
+from jaxpar.errors import ConfigError
 from jaxpar.layout import make_layout
 from jaxpar.meshes import get_mesh_preset, resolve_mesh_arg
 from jaxpar.models import get_model_preset
-from jaxpar.errors import ConfigError
 from jaxpar.rules import LayoutError, Rules
 
 TINY = get_model_preset("tiny")
@@ -23,10 +24,10 @@ def test_heads_not_divisible_by_tensor():
 
 
 def test_kv_heads_fewer_than_tensor_are_replicated():
-    layout = make_layout(TINY, get_mesh_preset("tp"), batch=8, seq=16)       # kv_heads=2 < tensor=8
+    layout = make_layout(TINY, get_mesh_preset("tp"), batch=8, seq=16)  # kv_heads=2 < tensor=8
     assert layout.rules["kv_heads"] == () and layout.rules["act_kv_heads"] == ()
     assert layout.rules["heads"] == ("tensor",)
-    sharded = make_layout(TINY, get_mesh_preset("fsdp_tp"), batch=8, seq=16)   # 2 kv heads over tensor=2
+    sharded = make_layout(TINY, get_mesh_preset("fsdp_tp"), batch=8, seq=16)  # 2 kv heads over tensor=2
     assert sharded.rules["kv_heads"] == ("tensor",)
 
 
@@ -50,13 +51,15 @@ def test_sequence_not_divisible_under_sequence_parallel_tp():
 def test_vocab_is_padded_to_a_shardable_multiple():
     cfg = get_model_preset("tiny", vocab_size=250)
     assert cfg.padded_vocab == 256
-    make_layout(cfg, get_mesh_preset("tp"), batch=8, seq=16)     # 256 divides tensor=8
+    make_layout(cfg, get_mesh_preset("tp"), batch=8, seq=16)  # 256 divides tensor=8
 
 
 def test_idle_mesh_axis_is_refused():
     """A preset's rules on a mesh with an axis they never use (here: dp's rules with tensor=2)."""
     import dataclasses
+
     from jaxpar.mesh import MeshConfig
+
     preset = dataclasses.replace(get_mesh_preset("dp"), mesh=MeshConfig.parse("data=4,tensor=2"))
     with pytest.raises(LayoutError) as err:
         make_layout(TINY, preset, batch=8, seq=16)

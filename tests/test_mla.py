@@ -1,6 +1,7 @@
 """Multi-head Latent Attention against a reference written from Hugging Face's DeepseekV3Attention math
 (eager path): HF-shaped Linear weights [out, in], head-major [B, N, T, H] tensors, interleaved RoPE via the
 [even | odd] reordering + rotate_half, YaRN frequencies, cos/sin gain and softmax mscale², causal softmax."""
+
 import dataclasses
 import math
 
@@ -23,6 +24,7 @@ B, T = 2, 8
 class Case:
     """One MLA under test: the model's attention settings (width, heads, RoPE theta and scaling, kernel,
     context-parallel strategy) and the MLA config; the reference reads the fields of both by name."""
+
     attn: AttentionConfig
     mla: MLAConfig
 
@@ -38,10 +40,11 @@ class Case:
         return Case(dataclasses.replace(self.attn, **attn), dataclasses.replace(self.mla, **mla))
 
 
-SMALL = Case(AttentionConfig(embed_dim=32, num_heads=4, num_kv_heads=4, head_dim=6, rope_theta=100.0),
-             MLAConfig(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6))
-YARN = YarnScaling(factor=8.0, original_max_position=4, beta_fast=4.0, beta_slow=1.0, mscale=0.7,
-                   mscale_all_dim=1.0)
+SMALL = Case(
+    AttentionConfig(embed_dim=32, num_heads=4, num_kv_heads=4, head_dim=6, rope_theta=100.0),
+    MLAConfig(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+)
+YARN = YarnScaling(factor=8.0, original_max_position=4, beta_fast=4.0, beta_slow=1.0, mscale=0.7, mscale_all_dim=1.0)
 CONFIGS = {
     "q_lora": SMALL,
     "plain_q": SMALL.replace(q_lora_rank=None),
@@ -67,16 +70,22 @@ def make(cfg: Case, seed=0):
 
 def hf_weights(m: MLA) -> dict:
     """Our weights in HF's nn.Linear layout ([out, in]); the converter's mapping, inverted."""
-    w = {k: np.asarray(v) for k, v in
-         ((".".join(map(str, path)), p[...]) for path, p in nnx.to_flat_state(nnx.state(m, nnx.Param)))}
-    out = {"kv_a_proj_with_mqa": w["kv_a"].T, "kv_a_layernorm": w["kv_a_norm.scale"],
-           "kv_b_proj": w["kv_b"].reshape(w["kv_b"].shape[0], -1).T,
-           "o_proj": w["o"].reshape(-1, w["o"].shape[-1]).T}
+    w = {
+        k: np.asarray(v)
+        for k, v in ((".".join(map(str, path)), p[...]) for path, p in nnx.to_flat_state(nnx.state(m, nnx.Param)))
+    }
+    out = {
+        "kv_a_proj_with_mqa": w["kv_a"].T,
+        "kv_a_layernorm": w["kv_a_norm.scale"],
+        "kv_b_proj": w["kv_b"].reshape(w["kv_b"].shape[0], -1).T,
+        "o_proj": w["o"].reshape(-1, w["o"].shape[-1]).T,
+    }
     if "q" in w:
         out["q_proj"] = w["q"].reshape(w["q"].shape[0], -1).T
     else:
-        out.update(q_a_proj=w["q_a"].T, q_a_layernorm=w["q_a_norm.scale"],
-                   q_b_proj=w["q_b"].reshape(w["q_b"].shape[0], -1).T)
+        out.update(
+            q_a_proj=w["q_a"].T, q_a_layernorm=w["q_a_norm.scale"], q_b_proj=w["q_b"].reshape(w["q_b"].shape[0], -1).T
+        )
     return out
 
 
@@ -108,23 +117,23 @@ def hf_reference(x, w, positions, cfg, xp=np):
         q = linear(x, "q_proj")
     else:
         q = linear(rms(linear(x, "q_a_proj"), "q_a_layernorm"), "q_b_proj")
-    q = q.reshape(b, t, n, hn + hr).transpose(0, 2, 1, 3)                       # [B, N, T, Hq]
+    q = q.reshape(b, t, n, hn + hr).transpose(0, 2, 1, 3)  # [B, N, T, Hq]
     q_pass, q_rot = q[..., :hn], q[..., hn:]
     compressed = linear(x, "kv_a_proj_with_mqa")
-    k_pass, k_rot = compressed[..., :cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank:]
+    k_pass, k_rot = compressed[..., : cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank :]
     kv = linear(rms(k_pass, "kv_a_layernorm"), "kv_b_proj").reshape(b, t, n, hn + hv).transpose(0, 2, 1, 3)
     k_pass, value = kv[..., :hn], kv[..., hn:]
     k_rot = k_rot.reshape(b, 1, t, hr)
     inv_freq, attention_scaling, scaling = hf_rope_params(cfg)
-    freqs = positions[:, :, None] * inv_freq[None, None, :]                     # [B, T, Hr/2]
+    freqs = positions[:, :, None] * inv_freq[None, None, :]  # [B, T, Hr/2]
     emb = xp.concatenate([freqs, freqs], axis=-1)
     cos, sin = (xp.cos(emb) * attention_scaling)[:, None], (xp.sin(emb) * attention_scaling)[:, None]
 
     def rotate_half(a):
-        return xp.concatenate([-a[..., hr // 2:], a[..., :hr // 2]], axis=-1)
+        return xp.concatenate([-a[..., hr // 2 :], a[..., : hr // 2]], axis=-1)
 
     def rope(a):
-        if cfg.rope_interleave:   # view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+        if cfg.rope_interleave:  # view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
             a = a.reshape(*a.shape[:-1], hr // 2, 2).swapaxes(-1, -2).reshape(a.shape)
         return a * cos + rotate_half(a) * sin
 
@@ -141,7 +150,7 @@ def hf_reference(x, w, positions, cfg, xp=np):
 def inputs(cfg, seed=1):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((B, T, cfg.embed_dim)).astype(np.float32)
-    positions = (np.arange(T)[None] + np.array([[0], [5]])).astype(np.int32)     # row 1 starts at 5
+    positions = (np.arange(T)[None] + np.array([[0], [5]])).astype(np.int32)  # row 1 starts at 5
     return x, positions
 
 
@@ -153,7 +162,7 @@ def test_matches_hf_reference_and_gradients(name):
     w = hf_weights(m)
     got = np.asarray(nnx.jit(lambda m, x, p: m(x, p))(m, x, pos))
     want = hf_reference(x.astype(np.float64), {k: v.astype(np.float64) for k, v in w.items()}, pos, cfg)
-    assert np.abs(want).max() > 0.3                                   # activations are O(1), not tiny
+    assert np.abs(want).max() > 0.3  # activations are O(1), not tiny
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
     ct = np.random.default_rng(2).standard_normal(got.shape).astype(np.float32)
@@ -163,7 +172,7 @@ def test_matches_hf_reference_and_gradients(name):
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("hv", [6, 16])   # v narrower than q/k (pad v), wider (pad q and k)
+@pytest.mark.parametrize("hv", [6, 16])  # v narrower than q/k (pad v), wider (pad q and k)
 def test_padded_kernel_path_equals_plain_path(hv):
     """``implementation`` set routes through context_attention with zero-padded heads; same result."""
     cfg = CONFIGS["yarn"].replace(v_head_dim=hv)
@@ -191,7 +200,9 @@ def test_param_count_deepseek_v3():
     matrices = 7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * 256 + 128 * 128 * 7168
     assert matrices == 187_105_280
     assert sizes["q_a_norm.scale"] + sizes["kv_a_norm.scale"] == 1536 + 512
-    assert sum(sizes.values()) == mla_param_count(cfg, embed_dim=7168, num_heads=128) == 187_105_280 + 2048 == 187_107_328
+    assert (
+        sum(sizes.values()) == mla_param_count(cfg, embed_dim=7168, num_heads=128) == 187_105_280 + 2048 == 187_107_328
+    )
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
@@ -200,13 +211,14 @@ def test_context_parallel_matches_one_device(strategy):
     single-device plain path's (the zero padding and the q pre-scale go through the kernels' backward too)."""
     cfg = CONFIGS["yarn"].replace(num_heads=8, num_kv_heads=8)
     x, pos = inputs(cfg)
-    x, pos = np.concatenate([x, x[:, ::-1]], axis=1), np.concatenate([pos, pos + T], axis=1)   # T = 16
+    x, pos = np.concatenate([x, x[:, ::-1]], axis=1), np.concatenate([pos, pos + T], axis=1)  # T = 16
     ct = np.random.default_rng(3).standard_normal((B, 2 * T, cfg.embed_dim)).astype(np.float32)
 
     def run(m):
         def f(m, x, p):
             y, vjp = jax.vjp(lambda x: m(x, p, p), x)
             return y, vjp(ct)[0]
+
         return [np.asarray(a) for a in nnx.jit(f)(m, x, pos)]
 
     want = run(make(cfg))
@@ -218,6 +230,6 @@ def test_context_parallel_matches_one_device(strategy):
         got = run(m)
         graphdef, state = nnx.split(m)
         hlo = jax.jit(lambda s, x, p: nnx.merge(graphdef, s)(x, p, p)).lower(state, x, pos).as_text()
-    assert {"ring": "collective_permute", "ulysses": "all_to_all"}[strategy] in hlo     # the kernel ran
+    assert {"ring": "collective_permute", "ulysses": "all_to_all"}[strategy] in hlo  # the kernel ran
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)

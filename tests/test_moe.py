@@ -4,6 +4,7 @@ The reference decides routing in numpy (per token: its ranked choices, then the 
 choice-major as the layer documents), then computes the output with jax.numpy by looping over experts
 and the tokens each one serves, so ``jax.grad`` through it gives independent gradients.
 """
+
 import math
 
 import jax
@@ -12,11 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.layers.moe import MoE, MoEConfig, RouterBias, expert_slots, updated_bias
 from jaxpar.errors import ConfigError
+from jaxpar.layers.moe import MoE, MoEConfig, RouterBias, expert_slots, updated_bias
 from jaxpar.rules import use_layout
 
-D = 8                       # width in every test but the hand-built one
+D = 8  # width in every test but the hand-built one
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -60,18 +61,17 @@ def ref_plan(p, x, cfg, bias):
     for i in range(n):
         allowed = list(range(e))
         if cfg.router == "sigmoid" and cfg.topk_groups < cfg.num_groups:
-            group_score = [sum(sorted(sel[i, g * per_group:(g + 1) * per_group])[-2:])
-                           for g in range(cfg.num_groups)]
-            best = sorted(range(cfg.num_groups), key=lambda g: -group_score[g])[:cfg.topk_groups]
+            group_score = [sum(sorted(sel[i, g * per_group : (g + 1) * per_group])[-2:]) for g in range(cfg.num_groups)]
+            best = sorted(range(cfg.num_groups), key=lambda g: -group_score[g])[: cfg.topk_groups]
             allowed = [x for g in best for x in range(g * per_group, (g + 1) * per_group)]
         choices.append(sorted(allowed, key=lambda x: -sel[i, x])[:k])
     kept = np.ones((n, k), bool)
     if cfg.capacity_factor is not None:
-        t = x.shape[1]                      # a group is one sequence: capacity and priority per row
+        t = x.shape[1]  # a group is one sequence: capacity and priority per row
         cap = max(1, math.ceil(cfg.capacity_factor * t * k / e))
         for row in range(n // t):
             used = [0] * e
-            for j in range(k):              # every token's 1st choice, then every token's 2nd, ...
+            for j in range(k):  # every token's 1st choice, then every token's 2nd, ...
                 for i in range(row * t, (row + 1) * t):
                     kept[i, j] = used[choices[i][j]] < cap
                     used[choices[i][j]] += kept[i, j]
@@ -84,7 +84,7 @@ def ref_token_choice(p, x, cfg, choices, kept):
     n, e, k = xs.shape[0], cfg.num_experts, cfg.top_k
     logits = xs @ p["router"]
     scores = jax.nn.softmax(logits) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
-    weight = scores[np.arange(n)[:, None], np.array(choices)]                       # [N, k]
+    weight = scores[np.arange(n)[:, None], np.array(choices)]  # [N, k]
     weight = weight / weight.sum(-1, keepdims=True) if cfg.norm_topk else weight
     weight = weight * cfg.routed_scale
     y = jnp.zeros_like(xs)
@@ -108,8 +108,11 @@ def ref_choice_plan(p, x, cfg):
     s = np_scores(p, x, "softmax")
     t = x.shape[1]
     cap = min(t, max(1, math.ceil(cfg.capacity_factor * t * cfg.top_k / cfg.num_experts)))
-    return [(ex, list(row * t + np.argsort(-s[row * t:(row + 1) * t, ex], kind="stable")[:cap]))
-            for row in range(s.shape[0] // t) for ex in range(cfg.num_experts)]
+    return [
+        (ex, list(row * t + np.argsort(-s[row * t : (row + 1) * t, ex], kind="stable")[:cap]))
+        for row in range(s.shape[0] // t)
+        for ex in range(cfg.num_experts)
+    ]
 
 
 def ref_expert_choice(p, x, cfg, picks):
@@ -203,14 +206,14 @@ def test_capacity_drops_the_same_assignments_in_any_storage_order():
     index = jnp.broadcast_to(jnp.asarray(order, jnp.int32), x.shape[:2])
     y, stats = forward(m, x)
     y_perm, stats_perm = nnx.jit(lambda m, x, i: m(x, i))(m, x[:, order], index)
-    assert float(stats.dropped_fraction) > 0.1            # 4 of the 24 assignments drop
+    assert float(stats.dropped_fraction) > 0.1  # 4 of the 24 assignments drop
     np.testing.assert_allclose(np.asarray(y_perm), np.asarray(y)[:, order], **TOL)
     assert float(stats_perm.dropped_fraction) == float(stats.dropped_fraction)
     idx = jnp.asarray(np.random.default_rng(4).integers(0, 4, (2, 6, 2)), jnp.int32)
     perm = np.random.default_rng(5).permutation(6)
     stored = expert_slots(idx[:, perm], 4, jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (2, 6)))
     np.testing.assert_array_equal(np.asarray(stored), np.asarray(expert_slots(idx, 4))[:, perm])
-    unranked = np.asarray(expert_slots(idx[:, perm], 4))                 # stored order taken as token order
+    unranked = np.asarray(expert_slots(idx[:, perm], 4))  # stored order taken as token order
     assert not np.array_equal(unranked, np.asarray(stored))
 
 
@@ -224,8 +227,15 @@ def test_capacity_random_routing_matches_reference():
 
 @pytest.mark.parametrize("norm_topk, shared", [(True, 0), (False, 2)])
 def test_softmax_dropless_matches_reference(norm_topk, shared):
-    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=None, norm_topk=norm_topk,
-                    num_shared_experts=shared, shared_mlp_dim=3)
+    cfg = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        mlp_dim=6,
+        capacity_factor=None,
+        norm_topk=norm_topk,
+        num_shared_experts=shared,
+        shared_mlp_dim=3,
+    )
     m, x = build(cfg), random_x()
     choices, kept = ref_plan(params_of(m), x, cfg, np.zeros(4))
     stats = assert_matches_reference(m, x, lambda p, x: ref_token_choice(p, x, cfg, choices, kept))
@@ -235,8 +245,16 @@ def test_softmax_dropless_matches_reference(norm_topk, shared):
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_sigmoid_group_limited_with_selection_bias(capacity_factor):
-    cfg = MoEConfig(num_experts=8, top_k=3, mlp_dim=6, router="sigmoid", num_groups=4, topk_groups=2,
-                    routed_scale=2.5, capacity_factor=capacity_factor)
+    cfg = MoEConfig(
+        num_experts=8,
+        top_k=3,
+        mlp_dim=6,
+        router="sigmoid",
+        num_groups=4,
+        topk_groups=2,
+        routed_scale=2.5,
+        capacity_factor=capacity_factor,
+    )
     m, x = build(cfg), random_x()
     bias = 0.4 * jax.random.normal(jax.random.key(3), (8,))
     m.router_bias[...] = bias
@@ -253,7 +271,7 @@ def test_expert_choice_matches_reference():
     cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, router="expert_choice", capacity_factor=0.25)
     m, x = build(cfg), random_x()
     picks = ref_choice_plan(params_of(m), x, cfg)
-    assert [len(t) for _, t in picks] == [1] * 8          # per sequence: C = ceil(0.25·6·2/4) = 1
+    assert [len(t) for _, t in picks] == [1] * 8  # per sequence: C = ceil(0.25·6·2/4) = 1
     stats = assert_matches_reference(m, x, lambda p, x: ref_expert_choice(p, x, cfg, picks))
     unpicked = 1 - len({t for _, ts in picks for t in ts}) / 12
     assert unpicked > 0 and float(stats.dropped_fraction) == pytest.approx(unpicked)
@@ -263,13 +281,14 @@ def test_expert_choice_matches_reference():
 
 def test_losses_and_load_on_hand_built_logits():
     """Router = identity, so each token's logits are its input row."""
-    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=3, capacity_factor=None, aux_loss_weight=0.5,
-                    router_z_loss_weight=0.25)
+    cfg = MoEConfig(
+        num_experts=4, top_k=2, mlp_dim=3, capacity_factor=None, aux_loss_weight=0.5, router_z_loss_weight=0.25
+    )
     m = MoE(4, cfg, dtype="float32", param_dtype="float32", rngs=nnx.Rngs(0))
     m.router[...] = jnp.eye(4)
     logits = np.array([[3, 2, 0, 0], [0, 3, 2, 0], [3, 0, 0, 2], [2, 0, 3, 0]], np.float32)
     _, stats = forward(m, jnp.asarray(logits)[None])
-    np.testing.assert_array_equal(stats.expert_load, [3, 2, 2, 1])        # top-2 sets {0,1} {1,2} {0,3} {0,2}
+    np.testing.assert_array_equal(stats.expert_load, [3, 2, 2, 1])  # top-2 sets {0,1} {1,2} {0,3} {0,2}
     probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     aux = 0.5 * 4 * np.sum(np.array([3, 2, 2, 1]) / 8 * probs.mean(0))
     z = 0.25 * np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
@@ -299,17 +318,20 @@ def test_bias_update_is_outside_the_parameters():
     np.testing.assert_allclose(m.router_bias[...], [-0.5, 0.5, 0.5, 0.5])
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(num_experts=4, top_k=5), ["model.moe.top_k=5 exceeds model.moe.num_experts=4"]),
-    (dict(capacity_factor=0.0), ["moe.capacity_factor=0.0"]),
-    (dict(capacity_factor=-1.0), ["moe.capacity_factor=-1.0"]),
-    (dict(num_experts=6, num_groups=4), ["moe.num_groups=4", "moe.num_experts=6"]),
-    (dict(num_groups=2, topk_groups=3), ["moe.topk_groups=3", "moe.num_groups=2"]),
-    (dict(num_experts=8, num_groups=4, topk_groups=1, top_k=3), ["moe.top_k=3", "moe.topk_groups=1"]),
-    (dict(router="sigmoyd"), ["moe.router='sigmoyd'", "did you mean 'sigmoid'"]),
-    (dict(router="expert_choice", capacity_factor=None), ["moe.capacity_factor=None"]),
-    (dict(num_shared_experts=1), ["moe.num_shared_experts=1", "moe.shared_mlp_dim"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(num_experts=4, top_k=5), ["model.moe.top_k=5 exceeds model.moe.num_experts=4"]),
+        (dict(capacity_factor=0.0), ["moe.capacity_factor=0.0"]),
+        (dict(capacity_factor=-1.0), ["moe.capacity_factor=-1.0"]),
+        (dict(num_experts=6, num_groups=4), ["moe.num_groups=4", "moe.num_experts=6"]),
+        (dict(num_groups=2, topk_groups=3), ["moe.topk_groups=3", "moe.num_groups=2"]),
+        (dict(num_experts=8, num_groups=4, topk_groups=1, top_k=3), ["moe.top_k=3", "moe.topk_groups=1"]),
+        (dict(router="sigmoyd"), ["moe.router='sigmoyd'", "did you mean 'sigmoid'"]),
+        (dict(router="expert_choice", capacity_factor=None), ["moe.capacity_factor=None"]),
+        (dict(num_shared_experts=1), ["moe.num_shared_experts=1", "moe.shared_mlp_dim"]),
+    ],
+)
 def test_bad_config_names_the_field(kwargs, words):
     base = dict(num_experts=8, top_k=2, mlp_dim=4)
     with pytest.raises(ConfigError) as err:
@@ -318,8 +340,15 @@ def test_bad_config_names_the_field(kwargs, words):
         assert w in str(err.value)
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(capacity_factor=None), dict(router="expert_choice"),
-                                   dict(router="sigmoid", num_groups=2, num_shared_experts=1, shared_mlp_dim=4)])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(),
+        dict(capacity_factor=None),
+        dict(router="expert_choice"),
+        dict(router="sigmoid", num_groups=2, num_shared_experts=1, shared_mlp_dim=4),
+    ],
+)
 def test_bf16_compute(extra):
     cfg = MoEConfig(**{**dict(num_experts=4, top_k=2, mlp_dim=6), **extra})
     m = MoE(D, cfg, dtype=jnp.bfloat16, param_dtype="float32", rngs=nnx.Rngs(0))
@@ -333,11 +362,12 @@ def test_logical_names_under_a_mesh():
     program with its all-to-alls gives the single-device answer, per-sequence capacity included."""
     from jaxpar.mesh import build_mesh
     from jaxpar.meshes import resolve_mesh_arg
+
     preset = resolve_mesh_arg("data=2,expert=4")
     cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=1.0)
     m, x = build(cfg), random_x(b=8)
     want, want_stats = forward(m, x)
-    assert float(want_stats.dropped_fraction) > 0          # capacity binds, so the grouping matters
+    assert float(want_stats.dropped_fraction) > 0  # capacity binds, so the grouping matters
     with use_layout(build_mesh(preset.mesh), preset.rules):
         got, stats = nnx.jit(lambda m, x: m(x))(m, x)
     np.testing.assert_allclose(got, want, **TOL)

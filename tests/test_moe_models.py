@@ -2,14 +2,15 @@
 every parameter's gradients of 1 device under expert parallelism (capacity and dropless), and MLA under
 ring and Ulysses context parallelism; their statistics reach the step metrics; the router bias moves only
 by the auxiliary-loss-free rule; the compiled step's all-to-all bytes equal the formula."""
+
 import dataclasses
 import functools
 
 import jax
 import numpy as np
 import pytest
-
 from invariance import assert_same_gradients, one_device, train_steps
+
 from jaxpar.analysis import analyze_compiled
 from jaxpar.errors import ConfigError
 from jaxpar.layout import make_layout
@@ -41,18 +42,22 @@ def references():
         if name not in runs:
             runs[name] = one_device(get_model_preset(name), TOKENS)
         return runs[name]
+
     return get
 
 
-@pytest.mark.parametrize("name, attention, mesh", [
-    ("tiny-moe", "none", "data=2,expert=4"),
-    ("tiny-moe", "none", "data=2,fsdp=2,expert=2"),
-    ("tiny-moe-dropless", "none", "data=2,expert=4"),
-    ("tiny-deepseek", "none", "data=2,expert=4"),
-    ("tiny-deepseek", "none", "data=2,fsdp=2,expert=2"),
-    ("tiny-deepseek", "ring", "data=2,sequence=2,expert=2"),
-    ("tiny-deepseek", "ulysses", "sequence=2,tensor=2,expert=2"),
-])
+@pytest.mark.parametrize(
+    "name, attention, mesh",
+    [
+        ("tiny-moe", "none", "data=2,expert=4"),
+        ("tiny-moe", "none", "data=2,fsdp=2,expert=2"),
+        ("tiny-moe-dropless", "none", "data=2,expert=4"),
+        ("tiny-deepseek", "none", "data=2,expert=4"),
+        ("tiny-deepseek", "none", "data=2,fsdp=2,expert=2"),
+        ("tiny-deepseek", "ring", "data=2,sequence=2,expert=2"),
+        ("tiny-deepseek", "ulysses", "sequence=2,tensor=2,expert=2"),
+    ],
+)
 def test_same_losses_routing_and_gradients_as_one_device(references, name, attention, mesh):
     """3 steps against the 1-device run of the preset (capacity mode, attention ``none``): losses rtol
     1e-5, identical per-expert loads, the same dropped fraction, and at every step each parameter's
@@ -88,7 +93,7 @@ def test_statistics_and_router_bias(references, name):
     stats, state = ref.moe, ref.state
     layers = cfg.num_moe_layers
     assert stats[0].expert_load.shape == (layers, cfg.moe.num_experts)
-    np.testing.assert_allclose(stats[0].expert_load.sum(-1), B * T * cfg.moe.top_k)   # every assignment counted
+    np.testing.assert_allclose(stats[0].expert_load.sum(-1), B * T * cfg.moe.top_k)  # every assignment counted
     assert np.all(stats[0].aux_loss > 0) and np.all(stats[0].router_z_loss > 0)
     bias = np.asarray(jax.tree.leaves(state[0]["moe_blocks"]["moe"]["router_bias"])[0])
     if cfg.moe.bias_update_rate:
@@ -114,19 +119,27 @@ def test_all_to_all_bytes_of_a_train_step():
     # capacity per sequence C = ceil(cf·T·k/E); a buffer row holds E·C slots, so cf_eff = E·C / (T·k)
     m = cfg.moe
     slots = m.num_experts * -(-int(m.capacity_factor * T * m.top_k) // m.num_experts)
-    want = cfg.num_moe_layers * a2a_bytes_formula(tokens_per_device=B * T // 8, top_k=m.top_k,
-                                                  capacity_factor=slots / (T * m.top_k), embed_dim=cfg.embed_dim,
-                                                  ep=4, bytes_per_element=4)
+    want = cfg.num_moe_layers * a2a_bytes_formula(
+        tokens_per_device=B * T // 8,
+        top_k=m.top_k,
+        capacity_factor=slots / (T * m.top_k),
+        embed_dim=cfg.embed_dim,
+        ep=4,
+        bytes_per_element=4,
+    )
     assert sum(c.executions for c in a2a) == 4 * cfg.num_moe_layers
-    assert sent == want, (sent, want)              # exactly: 98,304 bytes here
+    assert sent == want, (sent, want)  # exactly: 98,304 bytes here
 
 
-@pytest.mark.parametrize("overrides, error, message", [
-    (dict(num_experts=6), LayoutError, "model.moe.num_experts=6 .* not divisible by mesh axes expert=4"),
-    # these two are refused by MoEConfig itself
-    (dict(top_k=5), ConfigError, r"model\.moe\.top_k=5 exceeds model\.moe\.num_experts=4"),
-    (dict(capacity_factor=0.0), ConfigError, r"model\.moe\.capacity_factor=0\.0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        (dict(num_experts=6), LayoutError, "model.moe.num_experts=6 .* not divisible by mesh axes expert=4"),
+        # these two are refused by MoEConfig itself
+        (dict(top_k=5), ConfigError, r"model\.moe\.top_k=5 exceeds model\.moe\.num_experts=4"),
+        (dict(capacity_factor=0.0), ConfigError, r"model\.moe\.capacity_factor=0\.0 must be > 0"),
+    ],
+)
 def test_bad_moe_configs_are_refused(overrides, error, message):
     with pytest.raises(error, match=message):
         cfg = get_model_preset("tiny-moe")

@@ -18,6 +18,7 @@ under SAVED_MESH, a checkpoint every STOP steps) is the reference for:
     reductions in another order; STATE_ATOL is twice the largest).
 The model config is the same in every run; only the mesh differs.
 """
+
 import shutil
 
 import jax
@@ -31,11 +32,18 @@ from jaxpar.train.loop import plan_layout, train
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.step import init_program
 
-STEPS, STOP, STATE_ATOL = 4, 2, 2.0 ** -22
+STEPS, STOP, STATE_ATOL = 4, 2, 2.0**-22
 SAVED_MESH, OTHER_MESH = "data=2,expert=4", "data=2,fsdp=2,expert=2"
 # A checkpoint at STOP and at the end only: each save costs seconds of CPU (orbax compiles its copies).
-QUIET = ["log.progress=false", "log.tensorboard=false", "log.eval_every=0", f"checkpoint.every={STOP}",
-         "optimizer.schedule=constant", "optimizer.warmup_steps=0", "optimizer.learning_rate=1e-2"]
+QUIET = [
+    "log.progress=false",
+    "log.tensorboard=false",
+    "log.eval_every=0",
+    f"checkpoint.every={STOP}",
+    "optimizer.schedule=constant",
+    "optimizer.warmup_steps=0",
+    "optimizer.learning_rate=1e-2",
+]
 BIAS_ON = {"tiny-moe": ["model.moe.bias_update_rate=1e-3"], "tiny-deepseek": []}
 
 
@@ -48,8 +56,11 @@ def _cfg(name, mesh=SAVED_MESH):
 def _restore(cfg, run_dir, step):
     """Checkpoint ``step`` of ``run_dir`` restored onto ``cfg``'s layout: {path: array}."""
     layout = plan_layout(cfg)
-    program = init_program(lambda r: build_model(cfg.model, rngs=r),
-                           lambda m: make_optimizer(cfg.optimizer, m, total_steps=cfg.steps), layout)
+    program = init_program(
+        lambda r: build_model(cfg.model, rngs=r),
+        lambda m: make_optimizer(cfg.optimizer, m, total_steps=cfg.steps),
+        layout,
+    )
     ckpt = Checkpointer(run_dir / "checkpoints", every=STOP, keep=STEPS)
     try:
         with layout.activate():
@@ -108,7 +119,7 @@ def test_resume_in_the_same_folder_is_bit_exact(runs, tmp_path):
     assert reference.losses[STEPS] < reference.losses[1], "the run must train for this to mean anything"
     resumed = train(_cfg(name), _interrupted_copy(reference.out_dir, tmp_path / "run"))
     assert resumed.start_step == STOP and resumed.last_step == STEPS
-    assert resumed.losses == {s: reference.losses[s] for s in range(STOP + 1, STEPS + 1)}    # bit for bit
+    assert resumed.losses == {s: reference.losses[s] for s in range(STOP + 1, STEPS + 1)}  # bit for bit
     cfg = _cfg(name)
     _assert_same_arrays(_restore(cfg, resumed.out_dir, STEPS), _restore(cfg, reference.out_dir, STEPS))
 
@@ -125,9 +136,10 @@ def test_restore_under_another_mesh_reshards_and_continues(runs, tmp_path):
     assert specs != {p: str(x.sharding.spec) for p, x in saved.items()}
     resumed = train(_cfg(name, OTHER_MESH), snapshot)
     assert resumed.start_step == STOP
-    assert resumed.losses == {s: reference.losses[s] for s in range(STOP + 1, STEPS + 1)}    # bit for bit
+    assert resumed.losses == {s: reference.losses[s] for s in range(STOP + 1, STEPS + 1)}  # bit for bit
     final, want = _restore(_cfg(name), snapshot, STEPS), _restore(_cfg(name), reference.out_dir, STEPS)
     assert final.keys() == want.keys()
     for path in want:
-        np.testing.assert_allclose(np.asarray(final[path]), np.asarray(want[path]), rtol=0, atol=STATE_ATOL,
-                                   err_msg=path)
+        np.testing.assert_allclose(
+            np.asarray(final[path]), np.asarray(want[path]), rtol=0, atol=STATE_ATOL, err_msg=path
+        )

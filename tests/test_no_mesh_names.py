@@ -1,4 +1,5 @@
 """Model code names logical axes only: no mesh axis name or PartitionSpec in models/ or jaxpar/layers/."""
+
 import ast
 import pathlib
 

@@ -12,6 +12,7 @@ step count (``join_schedules``: 3 scalar ops), where the reference passes a floa
 analysis counts those scalar ops depends on how they fuse: measured, 0 extra FLOPs on one device and 4
 under ``3d`` at these shapes (B=8, T=32), 0 in the benchmark's programs (B=16, T=128).
 """
+
 import sys
 from pathlib import Path
 
@@ -36,13 +37,14 @@ B, T = 8, 32
 # Both programs compiled with the same cheaper LLVM settings (about 3x faster to compile on CPU; the
 # optimized HLO and its partitioning are the same as with the defaults).
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-EXTRA_FLOPS = {1: 0, 8: 4}          # ours minus the reference, by device count (measured; see above)
+EXTRA_FLOPS = {1: 0, 8: 4}  # ours minus the reference, by device count (measured; see above)
 
 
 def _pair(mesh: str, devices, constraints: str):
     layout = make_layout(CFG, get_mesh_preset(mesh), batch=B, seq=T, devices=devices)
-    return layout, overhead.build_pair(CFG, layout, batch=B, seq=T, ref_constraints=constraints,
-                                       init_compiler_options=FAST)
+    return layout, overhead.build_pair(
+        CFG, layout, batch=B, seq=T, ref_constraints=constraints, init_compiler_options=FAST
+    )
 
 
 def _collectives(compiled, mesh):
@@ -67,7 +69,7 @@ def _check_steps(pair, ours, ref, steps=2):
     # not vacuous: the steps trained (loss went down, parameters moved) and the reference's state
     # stayed in the layout it was given
     assert losses[1] < losses[0]
-    assert overhead.param_rel_diff(initial, ref_state[0]) > 1e-4          # ~2·lr = 6e-4
+    assert overhead.param_rel_diff(initial, ref_state[0]) > 1e-4  # ~2·lr = 6e-4
     for leaf, start in zip(jax.tree.leaves(ref_state[0]), jax.tree.leaves(initial)):
         assert leaf.sharding.is_equivalent_to(start.sharding, leaf.ndim)
 

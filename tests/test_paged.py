@@ -1,4 +1,5 @@
 """Paged attention equals dense attention bit for bit: shuffled pages, NaN garbage in every unused slot."""
+
 import dataclasses
 
 import jax
@@ -6,16 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.layers.kvcache import (KVCache, LatentCache, PagedKVCache, PagedLatentCache, gqa_decode,
-                                   mla_decode)
+from jaxpar.layers.kvcache import KVCache, LatentCache, PagedKVCache, PagedLatentCache, gqa_decode, mla_decode
 
-B, W, PAGE, K, G, H = 3, 4, 4, 2, 3, 8        # 3 rows, 4 pages of 4 slots each, GQA 6 query heads over 2
+B, W, PAGE, K, G, H = 3, 4, 4, 2, 3, 8  # 3 rows, 4 pages of 4 slots each, GQA 6 query heads over 2
 S = W * PAGE
 
 
 def _pages(rng, pool_pages: int, used):
     """Row b's table: used[b] distinct shuffled page ids from 1..pool_pages-1, then the null page 0."""
-    ids = rng.permutation(np.arange(1, pool_pages))[:B * W].reshape(B, W)
+    ids = rng.permutation(np.arange(1, pool_pages))[: B * W].reshape(B, W)
     ids[np.arange(W)[None, :] >= np.asarray(used)[:, None]] = 0
     return jnp.asarray(ids, jnp.int32)
 
@@ -41,7 +41,7 @@ def _history(rng, lengths, *tail):
 @pytest.mark.parametrize("t,window", [(1, None), (3, None), (3, 5)], ids=["decode", "chunk", "window"])
 def test_paged_gqa_is_dense_gqa(t, window):
     rng = np.random.default_rng(t)
-    lengths = np.array([5, 0, 9])                       # tokens already cached per row
+    lengths = np.array([5, 0, 9])  # tokens already cached per row
     positions = jnp.asarray(lengths[:, None] + np.arange(t)[None, :], jnp.int32)
     q = jnp.asarray(rng.normal(size=(B, t, K * G, H)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(B, t, K, H)), jnp.float32) for _ in range(2))
@@ -49,15 +49,16 @@ def test_paged_gqa_is_dense_gqa(t, window):
     table = _pages(rng, 20, -(-(lengths + t) // PAGE))
     paged = PagedKVCache(*(_dense_to_pool(a, table, 20, lengths) for a in (ck, cv)), table)
 
-    want, dense = jax.jit(gqa_decode, static_argnames="window")(q, k, v, KVCache(jnp.asarray(ck), jnp.asarray(cv)),
-                                                                 positions, window=window)
+    want, dense = jax.jit(gqa_decode, static_argnames="window")(
+        q, k, v, KVCache(jnp.asarray(ck), jnp.asarray(cv)), positions, window=window
+    )
     got, pool = jax.jit(gqa_decode, static_argnames="window")(q, k, v, paged, positions, window=window)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    for b in range(B):                                  # the new tokens landed in the row's pages
+    for b in range(B):  # the new tokens landed in the row's pages
         rows = np.concatenate([np.asarray(pool.k)[int(p)] for p in table[b]])
-        np.testing.assert_array_equal(rows[:lengths[b] + t], np.asarray(dense.k)[b, :lengths[b] + t])
-    assert not np.asarray(pool.k)[0].any()              # the null page stays zero
+        np.testing.assert_array_equal(rows[: lengths[b] + t], np.asarray(dense.k)[b, : lengths[b] + t])
+    assert not np.asarray(pool.k)[0].any()  # the null page stays zero
 
 
 def test_padding_queries_write_nothing():

@@ -3,6 +3,7 @@ gives the one-device losses and per-parameter gradients (``pipeline_cases``), al
 data, fsdp, tensor and sequence (ring and Ulysses) on 8 simulated devices; refusals; 1F1B's flat memory;
 the stage sends; checkpoints across layouts. The MoE families: ``tests/test_pipeline_moe.py``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from pipeline_cases import invariance_test
+from pipeline_cases import model as _model
 
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.meshes import resolve_mesh_arg
@@ -17,8 +20,6 @@ from jaxpar.models import get_model_preset
 from jaxpar.pipeline import build
 from jaxpar.train.config import apply_overrides, default_config
 from jaxpar.train.loop import plan_layout
-from pipeline_cases import invariance_test
-from pipeline_cases import model as _model
 
 # (model, schedule, stages, microbatches, virtual stages, mesh): every schedule at p ∈ {2, 4} and
 # m ∈ {p, 2p}, alone and mixed with the other axes.
@@ -51,23 +52,57 @@ def _plan(*overrides: str, model: str = "tiny", mesh: str = "stage=2,tensor=4"):
     return plan_layout(cfg.validate(), devices=jax.devices()[:8])
 
 
-@pytest.mark.parametrize("overrides,model,mesh,message", [
-    ((), "tiny", "stage=4,data=2", r"model\.num_layers=2 \(logical axis 'layers'\) is not divisible by mesh axes stage=4"),
-    (("pipeline.schedule=interleaved", "pipeline.virtual_stages=2"), "tiny", "stage=2,tensor=4",
-     r"model\.num_layers=2 is not divisible by mesh stage=2 × pipeline\.virtual_stages=2 = 4"),
-    (("pipeline.microbatches=1",), "tiny", "stage=2,tensor=4", r"pipeline\.microbatches=1"),
-    (("pipeline.microbatches=3", "pipeline.schedule=gpipe"), "tiny", "stage=2,tensor=4",
-     r"batch=16 is not divisible by pipeline\.microbatches=3"),
-    (("pipeline.microbatches=16",), "tiny", "stage=2,data=2,fsdp=2",
-     r"batch=16 / pipeline\.microbatches=16 = 1 rows per slice is not divisible by the 4 devices"),
-    (("pipeline.virtual_stages=2",), "tiny", "stage=2,tensor=4", r"pipeline\.virtual_stages=2 needs pipeline\.schedule=interleaved"),
-    (("grad_accum=2",), "tiny", "stage=2,tensor=4", r"grad_accum=2 with mesh stage=2"),
-    ((), "tiny-deepseek", "stage=4,expert=2", r"model\.num_layers - first_dense_layers=2 \(logical axis 'layers'\) "
-                                               r"is not divisible by mesh axes stage=4"),
-    (("model.num_layers=6", "model.first_dense_layers=2", "pipeline.microbatches=6"), "tiny-deepseek",
-     "stage=4,expert=2", r"model\.first_dense_layers=2: the dense prefix runs before the schedule with the "
-                         r"microbatches split over the stages, so pipeline\.microbatches=6 must be divisible by mesh stage=4"),
-])
+@pytest.mark.parametrize(
+    "overrides,model,mesh,message",
+    [
+        (
+            (),
+            "tiny",
+            "stage=4,data=2",
+            r"model\.num_layers=2 \(logical axis 'layers'\) is not divisible by mesh axes stage=4",
+        ),
+        (
+            ("pipeline.schedule=interleaved", "pipeline.virtual_stages=2"),
+            "tiny",
+            "stage=2,tensor=4",
+            r"model\.num_layers=2 is not divisible by mesh stage=2 × pipeline\.virtual_stages=2 = 4",
+        ),
+        (("pipeline.microbatches=1",), "tiny", "stage=2,tensor=4", r"pipeline\.microbatches=1"),
+        (
+            ("pipeline.microbatches=3", "pipeline.schedule=gpipe"),
+            "tiny",
+            "stage=2,tensor=4",
+            r"batch=16 is not divisible by pipeline\.microbatches=3",
+        ),
+        (
+            ("pipeline.microbatches=16",),
+            "tiny",
+            "stage=2,data=2,fsdp=2",
+            r"batch=16 / pipeline\.microbatches=16 = 1 rows per slice is not divisible by the 4 devices",
+        ),
+        (
+            ("pipeline.virtual_stages=2",),
+            "tiny",
+            "stage=2,tensor=4",
+            r"pipeline\.virtual_stages=2 needs pipeline\.schedule=interleaved",
+        ),
+        (("grad_accum=2",), "tiny", "stage=2,tensor=4", r"grad_accum=2 with mesh stage=2"),
+        (
+            (),
+            "tiny-deepseek",
+            "stage=4,expert=2",
+            r"model\.num_layers - first_dense_layers=2 \(logical axis 'layers'\) "
+            r"is not divisible by mesh axes stage=4",
+        ),
+        (
+            ("model.num_layers=6", "model.first_dense_layers=2", "pipeline.microbatches=6"),
+            "tiny-deepseek",
+            "stage=4,expert=2",
+            r"model\.first_dense_layers=2: the dense prefix runs before the schedule with the "
+            r"microbatches split over the stages, so pipeline\.microbatches=6 must be divisible by mesh stage=4",
+        ),
+    ],
+)
 def test_refusals_before_any_work(overrides, model, mesh, message):
     with pytest.raises(JaxparError, match=message):
         _plan(*overrides, model=model, mesh=mesh)
@@ -84,14 +119,17 @@ def _temp_bytes(schedule: str, p: int, m: int, rows: int = 2, seq: int = 64) -> 
     """Compiled temp memory (bytes per device) of the train step of ``tiny`` (8 layers) under
     ``stage=p`` with m microbatches of ``rows`` sequences each: the batch grows with m."""
     import functools
-    from jaxpar.models import build_model
+
     from jaxpar.layout import make_layout
+    from jaxpar.models import build_model
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
 
     cfg = _model("tiny")
     layout = make_layout(cfg, resolve_mesh_arg(f"stage={p}"), batch=rows * m, seq=seq, devices=jax.devices()[:p])
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout)
+    ts = init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
     batch = {k: jax.ShapeDtypeStruct((rows * m, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     step = make_train_step(ts, layout, pipeline=build(schedule, p, m))
     return step.lower(ts.state, batch).compile().memory_analysis().temp_size_in_bytes
@@ -114,6 +152,7 @@ def test_1f1b_memory_stays_flat_while_gpipe_grows_with_microbatches():
 def _state_on(mesh: str, layers: int = 4):
     """``tiny`` (``layers`` layers) with its AdamW state, born sharded on ``mesh`` over 8 devices."""
     import functools
+
     from jaxpar.layout import make_layout
     from jaxpar.models import build_model
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
@@ -121,8 +160,9 @@ def _state_on(mesh: str, layers: int = 4):
 
     cfg = dataclasses.replace(get_model_preset("tiny"), num_layers=layers)
     layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=16, seq=16, devices=jax.devices()[:8])
-    return init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
-                            layout, seed=3)
+    return init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout, seed=3
+    )
 
 
 def test_checkpoint_saved_under_stage_restores_under_fsdp_and_back(tmp_path):
@@ -136,14 +176,21 @@ def test_checkpoint_saved_under_stage_restores_under_fsdp_and_back(tmp_path):
         saver.save(1, state=source.state, data={}, config={}, force=True)
         saver.close()
         reader = Checkpointer(tmp_path / name, every=1, keep=1)
-        restored, _ = reader.restore(1, abstract_like(jax.eval_shape(lambda: target.state), target.shardings))
+        restored, _ = reader.restore(
+            1, abstract_like(jax.eval_shape(lambda target=target: target.state), target.shardings)
+        )
         reader.close()
-        for (path, got), want, sharding in zip(jax.tree_util.tree_leaves_with_path(restored),
-                                               jax.tree.leaves(source.state), jax.tree.leaves(target.shardings)):
+        for (path, got), want, sharding in zip(
+            jax.tree_util.tree_leaves_with_path(restored),
+            jax.tree.leaves(source.state),
+            jax.tree.leaves(target.shardings),
+        ):
             assert got.sharding == sharding, (name, jax.tree_util.keystr(path))
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} {jax.tree_util.keystr(path)}")
+            np.testing.assert_array_equal(
+                np.asarray(got), np.asarray(want), err_msg=f"{name} {jax.tree_util.keystr(path)}"
+            )
     stage_specs = {s.spec for s in jax.tree.leaves(staged.shardings)}
-    assert any(spec and spec[0] == "stage" for spec in stage_specs)        # the layers really are split
+    assert any(spec and spec[0] == "stage" for spec in stage_specs)  # the layers really are split
 
 
 @pytest.mark.parametrize("schedule,p,m,v", [("1f1b", 2, 4, 1), ("gpipe", 4, 4, 1), ("interleaved", 2, 4, 2)])
@@ -154,6 +201,7 @@ def test_stage_sends_one_activation_and_one_gradient_per_microbatch_and_boundary
     of the p·v − 1 chunk boundaries (interleaving multiplies the boundaries by v)."""
     import functools
     import re
+
     from jaxpar.layout import make_layout
     from jaxpar.models import build_model
     from jaxpar.pipeline.executor import send_patterns
@@ -163,15 +211,22 @@ def test_stage_sends_one_activation_and_one_gradient_per_microbatch_and_boundary
     rows, seq, cfg = 2, 16, _model("tiny")
     table = build(schedule, p, m, v)
     layout = make_layout(cfg, resolve_mesh_arg(f"stage={p}"), batch=rows * m, seq=seq, devices=jax.devices()[:p])
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout)
+    ts = init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
     batch = {k: jax.ShapeDtypeStruct((rows * m, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     hlo = make_train_step(ts, layout, pipeline=table).lower(ts.state, batch).compile().as_text()
-    sends = re.findall(r"= (\w+)\[([\d,]+)\][^\n]* collective-permute\([^\n]*source_target_pairs=\{(\{[\d,{}]*\})\}", hlo)
+    sends = re.findall(
+        r"= (\w+)\[([\d,]+)\][^\n]* collective-permute\([^\n]*source_target_pairs=\{(\{[\d,{}]*\})\}", hlo
+    )
     act = rows * seq * cfg.embed_dim
-    assert sends and all(dtype == "f32" and np.prod([int(d) for d in shape.split(",")]) == act
-                         for dtype, shape, _ in sends), sends
-    compiled_pairs = sorted(tuple(tuple(int(x) for x in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", pairs))
-                            for _, _, pairs in sends)
+    assert sends and all(
+        dtype == "f32" and np.prod([int(d) for d in shape.split(",")]) == act for dtype, shape, _ in sends
+    ), sends
+    compiled_pairs = sorted(
+        tuple(tuple(int(x) for x in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", pairs))
+        for _, _, pairs in sends
+    )
     fwd, fwd_tick = send_patterns(table.fwd_recv_slot, -1)
     bwd, bwd_tick = send_patterns(table.bwd_recv_slot, +1)
     assert compiled_pairs == sorted(fwd + bwd)

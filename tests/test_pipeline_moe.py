@@ -7,6 +7,7 @@ Tolerance: gradients 1e-5 of each parameter's largest entry, except tiny-deepsee
 gradient is summed over the 4 stages' microbatches in another order than one device's running sum, and
 Adam turns that rounding into a small difference of the step-3 weights.
 """
+
 from pipeline_cases import invariance_test
 
 CASES = [

@@ -1,6 +1,7 @@
 """The layout lab: analytic minimum bytes on hand-worked cases, measured bytes against the minimum on
 small models for dp, fsdp, tp, ring and ep, the HLO reading against a direct count, bad input, and
 pipeline parallelism over ``stage`` (sends, bubble, step time, search)."""
+
 import math
 import re
 import types
@@ -16,8 +17,10 @@ from jaxpar.meshes import compose_rules
 
 def _param(size_shape, spec, names=None, dtype="float32"):
     import math
-    return types.SimpleNamespace(size=math.prod(size_shape), spec=spec, names=names or (None,) * len(spec),
-                                 dtype=dtype, shard_shape=size_shape)
+
+    return types.SimpleNamespace(
+        size=math.prod(size_shape), spec=spec, names=names or (None,) * len(spec), dtype=dtype, shard_shape=size_shape
+    )
 
 
 def test_weight_bytes_by_hand():
@@ -27,42 +30,58 @@ def test_weight_bytes_by_hand():
     (2·7/8 · 4 · 64 = 448 B). An expert weight sharded on expert=2 is never gathered over it."""
     mesh = dict(stage=1, data=2, fsdp=4, expert=1, sequence=1, tensor=1)
     report = types.SimpleNamespace(params=[_param((1000, 64), ("fsdp", None)), _param((64,), (None,))])
-    assert weight_bytes(report, mesh, {"data", "fsdp"}) == pytest.approx({"fsdp": 576_000, "data": 64_000,
-                                                                          "data+fsdp": 448})
+    assert weight_bytes(report, mesh, {"data", "fsdp"}) == pytest.approx(
+        {"fsdp": 576_000, "data": 64_000, "data+fsdp": 448}
+    )
     mesh = dict(stage=1, data=2, fsdp=1, expert=2, sequence=1, tensor=1)
     expert = _param((4, 16, 16), ("expert", None, None), names=("experts", "embed", "mlp"))
     assert weight_bytes(types.SimpleNamespace(params=[expert]), mesh, {"data", "expert"}) == pytest.approx(
-        {"data": 2 * 0.5 * 4 * 1024 / 2})
+        {"data": 2 * 0.5 * 4 * 1024 / 2}
+    )
 
 
 def test_activation_bytes_by_hand():
     """tensor=4, B=8, L=16 (128 tokens on the tensor group), D=32, 2 layers, f32: (4·2 + 2) all-reduce
     equivalents of 2·3/4 · 128·32·4 B. Ring over sequence=4: 3 · 3/4 · 2·8·16·2·8·4 per layer."""
-    a = Activations(batch=8, seq=16, embed_dim=32, num_layers=2, kv_heads=2, head_dim=8, num_heads=8, act_bytes=4,
-                    context_parallel="ring")
+    a = Activations(
+        batch=8,
+        seq=16,
+        embed_dim=32,
+        num_layers=2,
+        kv_heads=2,
+        head_dim=8,
+        num_heads=8,
+        act_bytes=4,
+        context_parallel="ring",
+    )
     tensor = dict(stage=1, data=1, fsdp=1, expert=1, sequence=1, tensor=4)
     assert activation_bytes(a, tensor, compose_rules("t", {"tensor"})) == pytest.approx(
-        {"tensor": 10 * 1.5 * 128 * 32 * 4})
+        {"tensor": 10 * 1.5 * 128 * 32 * 4}
+    )
     ring = dict(tensor, tensor=1, sequence=4)
     assert activation_bytes(a, ring, compose_rules("s", {"sequence"})) == pytest.approx(
-        {"sequence": 2 * 3 * 0.75 * 2 * 8 * 16 * 2 * 8 * 4})
+        {"sequence": 2 * 3 * 0.75 * 2 * 8 * 16 * 2 * 8 * 4}
+    )
 
 
 def test_links_follow_the_axis_order():
-    h100 = HARDWARE["h100"]                        # 8 GPUs per NVLink domain
+    h100 = HARDWARE["h100"]  # 8 GPUs per NVLink domain
     mesh = dict(stage=1, data=4, fsdp=8, expert=1, sequence=1, tensor=1)
     assert link_of("fsdp", mesh, h100)[0] == "fast" and link_of("data", mesh, h100)[0] == "slow"
-    assert link_of("fsdp", dict(mesh, tensor=2, fsdp=8), h100)[0] == "slow"       # 16 devices span
+    assert link_of("fsdp", dict(mesh, tensor=2, fsdp=8), h100)[0] == "slow"  # 16 devices span
 
 
-@pytest.mark.parametrize("model, mesh, overrides, low, high", [
-    ("tiny", "dp", {}, 1.0, 1.01),
-    ("tiny", "fsdp", {}, 1.0, 1.15),
-    # XLA:CPU lowers reduce-scatter as all-reduce + slice: 2(n−1)/n instead of (n−1)/n for half the pairs
-    ("tiny", "tp", {}, 1.0, 1.7),
-    ("tiny", "cp", dict(context_parallel="ring"), 1.0, 1.05),
-    ("tiny-moe", "data=2,expert=4", {}, 1.0, 1.05),
-])
+@pytest.mark.parametrize(
+    "model, mesh, overrides, low, high",
+    [
+        ("tiny", "dp", {}, 1.0, 1.01),
+        ("tiny", "fsdp", {}, 1.0, 1.15),
+        # XLA:CPU lowers reduce-scatter as all-reduce + slice: 2(n−1)/n instead of (n−1)/n for half the pairs
+        ("tiny", "tp", {}, 1.0, 1.7),
+        ("tiny", "cp", dict(context_parallel="ring"), 1.0, 1.05),
+        ("tiny-moe", "data=2,expert=4", {}, 1.0, 1.05),
+    ],
+)
 def test_measured_bytes_against_the_minimum(model, mesh, overrides, low, high):
     p = plan(model, mesh, batch=8, seq=32, hardware="h100", remat="none", dtype="float32", **overrides)
     assert p.ratio_by_axis, p
@@ -82,11 +101,12 @@ def test_moe_plan_in_bf16_prices_the_experts_by_mechanisms():
 
     p = plan("tiny-moe", "data=2,expert=4", batch=16, seq=64, hardware="h100")
     assert p.assumptions["model"] == "mechanisms" and p.times["communication_s"]["expert"] > 0
-    assert p.times["step_s"] == pytest.approx(p.times["compute_s"] + p.times["memory_s"]
-                                              + p.times["exposed_communication_s"])
+    assert p.times["step_s"] == pytest.approx(
+        p.times["compute_s"] + p.times["memory_s"] + p.times["exposed_communication_s"]
+    )
     w = workload_of(get_model_preset("tiny-moe", dtype="bfloat16"), dict(data=2, expert=4), batch=16, seq=64)
     assert (w.experts, w.top_k, w.expert_mlp_dim, w.capacity_factor, w.moe_layers) == (4, 2, 64, 2.0, 2)
-    assert w.slots_per_token == 4 and w.replicas == 8            # C = 2·64·2/4 = 64 slots: E·C/S = 4
+    assert w.slots_per_token == 4 and w.replicas == 8  # C = 2·64·2/4 = 64 slots: E·C/S = 4
     # the model's all-to-all, one pass (dispatch and combine, 3/4 of 128 tokens × 4 slots × 64 × 2 B each way),
     # runs forward, again in full remat's recompute, and backward, in both layers: what the program sends
     a2a = 2 * 3 / 4 * 4 * 128 * 64 * 2
@@ -105,14 +125,22 @@ def test_context_parallel_sends_priced_as_the_program_sends_them():
 
     p = plan("tiny", "cp", batch=8, seq=32, hardware="h100", remat="none", dtype="float32", context_parallel="ring")
     kv = 32 * 32 * 4
-    ring = 2 * (7 * kv + 7 * 2 * kv + kv)                                  # two layers
+    ring = 2 * (7 * kv + 7 * 2 * kv + kv)  # two layers
     params = get_model_preset("tiny").num_params(padded=True)
     assert p.bytes_by_axis["sequence"] == pytest.approx(ring + 2 * 7 / 8 * 4 * params, rel=0.01)
     assert p.assumptions["model"] == "mechanisms" and p.times["parts"]["sequence_exposed_s"] > 0
     # Ulysses over sequence=2 (data=4): q, k, v and the output, 1/2 of 32 tokens × (8 × 16 + 32) values each
     # way, forward and backward, two layers; the gradients' all-reduce over the pair is 2·1/2 of 4 B a weight
-    u = plan("tiny", "data=4,sequence=2", batch=8, seq=32, hardware="h100", remat="none", dtype="float32",
-             context_parallel="ulysses")
+    u = plan(
+        "tiny",
+        "data=4,sequence=2",
+        batch=8,
+        seq=32,
+        hardware="h100",
+        remat="none",
+        dtype="float32",
+        context_parallel="ulysses",
+    )
     a2a = 1 / 2 * 32 * (8 * 16 + 32) * 4
     assert u.bytes_by_axis["sequence"] - 2 * 1 / 2 * 4 * params == pytest.approx(2 * 2 * a2a, rel=0.01)
 
@@ -134,28 +162,42 @@ def test_hlo_reading_equals_a_direct_count():
     for line in compiled.as_text().splitlines():
         head, sep, _ = line.partition(" all-reduce(")
         if sep:
-            direct.append(sum(math.prod(int(d) for d in dims.split(",") if d) * int(re.sub(r"\D", "", t)) // 8
-                              for t, dims in re.findall(r"([a-z]+\d+)\[([\d,]*)\]", head.partition("= ")[2])))
+            direct.append(
+                sum(
+                    math.prod(int(d) for d in dims.split(",") if d) * int(re.sub(r"\D", "", t)) // 8
+                    for t, dims in re.findall(r"([a-z]+\d+)\[([\d,]*)\]", head.partition("= ")[2])
+                )
+            )
     ops = [op for op in analyze_compiled(compiled, mesh=layout.mesh).ops if op.kind == "all-reduce"]
     assert sorted(op.bytes for op in ops) == sorted(direct)
     assert {op.executions for op in ops} <= {1, cfg.num_layers}
     total = sum(op.bytes * op.executions for op in ops)
-    assert total == 4 * cfg.num_params(padded=True) + 4                     # every gradient, and the loss
+    assert total == 4 * cfg.num_params(padded=True) + 4  # every gradient, and the loss
     assert measured_bytes(ops) == {"data": pytest.approx(2 * 7 / 8 * total)}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--hardware", "h300"], "unknown hardware 'h300'"),
-    (["--devices", "4096"], "--devices=4096: this machine simulates 1..2048"),
-    (["--mesh", "expert=8", "--model", "tiny-moe"], "model.moe.num_experts=4 (logical axis 'experts') is not "
-                                                     "divisible by mesh axes expert=8"),
-    (["--mesh", "stage=2,fsdp=4", "--microbatches", "3"], "batch=8 / pipeline.microbatches=3 = 2.66667 rows"),
-    (["--mesh", "stage=2,fsdp=4", "--schedule", "interleaved"], "pipeline.schedule=interleaved needs "
-                                                                 "pipeline.virtual_stages >= 2"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hardware", "h300"], "unknown hardware 'h300'"),
+        (["--devices", "4096"], "--devices=4096: this machine simulates 1..2048"),
+        (
+            ["--mesh", "expert=8", "--model", "tiny-moe"],
+            "model.moe.num_experts=4 (logical axis 'experts') is not divisible by mesh axes expert=8",
+        ),
+        (["--mesh", "stage=2,fsdp=4", "--microbatches", "3"], "batch=8 / pipeline.microbatches=3 = 2.66667 rows"),
+        (
+            ["--mesh", "stage=2,fsdp=4", "--schedule", "interleaved"],
+            "pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2",
+        ),
+    ],
+)
 def test_bad_input(argv, message, capsys):
-    base = dict(zip(["--model", "--mesh", "--batch", "--seq", "--hardware", "--devices"],
-                    ["tiny", "dp", "8", "32", "h100", "8"]))
+    base = dict(
+        zip(
+            ["--model", "--mesh", "--batch", "--seq", "--hardware", "--devices"], ["tiny", "dp", "8", "32", "h100", "8"]
+        )
+    )
     base.update(zip(argv[::2], argv[1::2]))
     assert main(["plan", *[x for kv in base.items() for x in kv]]) == 2
     assert message in capsys.readouterr().err
@@ -170,7 +212,7 @@ def test_search_ranks_a_hand_made_case(tmp_path, capsys):
     assert len(factorizations(8, ("data", "fsdp", "tensor"))) == 10
     ranked, refused = search("llama3-8b", 8, batch=8, seq=2048, hardware="tpu-v6e")
     meshes = factorizations(8, ("stage", "data", "fsdp", "sequence", "tensor"))
-    piped = sum(m.get("stage", 1) > 1 for m in meshes)     # each under the four schedules
+    piped = sum(m.get("stage", 1) > 1 for m in meshes)  # each under the four schedules
     assert len(ranked) + len(refused) == len(meshes) + 3 * piped
     assert {c.pipeline["schedule"] for c in ranked if c.pipeline} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     fitting = [c for c in ranked if c.fits]
@@ -180,23 +222,44 @@ def test_search_ranks_a_hand_made_case(tmp_path, capsys):
     # head (2 × 525M parameters) whole: stage=8 keeps 16 B × (6.98e9 / 8 + 1.05e9) = 30.8 GB and does not fit
     assert {tuple(c.mesh.items()) for c in fitting if "stage" in c.mesh} >= {(("stage", 2), ("fsdp", 4))}
     assert all(ways(c, ("stage", "fsdp", "tensor")) == 8 and c.mesh["stage"] < 8 for c in fitting if "stage" in c.mesh)
-    assert ranked[:len(fitting)] == fitting
+    assert ranked[: len(fitting)] == fitting
     assert [c.predicted_step_s for c in fitting] == sorted(c.predicted_step_s for c in fitting)
-    for c in ranked:                      # every layout priced by the mechanism model, its parts with it
+    for c in ranked:  # every layout priced by the mechanism model, its parts with it
         t = c.times
         assert t["step_s"] == c.predicted_step_s
-        assert t["step_s"] == pytest.approx(t["compute_s"] + t["memory_s"] + t["exposed_communication_s"]
-                                            + t["parts"]["bubble_s"])
+        assert t["step_s"] == pytest.approx(
+            t["compute_s"] + t["memory_s"] + t["exposed_communication_s"] + t["parts"]["bubble_s"]
+        )
         assert (t["parts"]["bubble_s"] > 0) == ("stage" in c.mesh)
-        assert (t["communication_s"]["sequence"] > 0) == ("sequence" in c.mesh)   # GSPMD's K/V gathers
+        assert (t["communication_s"]["sequence"] > 0) == ("sequence" in c.mesh)  # GSPMD's K/V gathers
     from jaxpar.analysis.plan_command import candidates_figure
+
     top, bottom = candidates_figure(fitting, title="fitting").axes
     assert len(top.patches) == len(fitting) and top.get_title() == "fitting"
-    assert main(["plan", "--search", "--model", "llama3-8b", "--devices", "8", "--batch", "8", "--seq", "2048",
-                 "--hardware", "tpu-v6e", "--plot", str(tmp_path / "search.png")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--search",
+                "--model",
+                "llama3-8b",
+                "--devices",
+                "8",
+                "--batch",
+                "8",
+                "--seq",
+                "2048",
+                "--hardware",
+                "tpu-v6e",
+                "--plot",
+                str(tmp_path / "search.png"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "fitting ones first" in out and (tmp_path / "search.png").stat().st_size > 10_000
-    assert "attention: XLA's, every score in HBM" in out                  # the kernel the ranking priced
+    assert "attention: XLA's, every score in HBM" in out  # the kernel the ranking priced
 
 
 # ------------------------------------------------------------------------------------- pipelines (stage)
@@ -217,14 +280,14 @@ def test_stage_sends_and_bubble_of_a_compiled_pipeline():
     assert pipe["sends"] == 2 * 4 * (2 * 1 - 1) and pipe["stage_bytes_per_device"] == 8 * 4096 / 2
     assert pipe["send_ticks"] == 8 and pipe["stage_critical_path_bytes"] == 8 * 4096
     assert abs(p.ratio_by_axis["stage"] - 1) < 2e-3, (p.bytes_by_axis, p.analytic_min_bytes_by_axis)
-    all_reduce = 2 * 1 / 2 * 4 * (256 * 64 / 4 + 64 * 256 / 4 + 64)            # embed, head on fsdp; norm whole
+    all_reduce = 2 * 1 / 2 * 4 * (256 * 64 / 4 + 64 * 256 / 4 + 64)  # embed, head on fsdp; norm whole
     assert p.analytic_min_bytes_by_axis["stage"] == pytest.approx(8 * 4096 / 2 + all_reduce)
-    assert p.link_by_axis["stage"] == "fast"                                  # 8 devices: one NVLink domain
+    assert p.link_by_axis["stage"] == "fast"  # 8 devices: one NVLink domain
     t_b = 3 + 1 + 3 * 4 / 9
     assert pipe["durations"] == pytest.approx({"F": 1.0, "B": t_b})
     table = build("1f1b", 2, 4)
     assert pipe["lockstep_bubble_fraction"] == pytest.approx(table.lockstep_bubble_fraction(1.0, t_b), abs=1e-12)
-    assert pipe["bubble_fraction"] == pytest.approx(1 / 5)                   # (p−1)/(m+p−1), any durations
+    assert pipe["bubble_fraction"] == pytest.approx(1 / 5)  # (p−1)/(m+p−1), any durations
     assert pipe["executor_bubble_fraction"] == pytest.approx(1 - 4 * (1 + t_b) / (2 + 8 * t_b))
     assert pipe["executor_bubble_fraction"] == pytest.approx(pipe["lockstep_bubble_fraction"])
     assert pipe["peak_in_flight"] == 2 and pipe["memory"]["stage_buffers"] == (2 + 1 + 2) * 32 * 64 * 2
@@ -233,8 +296,11 @@ def test_stage_sends_and_bubble_of_a_compiled_pipeline():
     t, parts = p.times, p.times["parts"]
     assert t["bubble_fraction"] == pipe["executor_bubble_fraction"] and p.assumptions["model"] == "mechanisms"
     b = t["bubble_fraction"]
-    busy = sum(v for k, v in parts.items() if k not in ("bubble_s", "optimizer_s", "dcn_exposed_s",
-                                                          "stage_exposed_s", "step_s"))
+    busy = sum(
+        v
+        for k, v in parts.items()
+        if k not in ("bubble_s", "optimizer_s", "dcn_exposed_s", "stage_exposed_s", "step_s")
+    )
     assert parts["bubble_s"] == pytest.approx(busy * b / (1 - b))
     others = p.bytes_by_axis["stage"] - pipe["stage_bytes_per_device"]
     critical = others + pipe["stage_critical_path_bytes"]
@@ -242,6 +308,7 @@ def test_stage_sends_and_bubble_of_a_compiled_pipeline():
     assert p.predicted_step_s == pytest.approx(sum(v for k, v in parts.items() if k != "step_s"))
     assert t["pipelined_s"] == pytest.approx(busy + parts["bubble_s"])
     from jaxpar.analysis.plan_command import format_plan
+
     text = format_plan(p)
     assert f"stretches compute to {t['pipelined_s'] * 1e3:.1f} ms" in text and "from mechanisms" in text
     assert p.flops_per_device == pytest.approx(4 * (1 + t_b) * (540_672 / 3 - 32_768) / 2 * 32)
@@ -256,8 +323,17 @@ def test_predict_stretches_compute_by_the_bubble_and_exposes_stage():
     h100 = HARDWARE["h100"]
     mesh = dict(stage=2, data=1, fsdp=4, expert=1, sequence=1, tensor=1)
     measured = {"fsdp": 0.1 * h100.fast_link, "stage": 0.01 * h100.fast_link}
-    t = predict(measured, flops=0.1 * 0.6 * h100.peak_bf16_flops, bytes_accessed=0.05 * h100.hbm_bandwidth,
-                mesh=mesh, hw=h100, efficiency=0.6, overlap=0.8, bubble=0.25, stage_bytes=0.03 * h100.fast_link)
+    t = predict(
+        measured,
+        flops=0.1 * 0.6 * h100.peak_bf16_flops,
+        bytes_accessed=0.05 * h100.hbm_bandwidth,
+        mesh=mesh,
+        hw=h100,
+        efficiency=0.6,
+        overlap=0.8,
+        bubble=0.25,
+        stage_bytes=0.03 * h100.fast_link,
+    )
     assert t["pipelined_s"] == pytest.approx(0.1 / 0.75)
     assert t["exposed_communication_s"] == pytest.approx(0.03)
     assert t["step_s"] == pytest.approx(0.1 / 0.75 + 0.03)
@@ -272,15 +348,26 @@ def test_stage_minimum_by_hand():
     32 positions / tensor 2 (the buffer's length is split like the residual stream) × 64 × 2 B = 4096 B;
     2·4·1 sends over the ring, 16,384 B per device. Tensor's per-layer traffic counts the L/p layers a
     device runs: (4·2 + 2)/2 all-reduce equivalents of 2·1/2 · 8·32·64·2 B."""
-    a = Activations(batch=16, seq=32, embed_dim=64, num_layers=2, kv_heads=2, head_dim=8, num_heads=8,
-                    act_bytes=2, schedule="1f1b", microbatches=4)
+    a = Activations(
+        batch=16,
+        seq=32,
+        embed_dim=64,
+        num_layers=2,
+        kv_heads=2,
+        head_dim=8,
+        num_heads=8,
+        act_bytes=2,
+        schedule="1f1b",
+        microbatches=4,
+    )
     mesh = dict(stage=2, data=2, fsdp=1, expert=1, sequence=1, tensor=2)
     rules = compose_rules("s", {"stage", "data", "tensor"})
     assert activation_bytes(a, mesh, rules) == pytest.approx({"stage": 16_384, "tensor": 5 * 8 * 32 * 64 * 2})
     held = _param((2, 64, 64), ("stage", None, "tensor"), names=("layers", "embed", "mlp"))
     whole = _param((64,), (None,))
     assert weight_bytes(types.SimpleNamespace(params=[held, whole]), mesh, {"data"}) == pytest.approx(
-        {"data": 2 * 0.5 * 4 * 8192 / 4 + 2 * 0.5 * 4 * 64, "stage": 2 * 0.5 * 4 * 64})
+        {"data": 2 * 0.5 * 4 * 8192 / 4 + 2 * 0.5 * 4 * 64, "stage": 2 * 0.5 * 4 * 64}
+    )
 
 
 def test_search_lists_pipelines_and_refuses_indivisible_stacks(capsys):
@@ -299,17 +386,38 @@ def test_search_lists_pipelines_and_refuses_indivisible_stacks(capsys):
     (c,) = [c for c in ranked if c.mesh == {"stage": 2, "data": 4} and c.pipeline["schedule"] == "1f1b"]
     assert c.pipeline["microbatches"] == 4
     assert c.bytes_by_axis["stage"] == pytest.approx(8 * 32 * 64 * 2 / 2 + 2 * 0.5 * 4 * 32_832)
-    ranked3, refused3 = search("tiny", 8, batch=16, seq=32, hardware="h100", num_layers=4, microbatches=3,
-                               schedule="1f1b")
+    ranked3, refused3 = search(
+        "tiny", 8, batch=16, seq=32, hardware="h100", num_layers=4, microbatches=3, schedule="1f1b"
+    )
     assert all("stage" not in c.mesh for c in ranked3)
     assert any("pipeline.microbatches=3" in r for _, r in refused3)
-    assert main(["plan", "--search", "--model", "tiny", "--devices", "8", "--batch", "16", "--seq", "32",
-                 "--hardware", "h100", "--set", "num_layers=4"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--search",
+                "--model",
+                "tiny",
+                "--devices",
+                "8",
+                "--batch",
+                "16",
+                "--seq",
+                "32",
+                "--hardware",
+                "h100",
+                "--set",
+                "num_layers=4",
+            ]
+        )
+        == 0
+    )
     assert re.search(r"stage=2,data=4 .* 1f1b m=4, bubble \d+%", capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("mesh", ["stage=2,expert=4", "data=2,fsdp=2,tensor=2", "sequence=2,tensor=4",
-                                  "stage=2,fsdp=2,expert=2", "fsdp=8"])
+@pytest.mark.parametrize(
+    "mesh", ["stage=2,expert=4", "data=2,fsdp=2,tensor=2", "sequence=2,tensor=4", "stage=2,fsdp=2,expert=2", "fsdp=8"]
+)
 def test_search_reshards_as_an_abstract_build_does(mesh):
     """The search builds the model once and maps its parameters' logical names through each candidate's
     rules; that equals ``param_shardings`` building it under the candidate's layout."""
@@ -325,8 +433,10 @@ def test_search_reshards_as_an_abstract_build_does(mesh):
     rules = compose_rules(mesh, {a for a, n in shape.items() if n > 1})
     dims = dict(cfg.logical_dims()) | dict(batch=Dim(16, "batch"), length=Dim(32, "seq"), inner_length=Dim(32, "seq"))
     rules = check_layout(dims, rules, shape)
-    assert resharded(base_report(cfg), rules, shape).params == param_shardings(
-        cfg, Layout(_abstract_mesh(shape), rules)).params
+    assert (
+        resharded(base_report(cfg), rules, shape).params
+        == param_shardings(cfg, Layout(_abstract_mesh(shape), rules)).params
+    )
 
 
 def _saved_per_token(cfg, batch: int, seq: int) -> tuple[float, float, float]:
@@ -347,7 +457,7 @@ def _saved_per_token(cfg, batch: int, seq: int) -> tuple[float, float, float]:
     for aval, where in saved_residuals(loss, params):
         shape = getattr(aval, "shape", ())
         if "argument" in where or not shape or shape[0] != layers:
-            continue                                           # parameters, and what is outside the layers
+            continue  # parameters, and what is outside the layers
         size = math.prod(shape) * aval.dtype.itemsize / layers
         if batch in shape and shape.count(seq) == 2:
             per_score += size / (batch * seq * seq)
@@ -378,7 +488,8 @@ def test_kept_bytes_are_what_jax_saves(shape):
 
 def test_kept_bytes_by_hand():
     """llama3.2-1b in bf16: D = 2048, q and the attention output N·H = 2048, k + v 2·8·64 = 1024, F = 8192.
-    full: 2D; attn: 2·(2D + q + kv + out) = 18,432; dots: 2·(2D + q + kv + 2F) = 47,104; none: 2·(2D + q + kv + out + 6F) + 24·D + 16
+    full: 2D; attn: 2·(2D + q + kv + out) = 18,432; dots: 2·(2D + q + kv + 2F) = 47,104; none: 2·(2D + q + kv + out
+    + 6F) + 24·D + 16
     + 8·32 = 166,160. tensor=2 halves each."""
     from jaxpar.analysis.costmodel import kept_bytes
     from jaxpar.models import get_model_preset
@@ -401,9 +512,11 @@ def test_memory_holds_xla_attentions_scores():
     report = types.SimpleNamespace(params=[types.SimpleNamespace(shard_shape=(10,), names=("embed",))])
     mesh = dict(stage=1, data=1, fsdp=1, expert=1, sequence=1, tensor=1)
     scores, common = 64 * 8 * 32, 16 * 64 * 128 * 2 + 8 * 64 * 256
-    for policy, impl, kept, working in (("none", None, 2 * (64 * 3728 + 6 * scores), 10 * scores),
-                                        ("none", "cudnn", 2 * 64 * 3728, 0),
-                                        ("full", None, 2 * 64 * 64 * 2, 10 * scores)):
+    for policy, impl, kept, working in (
+        ("none", None, 2 * (64 * 3728 + 6 * scores), 10 * scores),
+        ("none", "cudnn", 2 * 64 * 3728, 0),
+        ("full", None, 2 * 64 * 64 * 2, 10 * scores),
+    ):
         cfg = get_model_preset("tiny", dtype="bfloat16", remat=policy, attention_impl=impl)
         assert flash_attention(cfg) == (impl == "cudnn")
         parts = memory_parts(cfg, report, activations_of(cfg, batch=2, seq=32), mesh, set())

@@ -1,5 +1,6 @@
 """Published presets: shapes give the published parameter counts exactly; big ones build abstractly; the
 README's "Models" tables state the counts we compute."""
+
 import re
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def _sizes(cfg):
 def test_parameter_count_is_the_published_one(name):
     cfg = PRESETS[name]
     params, router_biases = _sizes(cfg)
-    assert cfg.num_params() == cfg.num_params(padded=True) == params      # no vocabulary padding here
+    assert cfg.num_params() == cfg.num_params(padded=True) == params  # no vocabulary padding here
     stored = SELECTION_BIASES.get(name, 0)
     assert params + stored == PUBLISHED_PARAMS[name]
     if stored:
@@ -36,7 +37,7 @@ def test_parameter_count_is_the_published_one(name):
 def _readme_rows():
     """(preset, parameters, published) of every row of the README's "Models" tables."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("\n## Models\n"):text.index("\n## Training\n")]
+    section = text[text.index("\n## Models\n") : text.index("\n## Training\n")]
     number = lambda cell: int(cell.replace(",", "")) if re.fullmatch(r"[\d,]+", cell) else None
     rows = []
     for line in section.splitlines():
@@ -57,9 +58,15 @@ def test_readme_tables_state_our_counts():
 
 
 def test_variants_switch_their_parameters():
-    names = lambda cfg: {jax.tree_util.keystr(p).removesuffix(".value") for p, _ in jax.tree_util.tree_leaves_with_path(
-        nnx.state(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))), nnx.Param))}
+    names = lambda cfg: {
+        jax.tree_util.keystr(p).removesuffix(".value")
+        for p, _ in jax.tree_util.tree_leaves_with_path(
+            nnx.state(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+        )
+    }
     base = names(get_model_preset("tiny"))
-    assert {"['blocks']['attn']['q_bias']", "['blocks']['attn']['k_bias']"} <= names(get_model_preset("tiny", qkv_bias=True)) - base
+    assert {"['blocks']['attn']['q_bias']", "['blocks']['attn']['k_bias']"} <= names(
+        get_model_preset("tiny", qkv_bias=True)
+    ) - base
     assert "['blocks']['attn']['q_norm']['scale']" in names(get_model_preset("tiny", qk_norm=True)) - base
     assert "['lm_head']" not in names(get_model_preset("tiny", tie_embeddings=True))

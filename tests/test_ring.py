@@ -7,14 +7,15 @@ repeated K/V, on one device, in natural order. Tolerance: fp32 everywhere,
 covered by a few cases that together hit n = 1, 2, 4, 8, both storage orders (contiguous, zig-zag) and
 MHA / GQA / MQA.
 """
+
 import re
 
+import attention_oracle as oracle
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import attention_oracle as oracle
 from jaxpar.parallel.common import dense_attention, zigzag_order
 from jaxpar.parallel.ring import ring_attention, ring_work
 
@@ -33,10 +34,10 @@ def _inputs(kv_heads, *, segments=False, seed=0):
     q = r.standard_normal((B, T, N, H), np.float32)
     k = r.standard_normal((B, T, kv_heads, H), np.float32)
     v = r.standard_normal((B, T, kv_heads, H), np.float32)
-    ct = r.standard_normal((B, T, N, H), np.float32)            # output cotangent
+    ct = r.standard_normal((B, T, N, H), np.float32)  # output cotangent
     idx = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
     seg = None
-    if segments:                                                  # packed documents of uneven lengths
+    if segments:  # packed documents of uneven lengths
         seg = np.stack([np.repeat(np.arange(3, dtype=np.int32), lens) for lens in ([20, 7, 37], [30, 30, 4])])
     return q, k, v, ct, idx, seg
 
@@ -49,12 +50,13 @@ def _value_and_grads(attn, q, k, v, ct):
 def _ring_results(n, order, q, k, v, ct, idx, seg, **mask):
     """Ring output and grads in natural order, from storage in ``order`` ('contiguous' | 'zigzag')."""
     perm = zigzag_order(T, n) if order == "zigzag" else np.arange(T)
-    inv = np.argsort(perm)                                        # stored position of each token
+    inv = np.argsort(perm)  # stored position of each token
     store = lambda a: None if a is None else a[:, perm]
     segs = () if seg is None else (store(seg), store(seg))
     specs = (QKV, QKV, QKV, IDX, IDX) + ((IDX, IDX) if segs else ())
-    body = jax.shard_map(lambda *a: ring_attention(*a, axis_name=AXIS, **mask), mesh=_mesh(n),
-                         in_specs=specs, out_specs=QKV)
+    body = jax.shard_map(
+        lambda *a: ring_attention(*a, axis_name=AXIS, **mask), mesh=_mesh(n), in_specs=specs, out_specs=QKV
+    )
 
     @jax.jit
     def run(q, k, v, ct, idx, *segs):
@@ -84,9 +86,15 @@ CASES = [  # n, storage order, kv heads, causal, window, segments
 ]
 
 
-@pytest.mark.parametrize("n,order,kv_heads,causal,window,segments", CASES,
-                         ids=[f"n{c[0]}-{c[1]}-K{c[2]}-{'causal' if c[3] else 'full'}"
-                              f"{'-w' + str(c[4]) if c[4] else ''}{'-seg' if c[5] else ''}" for c in CASES])
+@pytest.mark.parametrize(
+    "n,order,kv_heads,causal,window,segments",
+    CASES,
+    ids=[
+        f"n{c[0]}-{c[1]}-K{c[2]}-{'causal' if c[3] else 'full'}"
+        f"{'-w' + str(c[4]) if c[4] else ''}{'-seg' if c[5] else ''}"
+        for c in CASES
+    ],
+)
 def test_ring_matches_oracle(n, order, kv_heads, causal, window, segments):
     q, k, v, ct, idx, seg = _inputs(kv_heads, segments=segments, seed=n + kv_heads)
     mask = dict(causal=causal, window=window)
@@ -111,12 +119,13 @@ def _full_length_kv(hlo, kv_heads):
 def test_no_full_length_kv_per_device():
     kv_heads = 2
     ring_hlo = _per_device_hlo(lambda q, k, v, qi, ki: ring_attention(q, k, v, qi, ki, axis_name=AXIS), kv_heads)
-    assert "collective-permute" in ring_hlo and "conditional" in ring_hlo    # ring steps, causal skipping
+    assert "collective-permute" in ring_hlo and "conditional" in ring_hlo  # ring steps, causal skipping
     assert _full_length_kv(ring_hlo, kv_heads) == []
 
-    def gathered(q, k, v, qi, ki):                               # positive control: all-gathered K/V
+    def gathered(q, k, v, qi, ki):  # positive control: all-gathered K/V
         g = lambda a: jax.lax.all_gather(a, AXIS, axis=1, tiled=True)
         return dense_attention(q, g(k), g(v), qi, g(ki))
+
     assert _full_length_kv(_per_device_hlo(gathered, kv_heads), kv_heads)
 
 
@@ -135,7 +144,7 @@ def test_ring_work_balance(n):
     assert zig.tolist() == [2 * n + 1] * n
     # Contiguous: device d holds chunks 2d, 2d+1 -> (2d+1) + (2d+2) = 4d+3; max/mean = (4n-1)/(2n+1).
     assert con.tolist() == [4 * d + 3 for d in range(n)]
-    assert con.sum() == zig.sum() == n * (2 * n + 1)            # same total: the causal triangle
+    assert con.sum() == zig.sum() == n * (2 * n + 1)  # same total: the causal triangle
     assert con.max() / con.mean() == pytest.approx((4 * n - 1) / (2 * n + 1))
     assert ring_work(length, n, "zigzag", causal=False).tolist() == [4 * n] * n
 
@@ -147,8 +156,12 @@ def test_grad_through_a_scan_keeps_no_per_step_masks():
     48.4 MB against 3.0 MB for one layer (7 steps x 4 half pairs x (bool mask + f32 fill) tiles)."""
     n, length = 8, 2048
     mesh = _mesh(n)
-    body = jax.shard_map(lambda x, i: ring_attention(x, x[:, :, :2], x[:, :, 2:4], i, i, axis_name=AXIS),
-                         mesh=mesh, in_specs=(QKV, IDX), out_specs=QKV)
+    body = jax.shard_map(
+        lambda x, i: ring_attention(x, x[:, :, :2], x[:, :, 2:4], i, i, axis_name=AXIS),
+        mesh=mesh,
+        in_specs=(QKV, IDX),
+        out_specs=QKV,
+    )
 
     def stack(x, i):
         return jax.lax.scan(lambda h, _: (body(h, i) + h, None), x, None, length=2)[0].sum()

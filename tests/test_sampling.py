@@ -5,6 +5,7 @@ chi-square tests of the sampled frequencies, and the host-side validation of Sam
 The compiled functions are module-level and every test reuses a few shapes, so the file compiles a
 handful of tiny programs in all.
 """
+
 import math
 
 import jax
@@ -23,7 +24,7 @@ _sample = jax.jit(sample)
 PROBS = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
 ORDER = np.array([3, 0, 4, 1, 2])
 LOGITS = np.empty(5, np.float32)
-LOGITS[ORDER] = np.log(PROBS) + 2.5                  # unnormalised: only differences matter
+LOGITS[ORDER] = np.log(PROBS) + 2.5  # unnormalised: only differences matter
 TIES = np.array([1.0, 1.0, 1.0, 0.0, 0.0], np.float32)
 # float32 sums 0.3 + 0.25 to just under float32(0.55): top_p=0.55 must still stop at two tokens.
 BOUNDARY = np.empty(5, np.float32)
@@ -112,14 +113,21 @@ def test_changing_settings_does_not_recompile():
 
     logits = jnp.asarray(np.stack([LOGITS] * 4))
     positions = jnp.arange(4, dtype=jnp.int32)
-    out = [f(logits, SamplingParams.make(4, **kw), positions) for kw in (
-        dict(), dict(temperature=1.0, top_k=1), dict(temperature=[0.0, 0.7, 1.0, 2.0], top_p=[1.0, 0.5, 0.9, 0.2]),
-        dict(temperature=1.5, min_p=0.3, seed=[1, 2, 3, 2**32 - 1]), dict(seed=5))]
+    out = [
+        f(logits, SamplingParams.make(4, **kw), positions)
+        for kw in (
+            dict(),
+            dict(temperature=1.0, top_k=1),
+            dict(temperature=[0.0, 0.7, 1.0, 2.0], top_p=[1.0, 0.5, 0.9, 0.2]),
+            dict(temperature=1.5, min_p=0.3, seed=[1, 2, 3, 2**32 - 1]),
+            dict(seed=5),
+        )
+    ]
     assert len(traces) == 1 and f._cache_size() == 1
-    assert np.all(np.asarray(out[1]) == ORDER[0])       # top_k=1: the best token whatever the draw
+    assert np.all(np.asarray(out[1]) == ORDER[0])  # top_k=1: the best token whatever the draw
 
 
-N, V = 20_000, 6                                      # the shape of every sample() test below
+N, V = 20_000, 6  # the shape of every sample() test below
 PROBS6 = np.array([0.3, 0.25, 0.2, 0.12, 0.08, 0.05])
 LOGITS6 = np.log(PROBS6).astype(np.float32) - 1.0
 
@@ -133,33 +141,36 @@ def _draw(logits=None, positions=None, **settings) -> np.ndarray:
 
 def test_temperature_zero_is_argmax():
     logits = np.random.default_rng(0).normal(size=(N, V)).astype(np.float32)
-    np.testing.assert_array_equal(_draw(logits, seed=np.arange(N), top_k=2, top_p=0.3),
-                                  logits.argmax(-1))
+    np.testing.assert_array_equal(_draw(logits, seed=np.arange(N), top_k=2, top_p=0.3), logits.argmax(-1))
 
 
 def test_tiny_temperature_is_argmax():
     rng = np.random.default_rng(1)
-    logits = np.stack([rng.permutation(V) for _ in range(N)]).astype(np.float32)    # gaps of at least 1
-    np.testing.assert_array_equal(_draw(logits, temperature=1e-3, seed=rng.integers(0, 2**32, N)),
-                                  logits.argmax(-1))
+    logits = np.stack([rng.permutation(V) for _ in range(N)]).astype(np.float32)  # gaps of at least 1
+    np.testing.assert_array_equal(_draw(logits, temperature=1e-3, seed=rng.integers(0, 2**32, N)), logits.argmax(-1))
 
 
 def test_seed_reproduces_and_different_seeds_differ():
     a = _draw(temperature=1.0, seed=7)
     np.testing.assert_array_equal(a, _draw(temperature=1.0, seed=7))
-    assert np.mean(a == _draw(temperature=1.0, seed=8)) < 0.4          # independent draws: about 0.2
+    assert np.mean(a == _draw(temperature=1.0, seed=8)) < 0.4  # independent draws: about 0.2
     assert np.mean(a == _draw(temperature=1.0, seed=7, positions=np.arange(N) + N)) < 0.4
-    assert len(set(a[:100].tolist())) > 1                                # positions vary the key too
+    assert len(set(a[:100].tolist())) > 1  # positions vary the key too
 
 
 def test_row_does_not_depend_on_its_batch_mates():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(N, V)).astype(np.float32)
-    settings = dict(temperature=rng.uniform(0.5, 2, N), top_k=rng.integers(0, 7, N),
-                    top_p=rng.uniform(0.3, 1, N), min_p=rng.uniform(0, 0.3, N), seed=rng.integers(0, 2**32, N))
+    settings = dict(
+        temperature=rng.uniform(0.5, 2, N),
+        top_k=rng.integers(0, 7, N),
+        top_p=rng.uniform(0.3, 1, N),
+        min_p=rng.uniform(0, 0.3, N),
+        seed=rng.integers(0, 2**32, N),
+    )
     positions = rng.integers(0, 4096, N).astype(np.int32)
     a = _draw(logits, positions, **settings)
-    half = N // 2                                    # rows from half on: other logits, settings and seeds
+    half = N // 2  # rows from half on: other logits, settings and seeds
     logits[half:] = rng.normal(size=(N - half, V))
     for value in settings.values():
         value[half:] = np.roll(value[half:], 1)
@@ -168,11 +179,13 @@ def test_row_does_not_depend_on_its_batch_mates():
     np.testing.assert_array_equal(a[:half], b[:half])
     assert np.mean(a[half:] == b[half:]) < 0.9
     flipped = _draw(logits[::-1], positions[::-1], **{k: v[::-1] for k, v in settings.items()})
-    np.testing.assert_array_equal(flipped[::-1], b)             # rows in reverse order: same tokens
-    for i in (0, 1, half - 1):                       # and alone, in a batch of one
-        alone = _sample(jnp.asarray(logits[i:i + 1]),
-                        SamplingParams.make(1, **{k: v[i:i + 1] for k, v in settings.items()}),
-                        jnp.asarray(positions[i:i + 1]))
+    np.testing.assert_array_equal(flipped[::-1], b)  # rows in reverse order: same tokens
+    for i in (0, 1, half - 1):  # and alone, in a batch of one
+        alone = _sample(
+            jnp.asarray(logits[i : i + 1]),
+            SamplingParams.make(1, **{k: v[i : i + 1] for k, v in settings.items()}),
+            jnp.asarray(positions[i : i + 1]),
+        )
         assert int(alone[0]) == a[i]
 
 
@@ -201,15 +214,31 @@ def test_chi_square(name):
     assert stats.chisquare(counts[support], expected).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(temperature=-1.0), "temperature"), (dict(temperature=math.nan), "temperature"),
-    (dict(temperature=math.inf), "temperature"), (dict(temperature=[1.0, -0.5, 1.0]), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=math.nan), "top_p"),
-    (dict(min_p=-0.1), "min_p"), (dict(min_p=2.0), "min_p"), (dict(min_p=math.nan), "min_p"),
-    (dict(top_k=-1), "top_k"), (dict(top_k=1.5), "top_k"), (dict(top_k=math.nan), "top_k"),
-    (dict(top_k="3"), "top_k"), (dict(seed=-1), "seed"), (dict(seed=2**32), "seed"), (dict(seed=0.5), "seed"),
-    (dict(top_p=[0.5, 0.9]), "top_p"), (dict(seed=[1, 2, 3, 4]), "seed"), (dict(top_k=[[1, 2, 3]]), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(temperature=math.inf), "temperature"),
+        (dict(temperature=[1.0, -0.5, 1.0]), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=math.nan), "top_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(min_p=math.nan), "min_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(top_k=math.nan), "top_k"),
+        (dict(top_k="3"), "top_k"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+        (dict(seed=0.5), "seed"),
+        (dict(top_p=[0.5, 0.9]), "top_p"),
+        (dict(seed=[1, 2, 3, 4]), "seed"),
+        (dict(top_k=[[1, 2, 3]]), "top_k"),
+    ],
+)
 def test_bad_values_raise_config_error_naming_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:
         SamplingParams.make(3, **kwargs)
@@ -221,10 +250,16 @@ def test_bad_values_raise_config_error_naming_the_field(kwargs, field):
 
 
 def test_make_broadcasts_and_keeps_the_edges():
-    p = SamplingParams.make(3, temperature=[0.0, 0.5, 2.0], top_k=4, top_p=1.0, min_p=[0.0, 1.0, 0.5],
-                            seed=[0, 2**32 - 1, 3.0])
+    p = SamplingParams.make(
+        3, temperature=[0.0, 0.5, 2.0], top_k=4, top_p=1.0, min_p=[0.0, 1.0, 0.5], seed=[0, 2**32 - 1, 3.0]
+    )
     assert [(x.dtype, x.shape) for x in (p.temperature, p.top_k, p.top_p, p.min_p, p.seed)] == [
-        (jnp.float32, (3,)), (jnp.int32, (3,)), (jnp.float32, (3,)), (jnp.float32, (3,)), (jnp.uint32, (3,))]
+        (jnp.float32, (3,)),
+        (jnp.int32, (3,)),
+        (jnp.float32, (3,)),
+        (jnp.float32, (3,)),
+        (jnp.uint32, (3,)),
+    ]
     assert p.seed.tolist() == [0, 2**32 - 1, 3] and p.top_k.tolist() == [4, 4, 4]
     assert SamplingParams.greedy(2).temperature.tolist() == [0.0, 0.0]
     with pytest.raises(ConfigError, match="batch"):

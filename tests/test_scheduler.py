@@ -1,4 +1,5 @@
 """Continuous batching's scheduler without a model: budget, chunking, FCFS, EOS, max tokens, preemption."""
+
 import numpy as np
 import pytest
 
@@ -7,8 +8,9 @@ from jaxpar.inference.scheduler import Request, Scheduler, Status
 
 
 def make(pages=64, page=4, slots=4, budget=12, chunk=8, max_length=64):
-    return Scheduler(PagedAllocator(pages, page), max_slots=slots, token_budget=budget, chunk=chunk,
-                     max_length=max_length)
+    return Scheduler(
+        PagedAllocator(pages, page), max_slots=slots, token_budget=budget, chunk=chunk, max_length=max_length
+    )
 
 
 def drive(s: Scheduler, token=lambda r: 1000 + r.generated, steps=None):
@@ -45,6 +47,7 @@ def test_chunks_are_cut_at_multiples_of_chunk_whatever_else_runs():
             s.add(Request(f"other{i}", [7] * (3 + 5 * i), max_new_tokens=20))
         s.add(Request("r", list(range(30)), max_new_tokens=3))
         return [(c.start, c.length) for p in drive(s) for c in p.chunks if c.request.id == "r"]
+
     assert chunks_of(0) == chunks_of(3) == [(0, 8), (8, 8), (16, 8), (24, 6)]
 
 
@@ -101,7 +104,7 @@ def test_preemption_takes_the_youngest_and_recomputes_it():
     preempted = [r.id for p in plans for r in p.preempted]
     assert preempted and set(preempted) == {"young"}
     assert old.preemptions == 0 and young.preemptions >= 1
-    for r in (old, young):                        # the fake model's tokens depend only on the count
+    for r in (old, young):  # the fake model's tokens depend only on the count
         assert r.tokens == r.prompt + [1000 + g for g in range(18)]
     assert s.pages.used == 0
 
@@ -109,8 +112,10 @@ def test_preemption_takes_the_youngest_and_recomputes_it():
 def test_random_traffic_finishes_everything_without_leaks():
     rng = np.random.default_rng(0)
     s = make(pages=24, page=4, slots=4, budget=14, chunk=8, max_length=48)
-    reqs = [Request(i, list(rng.integers(0, 2, rng.integers(1, 30))), max_new_tokens=int(rng.integers(1, 15)))
-            for i in range(40)]
+    reqs = [
+        Request(i, list(rng.integers(0, 2, rng.integers(1, 30))), max_new_tokens=int(rng.integers(1, 15)))
+        for i in range(40)
+    ]
     for r in reqs[:20]:
         s.add(r)
     drive(s, steps=5)
@@ -126,12 +131,12 @@ def test_abort_frees_a_running_and_dequeues_a_waiting_request():
     a, b = Request("a", [1] * 6, 8), Request("b", [2] * 6, 8)
     s.add(a)
     s.add(b)
-    drive(s, steps=2)                                      # a runs, b waits for the one slot
+    drive(s, steps=2)  # a runs, b waits for the one slot
     assert a.status is Status.RUNNING and b.status is Status.WAITING
     s.abort(b)
     s.abort(a)
     assert s.idle and s.pages.used == 0 and s.free_slots == [0]
     assert a.finish_reason == b.finish_reason == "abort"
     s.pages.check()
-    s.abort(a)                                             # already finished: nothing happens
+    s.abort(a)  # already finished: nothing happens
     assert a.finish_reason == "abort"

@@ -2,6 +2,7 @@
 
 Expectations come from the closed forms (written out here, not taken from the module) and from a small
 independent executor that runs a table with nothing but its slots."""
+
 import dataclasses
 import json
 import re
@@ -16,9 +17,12 @@ from jaxpar.errors import ConfigError
 from jaxpar.pipeline import Op, Schedule, Table, bubble_formula, build, check_pipeline, min_microbatches
 
 GRID = [(p, m) for p in (1, 2, 4, 8) for m in (p, 2 * p, 4 * p)]
-CASES = ([("gpipe", p, m, 1) for p, m in GRID] + [("1f1b", p, m, 1) for p, m in GRID]
-         + [("zero_bubble", p, m, 1) for p, m in GRID]
-         + [("interleaved", p, m, v) for p, m in GRID for v in (2, 3)])
+CASES = (
+    [("gpipe", p, m, 1) for p, m in GRID]
+    + [("1f1b", p, m, 1) for p, m in GRID]
+    + [("zero_bubble", p, m, 1) for p, m in GRID]
+    + [("interleaved", p, m, v) for p, m in GRID for v in (2, 3)]
+)
 
 
 def expected_bubble(schedule, p, m, v=1, t_f=1.0, t_b=None, t_w=None):
@@ -43,7 +47,7 @@ def test_valid_with_the_closed_form_bubble(schedule, p, m, v):
     # in unit ticks: 2·v·m ops and 2(p-1) fill/drain ticks per stage (3m and p-1 for zero_bubble)
     ticks = 3 * m + p - 1 if schedule == "zero_bubble" else 2 * v * m + 2 * (p - 1)
     assert table.ticks == ticks
-    assert table.act_slots >= table.peak_in_flight.max()     # an activation in flight holds its slot
+    assert table.act_slots >= table.peak_in_flight.max()  # an activation in flight holds its slot
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
@@ -99,9 +103,9 @@ def test_1f1b_follows_pipedream_flush():
 def test_zero_bubble_memory_of_1f1b_and_smaller_bubble(p, m):
     zb, one = build("zero_bubble", p, m), build("1f1b", p, m)
     assert zb.peak_in_flight.max() <= p and zb.peak_in_flight[0] == p
-    assert zb.bubble_fraction() < one.bubble_fraction()                   # same work: B+W = 1+1 = 2
-    assert zb.bubble_fraction(1, 1, 1) < one.bubble_fraction(1, 1, 1)     # the same times spelled out
-    for s, order in enumerate(zb.orders()):                               # ZB-H1: W(k-s) right after B(k)
+    assert zb.bubble_fraction() < one.bubble_fraction()  # same work: B+W = 1+1 = 2
+    assert zb.bubble_fraction(1, 1, 1) < one.bubble_fraction(1, 1, 1)  # the same times spelled out
+    for s, order in enumerate(zb.orders()):  # ZB-H1: W(k-s) right after B(k)
         after_b = [order[n + 1] for n, (op, i, _) in enumerate(order[:-1]) if op == Op.B and i >= s]
         assert after_b == [(Op.W, i - s, 0) for i in range(s, m)]
 
@@ -110,7 +114,7 @@ def test_zero_bubble_memory_of_1f1b_and_smaller_bubble(p, m):
 def test_interleaved_holds_no_more_than_1f1b_on_stage_0(v):
     for p in (2, 4, 8):
         table = build("interleaved", p, 2 * p, v)
-        assert table.peak_in_flight[0] <= v * p          # v·p chunk activations of 1/v stage each = p
+        assert table.peak_in_flight[0] <= v * p  # v·p chunk activations of 1/v stage each = p
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2), ("interleaved", 3)])
@@ -159,7 +163,7 @@ def execute(table: Table) -> None:
             o, i, j = table.op[t, s], table.mb[t, s], table.chunk[t, s]
             g = j * p + s
             if o == Op.F and g == 0:
-                act[s, table.act_slot[t, s]] = i + 1.0                       # the embedded input
+                act[s, table.act_slot[t, s]] = i + 1.0  # the embedded input
             if o == Op.IDLE:
                 continue
             x = act[s, table.act_slot[t, s]]
@@ -200,32 +204,43 @@ def broken(table: Table, **cells) -> Table:
 
 
 def tick_of(table, op, mb, stage, chunk=0):
-    return int(np.nonzero((table.op[:, stage] == op) & (table.mb[:, stage] == mb)
-                          & (table.chunk[:, stage] == chunk))[0][0])
+    return int(
+        np.nonzero((table.op[:, stage] == op) & (table.mb[:, stage] == mb) & (table.chunk[:, stage] == chunk))[0][0]
+    )
 
 
 def swapped(table, stage, t1, t2):
     names = ("op", "mb", "chunk", "act_slot", "grad_slot")
-    return broken(table, **{n: [(t1, stage, getattr(table, n)[t2, stage]), (t2, stage, getattr(table, n)[t1, stage])]
-                            for n in names})
+    return broken(
+        table,
+        **{n: [(t1, stage, getattr(table, n)[t2, stage]), (t2, stage, getattr(table, n)[t1, stage])] for n in names},
+    )
 
 
 def test_validate_catches_a_swap_that_breaks_a_dependency():
     table = build("1f1b", 2, 2)
     bad = swapped(table, 1, tick_of(table, Op.F, 0, 1), tick_of(table, Op.B, 0, 1))
-    with pytest.raises(ConfigError, match=re.escape("B(mb 0, chunk 0) needs F(mb 0, model chunk 1) on stage 1 "
-                                                    "at an earlier tick")):
+    with pytest.raises(
+        ConfigError, match=re.escape("B(mb 0, chunk 0) needs F(mb 0, model chunk 1) on stage 1 at an earlier tick")
+    ):
         bad.validate()
 
 
 def test_validate_catches_an_op_in_the_same_tick_as_its_input():
-    table = build("1f1b", 4, 8)                           # stage 1 idles in tick 0, while stage 0 runs F0
+    table = build("1f1b", 4, 8)  # stage 1 idles in tick 0, while stage 0 runs F0
     t = tick_of(table, Op.F, 0, 1)
     names = ("op", "mb", "chunk", "act_slot")
-    bad = broken(table, **{n: [(0, 1, getattr(table, n)[t, 1]), (t, 1, table.op.dtype.type(0) if n == "op" else -1)]
-                           for n in names})
-    with pytest.raises(ConfigError, match=re.escape("stage 1, tick 0: F(mb 0, chunk 0) needs F(mb 0, model chunk 0) "
-                                                    "on stage 0 at an earlier tick; it runs at tick 0")):
+    bad = broken(
+        table,
+        **{n: [(0, 1, getattr(table, n)[t, 1]), (t, 1, table.op.dtype.type(0) if n == "op" else -1)] for n in names},
+    )
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "stage 1, tick 0: F(mb 0, chunk 0) needs F(mb 0, model chunk 0) "
+            "on stage 0 at an earlier tick; it runs at tick 0"
+        ),
+    ):
         bad.validate()
 
 
@@ -241,8 +256,9 @@ def test_validate_catches_a_duplicate_forward():
 def test_validate_catches_a_dropped_w():
     table = build("zero_bubble", 4, 8)
     t = tick_of(table, Op.W, 5, 2)
-    bad = broken(table, op=[(t, 2, 0)], mb=[(t, 2, -1)], chunk=[(t, 2, -1)], act_slot=[(t, 2, -1)],
-                 grad_slot=[(t, 2, -1)])
+    bad = broken(
+        table, op=[(t, 2, 0)], mb=[(t, 2, -1)], chunk=[(t, 2, -1)], act_slot=[(t, 2, -1)], grad_slot=[(t, 2, -1)]
+    )
     with pytest.raises(ConfigError, match=r"stage 2 has 0 W ops of \(mb 5, chunk 0\)"):
         bad.validate()
 
@@ -251,30 +267,47 @@ def test_validate_catches_a_corrupt_act_slot():
     table = build("1f1b", 4, 8)
     t = tick_of(table, Op.B, 5, 1)
     wrong = (table.act_slot[t, 1] + 1) % table.act_slots
-    with pytest.raises(ConfigError, match=rf"stage 1, tick {t}: B\(mb 5, chunk 0\) reads act slot {wrong}, "
-                                          r"which holds .*, not \(mb 5, chunk 0\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"stage 1, tick {t}: B\(mb 5, chunk 0\) reads act slot {wrong}, "
+        r"which holds .*, not \(mb 5, chunk 0\)",
+    ):
         broken(table, act_slot=[(t, 1, wrong)]).validate()
 
 
 def test_validate_catches_an_overwritten_slot():
-    table = build("1f1b", 4, 8)                                  # stage 0's F0 and F1 arrive at ticks 0, 1
+    table = build("1f1b", 4, 8)  # stage 0's F0 and F1 arrive at ticks 0, 1
     bad = broken(table, fwd_recv_slot=[(1, 1, table.fwd_recv_slot[0, 1])])
-    with pytest.raises(ConfigError, match=r"stage 1, tick 1: the act of \(mb 1, chunk 0\) from F\(mb 1, chunk 0\) "
-                                          r"on stage 0 overwrites act slot \d, which holds \(mb 0, chunk 0\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"stage 1, tick 1: the act of \(mb 1, chunk 0\) from F\(mb 1, chunk 0\) "
+        r"on stage 0 overwrites act slot \d, which holds \(mb 0, chunk 0\)",
+    ):
         bad.validate()
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda t: dict(fwd_recv_slot=[(0, 1, -1)]), r"F\(mb 0, chunk 0\) on stage 0 sends the act of \(mb 0, chunk 0\) "
-                                                 r"but fwd_recv_slot is -1: it would be lost"),
-    (lambda t: dict(fwd_recv_slot=[(0, 2, 0)]), r"stage 2, tick 0: fwd_recv_slot is 0, but stage 1 sends nothing"),
-    (lambda t: dict(op=[(0, 3, Op.W)], mb=[(0, 3, 0)], chunk=[(0, 3, 0)], act_slot=[(0, 3, 0)]),
-     r"stage 3, tick 0: a W op, but 1f1b has no split backward"),
-    (lambda t: dict(mb=[(0, 3, 1)]), r"stage 3, tick 0: an idle cell with mb 1"),
-    (lambda t: dict(mb=[(0, 0, 8)]), r"stage 0, tick 0: mb 8 outside 0\.\.7"),
-    (lambda t: dict(grad_slot=[(tick_of(t, Op.B, 0, 3), 3, 0)]), r"grad_slot 0 on an op with no incoming cotangent"),
-    (lambda t: dict(op=[(0, 0, 7)]), r"op 7 is not an Op"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda t: dict(fwd_recv_slot=[(0, 1, -1)]),
+            r"F\(mb 0, chunk 0\) on stage 0 sends the act of \(mb 0, chunk 0\) "
+            r"but fwd_recv_slot is -1: it would be lost",
+        ),
+        (lambda t: dict(fwd_recv_slot=[(0, 2, 0)]), r"stage 2, tick 0: fwd_recv_slot is 0, but stage 1 sends nothing"),
+        (
+            lambda t: dict(op=[(0, 3, Op.W)], mb=[(0, 3, 0)], chunk=[(0, 3, 0)], act_slot=[(0, 3, 0)]),
+            r"stage 3, tick 0: a W op, but 1f1b has no split backward",
+        ),
+        (lambda t: dict(mb=[(0, 3, 1)]), r"stage 3, tick 0: an idle cell with mb 1"),
+        (lambda t: dict(mb=[(0, 0, 8)]), r"stage 0, tick 0: mb 8 outside 0\.\.7"),
+        (
+            lambda t: dict(grad_slot=[(tick_of(t, Op.B, 0, 3), 3, 0)]),
+            r"grad_slot 0 on an op with no incoming cotangent",
+        ),
+        (lambda t: dict(op=[(0, 0, 7)]), r"op 7 is not an Op"),
+    ],
+)
 def test_validate_catches_bad_cells_and_arrivals(change, message):
     table = build("1f1b", 4, 8)
     with pytest.raises(ConfigError, match=message):
@@ -288,23 +321,41 @@ def test_validate_catches_wrong_shapes():
 
 
 # ----------------------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("schedule,p,m,v,message", [
-    ("1fb", 4, 8, 1, "pipeline.schedule='1fb': choose one of gpipe, 1f1b, interleaved, zero_bubble"),
-    ("1f1b", 0, 8, 1, "mesh stage=0: a pipeline needs at least 1 stage"),
-    ("1f1b", 2.5, 8, 1, "mesh stage=2.5: must be an integer"),
-    ("gpipe", 4, 0, 1, "pipeline.microbatches=0: pipeline.schedule=gpipe on mesh stage=4 needs at least 1"),
-    ("1f1b", 4, 3, 1, "pipeline.microbatches=3: pipeline.schedule=1f1b on mesh stage=4 needs at least 4"),
-    ("zero_bubble", 8, 7, 1, "pipeline.microbatches=7: pipeline.schedule=zero_bubble on mesh stage=8 needs at "
-                             "least 8"),
-    ("interleaved", 4, 2, 2, "pipeline.microbatches=2: pipeline.schedule=interleaved on mesh stage=4 needs at "
-                             "least 4"),
-    ("interleaved", 4, 6, 2, "pipeline.microbatches=6: pipeline.schedule=interleaved needs a multiple of mesh "
-                             "stage=4"),
-    ("1f1b", 4, 8, 0, "pipeline.virtual_stages=0: each stage needs at least 1 model chunk"),
-    ("1f1b", 4, 8, 2, "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved"),
-    ("gpipe", 4, 8, 3, "pipeline.virtual_stages=3 needs pipeline.schedule=interleaved"),
-    ("interleaved", 4, 8, 1, "pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 (got 1)"),
-])
+@pytest.mark.parametrize(
+    "schedule,p,m,v,message",
+    [
+        ("1fb", 4, 8, 1, "pipeline.schedule='1fb': choose one of gpipe, 1f1b, interleaved, zero_bubble"),
+        ("1f1b", 0, 8, 1, "mesh stage=0: a pipeline needs at least 1 stage"),
+        ("1f1b", 2.5, 8, 1, "mesh stage=2.5: must be an integer"),
+        ("gpipe", 4, 0, 1, "pipeline.microbatches=0: pipeline.schedule=gpipe on mesh stage=4 needs at least 1"),
+        ("1f1b", 4, 3, 1, "pipeline.microbatches=3: pipeline.schedule=1f1b on mesh stage=4 needs at least 4"),
+        (
+            "zero_bubble",
+            8,
+            7,
+            1,
+            "pipeline.microbatches=7: pipeline.schedule=zero_bubble on mesh stage=8 needs at least 8",
+        ),
+        (
+            "interleaved",
+            4,
+            2,
+            2,
+            "pipeline.microbatches=2: pipeline.schedule=interleaved on mesh stage=4 needs at least 4",
+        ),
+        (
+            "interleaved",
+            4,
+            6,
+            2,
+            "pipeline.microbatches=6: pipeline.schedule=interleaved needs a multiple of mesh stage=4",
+        ),
+        ("1f1b", 4, 8, 0, "pipeline.virtual_stages=0: each stage needs at least 1 model chunk"),
+        ("1f1b", 4, 8, 2, "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved"),
+        ("gpipe", 4, 8, 3, "pipeline.virtual_stages=3 needs pipeline.schedule=interleaved"),
+        ("interleaved", 4, 8, 1, "pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 (got 1)"),
+    ],
+)
 def test_refusals(schedule, p, m, v, message):
     for refuse in (check_pipeline, build, bubble_formula):
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -312,8 +363,9 @@ def test_refusals(schedule, p, m, v, message):
 
 
 def test_min_microbatches():
-    assert [min_microbatches(s, 4, v) for s, v in [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1),
-                                                    ("interleaved", 2)]] == [1, 4, 4, 4]
+    assert [
+        min_microbatches(s, 4, v) for s, v in [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2)]
+    ] == [1, 4, 4, 4]
     assert Schedule.parse("1f1b", field="pipeline.schedule") is Schedule.ONE_F_ONE_B
 
 
@@ -335,11 +387,38 @@ def test_gantt_rows_and_cells():
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
 def test_cli_json(capsys, schedule, v):
-    assert main(["pipeline", "--stages", "4", "--microbatches", "8", "--schedule", schedule,
-                 "--virtual-stages", str(v), "--json"]) == 0
+    assert (
+        main(
+            [
+                "pipeline",
+                "--stages",
+                "4",
+                "--microbatches",
+                "8",
+                "--schedule",
+                schedule,
+                "--virtual-stages",
+                str(v),
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
-    for key in ("bubble_fraction", "lockstep_bubble_fraction", "formula_bubble_fraction", "peak_in_flight", "ticks",
-                "stages", "microbatches", "virtual_stages", "schedule", "act_slots", "grad_slots", "table"):
+    for key in (
+        "bubble_fraction",
+        "lockstep_bubble_fraction",
+        "formula_bubble_fraction",
+        "peak_in_flight",
+        "ticks",
+        "stages",
+        "microbatches",
+        "virtual_stages",
+        "schedule",
+        "act_slots",
+        "grad_slots",
+        "table",
+    ):
         assert key in report, key
     assert report["bubble_fraction"] == pytest.approx(expected_bubble(schedule, 4, 8, v), abs=1e-12)
     assert report["formula_bubble_fraction"] == pytest.approx(expected_bubble(schedule, 4, 8, v), abs=1e-12)
@@ -348,8 +427,23 @@ def test_cli_json(capsys, schedule, v):
 
 
 def test_cli_times_and_text(capsys):
-    assert main(["pipeline", "--stages", "4", "--microbatches", "8", "--schedule", "zero_bubble",
-                 "--times", "1,1,0.5", "--json"]) == 0
+    assert (
+        main(
+            [
+                "pipeline",
+                "--stages",
+                "4",
+                "--microbatches",
+                "8",
+                "--schedule",
+                "zero_bubble",
+                "--times",
+                "1,1,0.5",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["bubble_fraction"] == pytest.approx(expected_bubble("zero_bubble", 4, 8, 1, 1, 1, 0.5), abs=1e-12)
     assert main(["pipeline", "--stages", "4", "--microbatches", "8", "--schedule", "1f1b"]) == 0
@@ -358,12 +452,18 @@ def test_cli_times_and_text(capsys):
     assert "closed form: 27.27%" in out and "per stage: 4 3 2 1" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--schedule", "1fb"], "pipeline.schedule='1fb': choose one of"),
-    (["--schedule", "1f1b", "--microbatches", "3"], "pipeline.microbatches=3"),
-    (["--schedule", "1f1b", "--times", "1"], "--times '1': expected F,B or F,B,W"),
-    (["--schedule", "1f1b", "--virtual-stages", "2"], "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--schedule", "1fb"], "pipeline.schedule='1fb': choose one of"),
+        (["--schedule", "1f1b", "--microbatches", "3"], "pipeline.microbatches=3"),
+        (["--schedule", "1f1b", "--times", "1"], "--times '1': expected F,B or F,B,W"),
+        (
+            ["--schedule", "1f1b", "--virtual-stages", "2"],
+            "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved",
+        ),
+    ],
+)
 def test_cli_bad_input_exits_2(capsys, argv, message):
     base = {"--stages": "4", "--microbatches": "8"}
     for flag, value in zip(argv[::2], argv[1::2]):
@@ -374,9 +474,11 @@ def test_cli_bad_input_exits_2(capsys, argv, message):
 
 def test_no_jax_at_import():
     """The command module and a run of it, without the other commands (whose modules may import jax)."""
-    code = ("import argparse, sys; from jaxpar.pipeline import command; parser = argparse.ArgumentParser(); "
-            "command.add_arguments(parser); "
-            "command.run(parser.parse_args(['--stages', '2', '--microbatches', '2', '--schedule', 'zero_bubble'])); "
-            "print('jax' in sys.modules)")
+    code = (
+        "import argparse, sys; from jaxpar.pipeline import command; parser = argparse.ArgumentParser(); "
+        "command.add_arguments(parser); "
+        "command.run(parser.parse_args(['--stages', '2', '--microbatches', '2', '--schedule', 'zero_bubble'])); "
+        "print('jax' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "False" and "bubble:" in out

@@ -3,6 +3,7 @@ AdamW moments, and its scratch memory stays well below one full copy of the para
 
 Compiled for llama-100m on 8 simulated devices; nothing is allocated (``lower().compile()`` only).
 """
+
 import functools
 
 import pytest

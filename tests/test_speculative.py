@@ -1,5 +1,6 @@
 """Speculative decoding's host parts: n-gram drafts, and a verification rule that keeps the target's
 distribution (chi-square) and the greedy tokens."""
+
 import numpy as np
 import pytest
 from scipy.stats import chisquare
@@ -9,16 +10,16 @@ from jaxpar.inference.speculative import acceptance, ngram_draft, one_hot, verif
 
 def test_ngram_draft_takes_the_longest_most_recent_match():
     assert ngram_draft([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
-    assert ngram_draft([7, 2, 5, 9, 2, 6, 9, 2], 2) == [6, 9]        # "9 2" (longest) beats "2"
-    assert ngram_draft([1, 2, 3, 1, 2, 4, 1, 2], 1) == [4]           # the most recent "1 2"
+    assert ngram_draft([7, 2, 5, 9, 2, 6, 9, 2], 2) == [6, 9]  # "9 2" (longest) beats "2"
+    assert ngram_draft([1, 2, 3, 1, 2, 4, 1, 2], 1) == [4]  # the most recent "1 2"
     assert ngram_draft([1, 2, 3], 4) == [] and ngram_draft([5], 2) == []
 
 
 def test_greedy_verification_emits_the_argmax_tokens():
     q = one_hot([3, 1, 4, 1], 6)
     rng = np.random.default_rng(0)
-    assert verify([3, 1, 4], one_hot([3, 1, 4], 6), q, rng) == (3, 1)    # all kept, then the argmax
-    assert verify([3, 2, 4], one_hot([3, 2, 4], 6), q, rng) == (1, 1)    # the second guess corrected
+    assert verify([3, 1, 4], one_hot([3, 1, 4], 6), q, rng) == (3, 1)  # all kept, then the argmax
+    assert verify([3, 2, 4], one_hot([3, 2, 4], 6), q, rng) == (1, 1)  # the second guess corrected
     assert verify([0], one_hot([0], 6), q[:2], rng) == (0, 3)
 
 

@@ -1,4 +1,5 @@
 """The step-time model from mechanisms (jaxpar.analysis.steptime) and its calibration on published runs."""
+
 import dataclasses
 import math
 
@@ -8,27 +9,48 @@ import pytest
 from jaxpar.analysis.calibration import CALIBRATED, calibrate, leave_one_out, load_runs, measured_step
 from jaxpar.analysis.hardware import HARDWARE
 from jaxpar.analysis.links import axis_links, torus_split
-from jaxpar.analysis.steptime import (SCORE_BYTES, Calibration, elementwise_values, layer_forward,
-                                      matmul_seconds, model_flops, step_seconds)
+from jaxpar.analysis.steptime import (
+    SCORE_BYTES,
+    Calibration,
+    elementwise_values,
+    layer_forward,
+    matmul_seconds,
+    model_flops,
+    step_seconds,
+)
 from jaxpar.analysis.workload import RECOMPUTE, Workload, workload_of
 from jaxpar.errors import ConfigError
 
 V5P, H100 = HARDWARE["tpu-v5p"], HARDWARE["h100"]
-CAL = Calibration({"tpu": 0.8, "tpu-v6e": 0.6, "gpu": 0.5, "a100": 0.7},
-                  {"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5},
-                  {"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5})
-SMALL = Workload(embed_dim=1024, num_heads=8, kv_heads=8, head_dim=128, mlp_dim=4096, mlp_matrices=3, num_layers=4,
-                 vocab=8192, batch=8, seq=1024, mesh={}, remat="none")
+CAL = Calibration(
+    {"tpu": 0.8, "tpu-v6e": 0.6, "gpu": 0.5, "a100": 0.7},
+    {"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5},
+    {"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5},
+)
+SMALL = Workload(
+    embed_dim=1024,
+    num_heads=8,
+    kv_heads=8,
+    head_dim=128,
+    mlp_dim=4096,
+    mlp_matrices=3,
+    num_layers=4,
+    vocab=8192,
+    batch=8,
+    seq=1024,
+    mesh={},
+    remat="none",
+)
 
 
 def test_one_device_by_hand():
     w, T = SMALL, 8 * 1024
-    mm = lambda k, n: 2 * T * k * n / (H100.peak_bf16_flops * 0.5)          # every dimension a multiple of 128
+    mm = lambda k, n: 2 * T * k * n / (H100.peak_bf16_flops * 0.5)  # every dimension a multiple of 128
     fwd_mm = mm(1024, 3 * 1024) + mm(1024, 1024) + mm(1024, 2 * 4096) + mm(4096, 1024)
-    att = 4 * T * 1024 * 8 * 128 / 2 / (H100.peak_bf16_flops * 0.5 * 0.75)   # causal half, flash at 0.75 of a GEMM
+    att = 4 * T * 1024 * 8 * 128 / 2 / (H100.peak_bf16_flops * 0.5 * 0.75)  # causal half, flash at 0.75 of a GEMM
     ew = (8 * 1024 + 3 * 4096 + 2 * 16 * 128) * T * 2 / H100.hbm_bandwidth
     p = step_seconds(w, H100, CAL)
-    assert p["matmul_s"] == pytest.approx(4 * 3 * fwd_mm)                    # forward + 2 × backward, no remat
+    assert p["matmul_s"] == pytest.approx(4 * 3 * fwd_mm)  # forward + 2 × backward, no remat
     assert p["attention_s"] == pytest.approx(4 * 3.5 * att)
     assert p["elementwise_s"] == pytest.approx(4 * 3 * ew)
     params = 4 * w.layer_params() + 8192 * 1024
@@ -37,9 +59,9 @@ def test_one_device_by_hand():
     assert p["head_s"] == pytest.approx(head)
     assert p["tensor_exposed_s"] == p["fsdp_exposed_s"] == p["dcn_exposed_s"] == 0
     assert p["step_s"] == pytest.approx(4 * (3 * fwd_mm + 3.5 * att + 3 * ew) + head + p["optimizer_s"])
-    full = step_seconds(dataclasses.replace(w, remat="full"), H100, CAL)     # full remat: one more forward,
-    assert full["step_s"] - p["step_s"] == pytest.approx(4 * (fwd_mm - mm(4096, 1024) + att + ew))   # but mlp_out
-    torch = step_seconds(dataclasses.replace(w, remat="full", remat_dce=False), H100, CAL)     # all of it
+    full = step_seconds(dataclasses.replace(w, remat="full"), H100, CAL)  # full remat: one more forward,
+    assert full["step_s"] - p["step_s"] == pytest.approx(4 * (fwd_mm - mm(4096, 1024) + att + ew))  # but mlp_out
+    torch = step_seconds(dataclasses.replace(w, remat="full", remat_dce=False), H100, CAL)  # all of it
     assert torch["step_s"] - p["step_s"] == pytest.approx(4 * (fwd_mm + att + ew))
     assert elementwise_values(w) == 8 * 1024 + 3 * 4096 + 2 * 16 * 128
 
@@ -76,9 +98,10 @@ def test_pipeline_by_hand():
     ex = step_seconds(dataclasses.replace(w, bubble=0.5, stage_bytes=1e9, executor=True), H100, CAL)
     assert ex["stage_exposed_s"] == pytest.approx(1e9 / H100.fast_link)
     assert ex["matmul_s"] == pytest.approx(4 * 2 * 4 * fwd_mm) and ex["bubble_s"] == pytest.approx(
-        sum(v for k, v in ex.items() if k in ("matmul_s", "attention_s", "elementwise_s", "head_s")))
+        sum(v for k, v in ex.items() if k in ("matmul_s", "attention_s", "elementwise_s", "head_s"))
+    )
     ex2 = step_seconds(dataclasses.replace(w, virtual_stages=2, stage_bytes=1e9, executor=True), H100, CAL)
-    assert ex2["head_s"] == pytest.approx(2 * 4 * head)              # in both chunks' backward
+    assert ex2["head_s"] == pytest.approx(2 * 4 * head)  # in both chunks' backward
 
 
 def test_attention_without_flash_and_overlapped_gradients():
@@ -98,8 +121,9 @@ def test_attention_without_flash_and_overlapped_gradients():
     assert hidden["dcn_exposed_s"] == pytest.approx(max(0.0, exposed - 4 * bwd))
 
 
-MOE = dataclasses.replace(SMALL, num_layers=2, experts=4, top_k=2, expert_mlp_dim=1024, capacity_factor=1.0,
-                          mesh=dict(expert=2))
+MOE = dataclasses.replace(
+    SMALL, num_layers=2, experts=4, top_k=2, expert_mlp_dim=1024, capacity_factor=1.0, mesh=dict(expert=2)
+)
 
 
 def test_moe_layer_by_hand():
@@ -110,26 +134,34 @@ def test_moe_layer_by_hand():
     8192 slots' [D] rows out and back, forward and backward, over NVLink (exposed: no async overlap on
     GPU; on a TPU the backward's would hide behind the experts' weight-gradient matmuls)."""
     w, T = MOE, 4096
-    mm = lambda m, k, n: 2 * m * k * n / (H100.peak_bf16_flops * 0.5)         # each compute-bound here
-    router = matmul_seconds(T, 1024, 4, H100, 0.5)                            # [T, D] × [D, 4]: HBM-bound
-    fwd_mm = (mm(T, 1024, 3 * 1024) + mm(T, 1024, 1024) + router + 2 * mm(4096, 1024, 2048)
-              + 2 * mm(4096, 1024, 1024) + 2 * mm(8192, 1024, 1024))
+    mm = lambda m, k, n: 2 * m * k * n / (H100.peak_bf16_flops * 0.5)  # each compute-bound here
+    router = matmul_seconds(T, 1024, 4, H100, 0.5)  # [T, D] × [D, 4]: HBM-bound
+    fwd_mm = (
+        mm(T, 1024, 3 * 1024)
+        + mm(T, 1024, 1024)
+        + router
+        + 2 * mm(4096, 1024, 2048)
+        + 2 * mm(4096, 1024, 1024)
+        + 2 * mm(8192, 1024, 1024)
+    )
     assert w.slots_per_token == 2 and elementwise_values(w, True) == 8 * 1024 + 2 * 16 * 128 + 3 * 2 * 1024 + 2 * 2
     p = step_seconds(w, H100, CAL)
-    assert p["matmul_s"] == pytest.approx(2 * (3 * fwd_mm - mm(8192, 1024, 1024)))   # the mask has no gradient
+    assert p["matmul_s"] == pytest.approx(2 * (3 * fwd_mm - mm(8192, 1024, 1024)))  # the mask has no gradient
     a2a = 2 * (1 / 2) * 8192 * 1024 * 2 / H100.fast_link
-    assert p["expert_exposed_s"] == pytest.approx(2 * 2 * a2a)               # forward and backward, both ways
+    assert p["expert_exposed_s"] == pytest.approx(2 * 2 * a2a)  # forward and backward, both ways
     tpu_like = step_seconds(w, dataclasses.replace(H100, tensor_overlap=True), CAL)
-    assert tpu_like["expert_exposed_s"] == pytest.approx(2 * a2a)            # a2a < the experts' matmuls
+    assert tpu_like["expert_exposed_s"] == pytest.approx(2 * a2a)  # a2a < the experts' matmuls
     rest, experts = 2 * (1024 * 128 * 32 + 1024 * 4) + 8192 * 1024, 2 * 4 * 3 * 1024 * 1024
     assert w.params() == rest + experts and w.local_params() == rest + experts / 2
-    assert dataclasses.replace(w, expert_fsdp=True).local_params() == (rest + experts) / 2   # MaxText's sharding
+    assert dataclasses.replace(w, expert_fsdp=True).local_params() == (rest + experts) / 2  # MaxText's sharding
     assert p["optimizer_s"] == pytest.approx(28 * (rest + experts / 2) / H100.hbm_bandwidth)
-    active = rest + experts / 2                                                # 2 of 4 experts a token
+    active = rest + experts / 2  # 2 of 4 experts a token
     assert model_flops(w) == pytest.approx(T * (6 * active + 12 * 2 * 8 * 128 * 1024 / 2))
-    dropless = dataclasses.replace(w, capacity_factor=None)                   # k slots, sorted: no einsums
-    assert dropless.slots_per_token == 2 and elementwise_values(dropless, True) == \
-        8 * 1024 + 2 * 16 * 128 + 3 * 2 * 1024 + 4 * 2 * 1024
+    dropless = dataclasses.replace(w, capacity_factor=None)  # k slots, sorted: no einsums
+    assert (
+        dropless.slots_per_token == 2
+        and elementwise_values(dropless, True) == 8 * 1024 + 2 * 16 * 128 + 3 * 2 * 1024 + 4 * 2 * 1024
+    )
     assert step_seconds(dropless, H100, CAL)["matmul_s"] == pytest.approx(2 * 3 * (fwd_mm - 2 * mm(8192, 1024, 1024)))
 
 
@@ -150,20 +182,23 @@ def test_context_parallel_by_hand():
     fwd = max(0.0, 3 * kv * 2 / H100.fast_link - att)
     bwd = max(0.0, (3 * kv * 6 + kv * 4) / H100.fast_link - 2.5 * att)
     assert fwd > 0 and bwd > 0 and p["sequence_exposed_s"] == pytest.approx(4 * (fwd + bwd))
-    assert p["fsdp_exposed_s"] == 0                          # the gradient all-reduce over sequence hides
+    assert p["fsdp_exposed_s"] == 0  # the gradient all-reduce over sequence hides
     u = step_seconds(dataclasses.replace(w, context_parallel="ulysses"), H100, CAL)
     a2a = 3 / 4 * T * 32 * 128 * 2 / H100.fast_link
-    assert u["sequence_exposed_s"] == pytest.approx(4 * 2 * a2a) and u["attention_s"] == pytest.approx(4 * 3.5 * att * 8 / 9)
-    gspmd = dataclasses.replace(w, context_parallel="allgather", cp_order="contiguous")      # GSPMD's gather
+    assert u["sequence_exposed_s"] == pytest.approx(4 * 2 * a2a) and u["attention_s"] == pytest.approx(
+        4 * 3.5 * att * 8 / 9
+    )
+    gspmd = dataclasses.replace(w, context_parallel="allgather", cp_order="contiguous")  # GSPMD's gather
     g = step_seconds(gspmd, H100, CAL)
-    assert gspmd.attention_share == 3.5 / 4                                                  # the last chunk's
-    assert dataclasses.replace(gspmd, cp_order="zigzag").attention_share == 0.5              # MaxText's, balanced
+    assert gspmd.attention_share == 3.5 / 4  # the last chunk's
+    assert dataclasses.replace(gspmd, cp_order="zigzag").attention_share == 0.5  # MaxText's, balanced
     assert g["sequence_exposed_s"] == pytest.approx(4 * 2 * 3 * kv * 2 / H100.fast_link)
-    tpu = step_seconds(w, V5P, CAL)                         # the ring sends one way over one 100 GB/s link
+    tpu = step_seconds(w, V5P, CAL)  # the ring sends one way over one 100 GB/s link
     att_tpu = 4 * T * 1024 * 8 * 128 * 9 / 16 / (V5P.peak_bf16_flops * 0.8)
     assert axis_links(w, V5P)["sequence"] == 4 * 100e9
-    assert tpu["sequence_exposed_s"] == pytest.approx(4 * (3 * kv * 2 / 100e9 - att_tpu + (3 * kv * 6 + kv * 4) / 100e9
-                                                           - 2.5 * att_tpu))
+    assert tpu["sequence_exposed_s"] == pytest.approx(
+        4 * (3 * kv * 2 / 100e9 - att_tpu + (3 * kv * 6 + kv * 4) / 100e9 - 2.5 * att_tpu)
+    )
 
 
 def test_sliding_window_attention_share():
@@ -179,13 +214,13 @@ def test_sliding_window_attention_share():
     ring = dataclasses.replace(w, mesh=dict(fsdp=2, sequence=4), seq=32768, context_parallel="ring", cp_order="zigzag")
     assert ring.attention_share == ring_work(32768, 4, "zigzag", window=4096).max() / 16 == 0.25
     assert dataclasses.replace(ring, context_parallel="allgather").attention_share == 4096 / 32768 * (1 - 4096 / 65536)
-    half = dataclasses.replace(w, window=128, window_layers=16)                 # gpt-oss: every second layer
+    half = dataclasses.replace(w, window=128, window_layers=16)  # gpt-oss: every second layer
     assert half.attention_share == pytest.approx((128 / 8192 * (1 - 128 / 16384) + 0.5) / 2)
 
 
 def test_matmul_roofline_and_tiles():
     # a thin matmul is HBM-bound: its operands over the bandwidth
-    assert matmul_seconds(8, 8192, 8192, H100, 1.0) == pytest.approx(2 * (8 * 8192 * 2 + 8192 ** 2) / H100.hbm_bandwidth)
+    assert matmul_seconds(8, 8192, 8192, H100, 1.0) == pytest.approx(2 * (8 * 8192 * 2 + 8192**2) / H100.hbm_bandwidth)
     # a shape off the tile pays for the padded one: 129 → 256 rows
     assert matmul_seconds(4096, 4096, 129, V5P, 1.0) == pytest.approx(matmul_seconds(4096, 4096, 256, V5P, 1.0))
 
@@ -194,7 +229,7 @@ def test_links_by_topology():
     assert torus_split(V5P, 64) == [4, 4, 4] and torus_split(V5P, 128) == [8, 4, 4]
     assert torus_split(HARDWARE["tpu-v5e"], 256) == [16, 16]
     w = dataclasses.replace(SMALL, mesh=dict(fsdp=16, tensor=4), batch=64)
-    links = axis_links(w, V5P)          # tensor on one side of 4, fsdp on the other two: both directions of each
+    links = axis_links(w, V5P)  # tensor on one side of 4, fsdp on the other two: both directions of each
     assert links["tensor"] == 2 * 100e9 and links["fsdp"] == 4 * 100e9
     assert axis_links(dataclasses.replace(SMALL, mesh=dict(fsdp=8)), H100)["fsdp"] == H100.fast_link
     assert axis_links(dataclasses.replace(SMALL, mesh=dict(fsdp=16), batch=16), H100)["fsdp"] == H100.slow_link
@@ -206,18 +241,17 @@ def test_torus_sides_are_jax_s_own_assignment():
     each axis spans as many torus sides under both (tensor=16 on 8×8×8 splits a side under both)."""
     from jax._src.mesh_utils import _create_device_mesh_for_nd_torus
 
-    meshes = {(r.hardware, tuple(sorted(r.workload.mesh.items())))
-              for r in load_runs() if r.hardware.startswith("tpu")}
+    meshes = {(r.hardware, tuple(sorted(r.workload.mesh.items()))) for r in load_runs() if r.hardware.startswith("tpu")}
     assert len(meshes) == 22
     for hardware, mesh in sorted(meshes):
         mesh, chip = dict(mesh), HARDWARE[hardware]
         sides = torus_split(chip, math.prod(mesh.values()))
-        order = ("data", "fsdp", "sequence", "tensor", "expert")   # by increasing network intensity, as jax wants
+        order = ("data", "fsdp", "sequence", "tensor", "expert")  # by increasing network intensity, as jax wants
         shape = [mesh.get(a, 1) for a in order]
         physical = np.arange(math.prod(sides)).reshape(sides)
         try:
             _, assignment = _create_device_mesh_for_nd_torus(physical, shape)
-        except NotImplementedError:                            # no whole sides fit: jax splits one, as we do
+        except NotImplementedError:  # no whole sides fit: jax splits one, as we do
             _, assignment = _create_device_mesh_for_nd_torus(physical, shape, allow_split_physical_axes=True)
         w = dataclasses.replace(SMALL, mesh=mesh, batch=math.prod(mesh.values()))
         links = axis_links(w, chip)
@@ -229,18 +263,19 @@ def test_torus_sides_are_jax_s_own_assignment():
 def test_tensor_traffic_exposed_forward_hidden_backward_on_tpu():
     w = dataclasses.replace(SMALL, mesh=dict(tensor=4), remat="none")
     T = 8 * 1024
-    assert torus_split(V5P, 4) == [2, 2, 1] and axis_links(w, V5P)["tensor"] == 4 * 100e9   # 2 sides of 2
-    tp = 2 * 2 * 3 / 4 * T * 1024 * 2 / (4 * 100e9)          # two ring all-reduces of [T, D] a forward
+    assert torus_split(V5P, 4) == [2, 2, 1] and axis_links(w, V5P)["tensor"] == 4 * 100e9  # 2 sides of 2
+    tp = 2 * 2 * 3 / 4 * T * 1024 * 2 / (4 * 100e9)  # two ring all-reduces of [T, D] a forward
     tpu = step_seconds(w, V5P, CAL)
     gpu = step_seconds(w, dataclasses.replace(V5P, tensor_overlap=False), CAL)
-    assert tpu["tensor_exposed_s"] == pytest.approx(4 * tp)        # the backward's run beside weight gradients
-    assert gpu["tensor_exposed_s"] == pytest.approx(4 * 2 * tp)    # without that overlap, both exposed
+    assert tpu["tensor_exposed_s"] == pytest.approx(4 * tp)  # the backward's run beside weight gradients
+    assert gpu["tensor_exposed_s"] == pytest.approx(4 * 2 * tp)  # without that overlap, both exposed
 
 
 def test_fsdp_gather_hides_behind_compute_until_it_cannot():
     def exposed(batch):
         w = dataclasses.replace(SMALL, mesh=dict(fsdp=8), batch=batch, dcn={}, remat="full")
         return step_seconds(w, dataclasses.replace(H100, fast_link=50e9), CAL)["fsdp_exposed_s"]
+
     assert exposed(512) == 0 and exposed(8) > 0
 
 
@@ -249,17 +284,18 @@ def test_published_step_times_by_convention():
     r = runs["MaxText 32B, 1× v5p-128"]
     w = r.workload
     params = 32 * (10240 * 256 * 4 * 32 + 2 * 10240 * 32768) + 32768 * 10240
-    flops = 8 * 2048 * (6 * params + 6 * 32 * 32 * 256 * 2048)     # v5p table: causal attention halved
+    flops = 8 * 2048 * (6 * params + 6 * 32 * 32 * 256 * 2048)  # v5p table: causal attention halved
     assert model_flops(w, causal_attention=True, count_embedding=True) == pytest.approx(flops)
     assert r.measured_step_s == pytest.approx(flops / (0.7147 * 459e12))
     t = runs["torchtitan Llama 3.1 8B, 8 × H100 (FSDP 8, torch.compile)"]
     assert t.measured_step_s == pytest.approx(2 * 8192 / 6667)
-    assert measured_step(w, V5P, dict(mfu=0.5, convention=dict(attention="full", embedding="counted"))) > \
-        measured_step(w, V5P, dict(mfu=0.5, convention=dict(attention="causal", embedding="counted")))
+    assert measured_step(w, V5P, dict(mfu=0.5, convention=dict(attention="full", embedding="counted"))) > measured_step(
+        w, V5P, dict(mfu=0.5, convention=dict(attention="causal", embedding="counted"))
+    )
     # Megatron-LM's Eq. 3 (full recompute counted): 96·B·s·l·h²·(1 + s/6h + V/16lh) per step
     m = runs["Megatron-LM GPT 1008B, 3072 × A100 (TP 8, PP 64, DP 6)"]
     B, s, l, h, V = 3072, 2048, 128, 25600, 51200
-    eq3 = 96 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h))
+    eq3 = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
     assert m.measured_step_s == pytest.approx(eq3 / 3072 / 163e12)
     assert m.workload.microbatches == 512 and m.workload.size("stage") == 64
     # tpu-recipes' logs give the step itself; its tokens/s must agree with the configuration's tokens
@@ -274,26 +310,28 @@ def test_leave_one_out_over_published_runs():
     (named, each with its reason in the JSON) enter no fit."""
     runs = load_runs()
     assert len(runs) == 99
-    assert calibrate(runs) == CALIBRATED                    # the constants in the code are the fit's
+    assert calibrate(runs) == CALIBRATED  # the constants in the code are the fit's
     rows = leave_one_out(runs)
     err = np.abs([r["error"] for r in rows if r["in_fit"]])
-    assert len(err) == 95 and np.median(err) == pytest.approx(0.051, abs=0.0005)     # goal: ≤ 10%
-    assert np.sum(err > 0.10) == 19 and np.sum(err > 0.20) == 0                      # goal: none > 20%
+    assert len(err) == 95 and np.median(err) == pytest.approx(0.051, abs=0.0005)  # goal: ≤ 10%
+    assert np.sum(err > 0.10) == 19 and np.sum(err > 0.20) == 0  # goal: none > 20%
     by = {r["name"]: r["error"] for r in rows}
-    megatron = [abs(r["error"]) for r in rows if r["hardware"] == "a100"]            # tensor × pipeline × data
+    megatron = [abs(r["error"]) for r in rows if r["hardware"] == "a100"]  # tensor × pipeline × data
     assert len(megatron) == 10 and max(megatron) == pytest.approx(0.072, abs=0.0005)
     v6e = [abs(e) for n, e in by.items() if "v6e" in n and "Mixtral" not in n]
     assert len(v6e) == 10 and max(v6e) == pytest.approx(0.092, abs=0.0005)
-    assert by["MaxText Mixtral-8x7B, v6e-256 (capacity 1.25)"] == pytest.approx(-0.076, abs=0.0005)     # MoE
+    assert by["MaxText Mixtral-8x7B, v6e-256 (capacity 1.25)"] == pytest.approx(-0.076, abs=0.0005)  # MoE
     assert by["MaxText Mixtral-8x22B, v6e-256 (capacity 1.25, expert 4)"] == pytest.approx(-0.198, abs=0.0005)
     assert by["MaxText 128B, 2× v5p-512"] == pytest.approx(0.132, abs=0.0005)
     dense = [abs(e) for n, e in by.items() if "tpu7x" in n and "Llama" in n and "128k" not in n and "fp8" not in n]
     assert len(dense) == 3 and max(dense) == pytest.approx(0.067, abs=0.0005)
     dropless = {n: round(e, 3) for n, e in by.items() if "dropless" in n and "fp8" not in n and "oss" not in n}
-    assert dropless == {"MaxText Qwen3-235B-A22B, tpu7x-4x8x8 (256 chips, dropless)": -0.118,
-                        "MaxText DeepSeek-V3, tpu7x (128 chips, dropless)": 0.071,
-                        "MaxText DeepSeek-V3, tpu7x (256 chips, dropless)": 0.062}
-    titan = [abs(e) for n, e in by.items() if n.startswith("torchtitan")]        # H100: FSDP, CP, TP, PP, FP8
+    assert dropless == {
+        "MaxText Qwen3-235B-A22B, tpu7x-4x8x8 (256 chips, dropless)": -0.118,
+        "MaxText DeepSeek-V3, tpu7x (128 chips, dropless)": 0.071,
+        "MaxText DeepSeek-V3, tpu7x (256 chips, dropless)": 0.062,
+    }
+    titan = [abs(e) for n, e in by.items() if n.startswith("torchtitan")]  # H100: FSDP, CP, TP, PP, FP8
     assert len(titan) == 16 and max(titan) == pytest.approx(0.191, abs=0.0005)
     assert np.median(titan) == pytest.approx(0.068, abs=0.0005)
     fp8 = [abs(e) for n, e in by.items() if "fp8" in n and "tpu7x" in n and "128k" not in n]  # dense and grouped
@@ -302,7 +340,8 @@ def test_leave_one_out_over_published_runs():
         ("MaxText Llama3.1-70B 128k context, tpu7x-4x8x8 (context 8 devices)", 0.404),
         ("MaxText Llama3.1-70B 128k context fp8, tpu7x-4x8x8 (context 8 devices)", 0.497),
         ("MaxText gpt-oss-120b, tpu7x (64 chips, dropless)", 0.493),
-        ("MaxText gpt-oss-120b, tpu7x (256 chips, dropless)", 0.516)]
+        ("MaxText gpt-oss-120b, tpu7x (256 chips, dropless)", 0.516),
+    ]
 
 
 def test_mla_and_grouped_experts_by_hand():
@@ -317,24 +356,32 @@ def test_mla_and_grouped_experts_by_hand():
     w = workload_of(cfg, dict(fsdp=8), batch=8, seq=4096)
     norms = cfg.num_layers * (2 * 7168 + 1536 + 512) + 7168
     assert w.params(2) == cfg.num_params() - norms
-    assert w.attention_shapes(2) == dict(q=[(7168, 1536), (1536, 64 * 192)], kv=[(7168, 576), (512, 64 * 256)],
-                                         out=[(64 * 128, 7168)])
+    assert w.attention_shapes(2) == dict(
+        q=[(7168, 1536), (1536, 64 * 192)], kv=[(7168, 576), (512, 64 * 256)], out=[(64 * 128, 7168)]
+    )
     assert model_flops(w) - model_flops(dataclasses.replace(w, seq=2048)) * 2 == pytest.approx(
-        8 * 4096 / 8 * 6 * 61 * 128 * 320 * 2048 / 2)              # the attention term: S doubles, per token
+        8 * 4096 / 8 * 6 * 61 * 128 * 320 * 2048 / 2
+    )  # the attention term: S doubles, per token
     tpu7x = HARDWARE["tpu7x"]
     base = Calibration({"tpu7x": 0.6}, {"tpu7x": 1.0}, {"tpu7x": 1.0})
     half = Calibration({"tpu7x": 0.6}, {"tpu7x": 1.0}, {"tpu7x": 1.0}, grouped={"tpu7x": 0.5})
-    assert w.capacity_factor == 1.25 and step_seconds(w, tpu7x, half) == step_seconds(w, tpu7x, base)   # one-hot
-    w = dataclasses.replace(w, capacity_factor=None)                                                  # dropless
+    assert w.capacity_factor == 1.25 and step_seconds(w, tpu7x, half) == step_seconds(w, tpu7x, base)  # one-hot
+    w = dataclasses.replace(w, capacity_factor=None)  # dropless
     a, b = layer_forward(w, tpu7x, 0.6, 4096, True), layer_forward(w, tpu7x, 0.6, 4096, True, grouped=0.5)
     assert b[0]["experts_in"] == pytest.approx(2 * a[0]["experts_in"]) and b[0]["q"] == a[0]["q"]
-    big = dataclasses.replace(w, batch=512)           # (at 8 sequences the gathers set the pace and hide it)
-    fp8 = Calibration({"tpu7x": 0.6}, {"tpu7x": 1.0}, {"tpu7x": 1.0}, grouped={"tpu7x": 0.5}, fp8={"tpu7x": 0.3},
-                      grouped_fp8={"tpu7x": 0.25})      # FP8: 4,614 TFLOP/s at 0.3, grouped at 0.25 of that
+    big = dataclasses.replace(w, batch=512)  # (at 8 sequences the gathers set the pace and hide it)
+    fp8 = Calibration(
+        {"tpu7x": 0.6},
+        {"tpu7x": 1.0},
+        {"tpu7x": 1.0},
+        grouped={"tpu7x": 0.5},
+        fp8={"tpu7x": 0.3},
+        grouped_fp8={"tpu7x": 0.25},
+    )  # FP8: 4,614 TFLOP/s at 0.3, grouped at 0.25 of that
     c = layer_forward(dataclasses.replace(big, fp8=True), tpu7x, 0.6, 4096, True, fp8.grouped_share("tpu7x", True), 0.3)
-    assert c[0]["q"] == pytest.approx(a[0]["q"] * (2307 * 0.6) / (4614 * 0.3))   # the same time: 0.3 of twice
-    assert c[0]["experts_in"] == pytest.approx(a[0]["experts_in"] * 2307 * 0.6 / (4614 * 0.3 * 0.25))   # 4×
-    assert c[0]["router"] == a[0]["router"] and c[1] == a[1]                     # bf16: router and attention
+    assert c[0]["q"] == pytest.approx(a[0]["q"] * (2307 * 0.6) / (4614 * 0.3))  # the same time: 0.3 of twice
+    assert c[0]["experts_in"] == pytest.approx(a[0]["experts_in"] * 2307 * 0.6 / (4614 * 0.3 * 0.25))  # 4×
+    assert c[0]["router"] == a[0]["router"] and c[1] == a[1]  # bf16: router and attention
     assert step_seconds(big, tpu7x, half)["matmul_s"] > step_seconds(big, tpu7x, base)["matmul_s"]
     assert step_seconds(big, tpu7x, half)["step_s"] > step_seconds(big, tpu7x, base)["step_s"]
 
@@ -387,7 +434,9 @@ def test_bad_workloads_are_refused_naming_the_field():
         dataclasses.replace(SMALL, mesh=dict(stage=4), virtual_stages=2).check()
     with pytest.raises(ConfigError, match=r"attention_kernel='fa3': '' \(the chip's own flash kernel\) or 'fa2'"):
         dataclasses.replace(SMALL, attention_kernel="fa3").check()
-    with pytest.raises(ConfigError, match="batch=8: not divisible by the 16 sequences of data × fsdp × expert × microbatch=2"):
+    with pytest.raises(
+        ConfigError, match="batch=8: not divisible by the 16 sequences of data × fsdp × expert × microbatch=2"
+    ):
         dataclasses.replace(SMALL, mesh=dict(data=8), microbatch=2).check()
     with pytest.raises(ConfigError, match="context_parallel='pipe', cp_order='zigzag': sequence=2"):
         dataclasses.replace(SMALL, mesh=dict(sequence=2), context_parallel="pipe").check()
@@ -417,14 +466,18 @@ def test_readme_validation_table_is_the_json():
 
     root = Path(__file__).resolve().parents[1]
     rows = json.loads((root / "benchmarks" / "results" / "plan_validation.json").read_text())["rows"]
-    table = {m.group(1): m.groups()[1:] for m in re.finditer(
-        r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+)% \|", (root / "README.md").read_text(), re.M)}
+    table = {
+        m.group(1): m.groups()[1:]
+        for m in re.finditer(
+            r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+)% \|", (root / "README.md").read_text(), re.M
+        )
+    }
     assert len(table) == len(rows) == 99
     for r in rows:
         measured, predicted, error = table[r["name"]]
         assert (float(measured), float(predicted)) == (round(r["measured_step_s"], 3), round(r["predicted_step_s"], 3))
         assert float(error) == round(100 * r["error"], 1), r["name"]
-    assert [r["name"] for r in rows] == list(table)                  # in the same order
+    assert [r["name"] for r in rows] == list(table)  # in the same order
 
 
 def test_readme_explanations_of_the_misses():
@@ -433,7 +486,7 @@ def test_readme_explanations_of_the_misses():
     grouped shares the dropless runs fit alone or without themselves; GPT-3 175B's ICI share alone."""
     import dataclasses as dc
 
-    from jaxpar.analysis.calibration import fit_share, GRID
+    from jaxpar.analysis.calibration import GRID, fit_share
 
     runs = {r.name: r for r in load_runs()}
     rows = {r["name"]: r for r in leave_one_out(list(runs.values()))}
@@ -448,18 +501,24 @@ def test_readme_explanations_of_the_misses():
     asks = p["attention_s"] / (long.measured_step_s - (p["step_s"] - p["attention_s"]))
     assert asks == pytest.approx(0.57, abs=0.005)
     base = Calibration({"tpu7x": 0.67}, {"tpu7x": 1.0}, {"tpu7x": 1.0})
-    alone = {name: fit_share([runs[name]], lambda g: dc.replace(base, grouped={"tpu7x": g}), GRID["grouped"])
-             for name in ("MaxText Qwen3-235B-A22B, tpu7x-4x8x8 (256 chips, dropless)",
-                          "MaxText gpt-oss-120b, tpu7x (64 chips, dropless)")}
+    alone = {
+        name: fit_share([runs[name]], lambda g: dc.replace(base, grouped={"tpu7x": g}), GRID["grouped"])
+        for name in (
+            "MaxText Qwen3-235B-A22B, tpu7x-4x8x8 (256 chips, dropless)",
+            "MaxText gpt-oss-120b, tpu7x (64 chips, dropless)",
+        )
+    }
     assert list(alone.values()) == [0.47, 0.25]
     assert rows["MaxText Qwen3-235B-A22B, tpu7x-4x8x8 (256 chips, dropless)"]["fitted"]["grouped"] == 0.39
     assert rows["MaxText DeepSeek-V3, tpu7x (128 chips, dropless)"]["fitted"]["grouped"] == 0.43
     gpt3 = runs["MaxText GPT-3 175B, v6e-256"]
     v = Calibration({"tpu-v6e": 0.58}, {"tpu-v6e": 1.0}, {"tpu-v6e": 1.0})
     assert fit_share([gpt3], lambda c: dc.replace(v, collective={"tpu-v6e": c}), GRID["collective"]) == 0.3
-    exposed = {c: step_seconds(gpt3.workload, v6e, dc.replace(v, collective={"tpu-v6e": c}))["fsdp_exposed_s"]
-               for c in (0.35, 0.4)}
-    assert exposed[0.35] > 0 and exposed[0.4] == 0         # its gathers outlast their compute below 0.4
+    exposed = {
+        c: step_seconds(gpt3.workload, v6e, dc.replace(v, collective={"tpu-v6e": c}))["fsdp_exposed_s"]
+        for c in (0.35, 0.4)
+    }
+    assert exposed[0.35] > 0 and exposed[0.4] == 0  # its gathers outlast their compute below 0.4
 
 
 def test_readme_explanations_of_the_torchtitan_rows():
@@ -468,8 +527,9 @@ def test_readme_explanations_of_the_torchtitan_rows():
     shares the rows quote; hiding all of the 70B run's tensor traffic would gain 26% where async TP gained
     it 5.7%; interleaving is predicted 1.30× faster than 1F1B, published 1.28×."""
     runs = load_runs()
-    fa3 = leave_one_out([dataclasses.replace(r, workload=dataclasses.replace(r.workload, attention_kernel=""))
-                         for r in runs])
+    fa3 = leave_one_out(
+        [dataclasses.replace(r, workload=dataclasses.replace(r.workload, attention_kernel="")) for r in runs]
+    )
     by = {r["name"]: r for r in fa3}
     assert by["torchtitan Llama 3.1 8B, 8 × H100 (FSDP 8, torch.compile)"]["error"] == pytest.approx(0.116, abs=0.0005)
     assert max(r["error"] for r in fa3 if r["name"].startswith("torchtitan")) == pytest.approx(0.916, abs=0.0005)
@@ -477,8 +537,11 @@ def test_readme_explanations_of_the_torchtitan_rows():
     parts = {r.name: step_seconds(r.workload, gt, CALIBRATED) for r in runs if r.name.startswith("torchtitan")}
     share = lambda name, key: parts[name][key] / parts[name]["step_s"]
     cp = "torchtitan Llama 3.1 8B fp8 {}, 8 × H100 (FSDP {}, CP {})"
-    assert [round(share(cp.format(*k), "attention_s"), 2) for k in (("32k", 8, 1), ("64k", 4, 2), ("128k", 2, 4))] \
-        == [0.69, 0.81, 0.89]
+    assert [round(share(cp.format(*k), "attention_s"), 2) for k in (("32k", 8, 1), ("64k", 4, 2), ("128k", 2, 4))] == [
+        0.69,
+        0.81,
+        0.89,
+    ]
     assert round(share("torchtitan Llama 3.1 8B, 8 × H100 (FSDP 8, torch.compile)", "attention_s"), 2) == 0.24
     tp = parts["torchtitan Llama 3.1 70B fp8, 256 × H100 (FSDP 32, TP 8, async TP)"]
     assert tp["tensor_exposed_s"] / tp["step_s"] == pytest.approx(0.21, abs=0.005)

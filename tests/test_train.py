@@ -1,5 +1,6 @@
 """The training loop end to end: resume is exact, restore reshards, bad run directories are refused
 untouched, gradient accumulation and z-loss do what they say, the tiny model learns the Markov source."""
+
 import dataclasses
 import functools
 import hashlib
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.checkpoint import CheckpointError, Checkpointer, abstract_like
+from jaxpar.checkpoint import Checkpointer, CheckpointError, abstract_like
 from jaxpar.layout import make_layout
 from jaxpar.meshes import get_mesh_preset
 from jaxpar.models import build_model, get_model_preset
@@ -24,13 +25,18 @@ QUIET = ["log.progress=false", "log.tensorboard=false", "log.eval_every=0", "che
 
 
 def _cfg(*overrides, mesh="fsdp", steps=6):
-    return apply_overrides(default_config("tiny", steps=steps, batch=8, seq=16, mesh=mesh),
-                           [*QUIET, "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=2", *overrides])
+    return apply_overrides(
+        default_config("tiny", steps=steps, batch=8, seq=16, mesh=mesh),
+        [*QUIET, "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=2", *overrides],
+    )
 
 
 def _tree_digest(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +48,10 @@ def uninterrupted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("interrupted")
-    first = train(_cfg(), out, stop_after=4)          # killed after step 4: the last checkpoint is step 3
+    first = train(_cfg(), out, stop_after=4)  # killed after step 4: the last checkpoint is step 3
     snapshot = tmp_path_factory.mktemp("snapshot") / "run"
     shutil.copytree(out, snapshot)
-    second = train(_cfg(), out)                        # the same command again
+    second = train(_cfg(), out)  # the same command again
     return first, second, snapshot
 
 
@@ -54,10 +60,10 @@ def test_resume_gives_exactly_the_uninterrupted_losses(uninterrupted, interrupte
     assert first.last_step == 4 and second.start_step == 3 and second.last_step == 6
     ref = uninterrupted.losses
     assert [first.losses[s] for s in (1, 2, 3, 4)] == [ref[s] for s in (1, 2, 3, 4)]
-    assert [second.losses[s] for s in (4, 5, 6)] == [ref[s] for s in (4, 5, 6)]      # bit for bit
+    assert [second.losses[s] for s in (4, 5, 6)] == [ref[s] for s in (4, 5, 6)]  # bit for bit
     assert ref[6] < ref[1] - 0.05, "the run must actually train for this comparison to mean anything"
     records = [json.loads(line) for line in (second.out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 4, 5, 6]                    # appended, step 4 again
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 4, 5, 6]  # appended, step 4 again
     assert set(records[0]) >= {"step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device"}
 
 
@@ -67,13 +73,14 @@ def test_a_finished_run_does_nothing(uninterrupted):
 
 
 def test_restore_under_another_mesh_reshards(uninterrupted, interrupted, tmp_path):
-    _, _, snapshot = interrupted                       # checkpoint of step 3, written under fsdp
+    _, _, snapshot = interrupted  # checkpoint of step 3, written under fsdp
     cfg = get_model_preset("tiny")
     states = {}
     for name in ("fsdp", "3d"):
         layout = make_layout(cfg, get_mesh_preset(name), batch=8, seq=16)
-        program = init_program(lambda r: build_model(cfg, rngs=r),
-                               lambda m: make_optimizer(_cfg().optimizer, m, total_steps=6), layout)
+        program = init_program(
+            lambda r: build_model(cfg, rngs=r), lambda m: make_optimizer(_cfg().optimizer, m, total_steps=6), layout
+        )
         ckpt = Checkpointer(snapshot / "checkpoints", every=3, keep=3)
         states[name] = ckpt.restore(3, abstract_like(jax.eval_shape(program.create), program.shardings))[0]
         ckpt.close()
@@ -85,15 +92,19 @@ def test_restore_under_another_mesh_reshards(uninterrupted, interrupted, tmp_pat
     shutil.copytree(snapshot, run)
     resumed = train(_cfg(mesh="3d"), run)
     assert resumed.start_step == 3
-    np.testing.assert_allclose([resumed.losses[s] for s in (4, 5, 6)],
-                               [uninterrupted.losses[s] for s in (4, 5, 6)], rtol=1e-5)
+    np.testing.assert_allclose(
+        [resumed.losses[s] for s in (4, 5, 6)], [uninterrupted.losses[s] for s in (4, 5, 6)], rtol=1e-5
+    )
 
 
-@pytest.mark.parametrize("override, fields", [
-    ("model.embed_dim=32", ["model.embed_dim: saved 64, now 32"]),
-    ("model.num_kv_heads=4", ["model.num_kv_heads: saved 2, now 4"]),
-    ("seq=32", ["seq: saved 16, now 32"]),
-])
+@pytest.mark.parametrize(
+    "override, fields",
+    [
+        ("model.embed_dim=32", ["model.embed_dim: saved 64, now 32"]),
+        ("model.num_kv_heads=4", ["model.num_kv_heads: saved 2, now 4"]),
+        ("seq=32", ["seq: saved 16, now 32"]),
+    ],
+)
 def test_incompatible_run_directory_is_refused_untouched(uninterrupted, override, fields):
     before = _tree_digest(uninterrupted.out_dir)
     with pytest.raises(CheckpointError) as err:
@@ -111,7 +122,8 @@ def test_read_settings_may_change_on_resume_the_stream_may_not():
     saved = to_dict(_cfg())
     assert stream_differences(saved, to_dict(_cfg("data.num_threads=8", "data.prefetch=1"))) == []
     assert stream_differences(saved, to_dict(_cfg("data.markov_seed=5", "data.num_threads=8"))) == [
-        "data.markov_seed: saved 0, now 5"]
+        "data.markov_seed: saved 0, now 5"
+    ]
 
 
 def test_batch_not_divisible_by_data_axes():
@@ -153,8 +165,11 @@ def test_z_loss_is_the_mean_squared_log_partition():
     logits = np.asarray(model(batch["inputs"]), np.float64)
     log_z = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
     ce = np.mean(log_z - np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0])
-    np.testing.assert_allclose([float(parts.cross_entropy), float(parts.z_loss), float(total)],
-                               [ce, 1e-2 * np.mean(log_z ** 2), ce + 1e-2 * np.mean(log_z ** 2)], rtol=1e-5)
+    np.testing.assert_allclose(
+        [float(parts.cross_entropy), float(parts.z_loss), float(total)],
+        [ce, 1e-2 * np.mean(log_z**2), ce + 1e-2 * np.mean(log_z**2)],
+        rtol=1e-5,
+    )
     assert float(next_token_loss(model, batch)[1].z_loss) == 0.0
 
 
@@ -165,8 +180,11 @@ def test_bf16_compute_keeps_float32_params_optimizer_state_and_loss():
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     losses = {}
     for name, model_cfg in (("bf16", cfg), ("fp32", get_model_preset("tiny"))):
-        ts = init_train_state(lambda r: build_model(model_cfg, rngs=r),
-                              functools.partial(make_optimizer, OptimizerConfig()), layout)
+        ts = init_train_state(
+            lambda r, model_cfg=model_cfg: build_model(model_cfg, rngs=r),
+            functools.partial(make_optimizer, OptimizerConfig()),
+            layout,
+        )
         state, metrics = make_train_step(ts, layout)(ts.state, batch)
         floats = [x for x in jax.tree.leaves(state) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
         assert {str(x.dtype) for x in floats} == {"float32"}

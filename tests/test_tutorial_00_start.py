@@ -1,4 +1,5 @@
 """colab/00_start.ipynb runs, and what it shows holds."""
+
 from notebooks import figures, run_tutorial
 
 GIB = 2**30

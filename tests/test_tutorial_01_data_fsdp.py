@@ -1,9 +1,10 @@
 """colab/01_data_fsdp.ipynb runs, and what it shows holds: memory per device and bytes moved under dp,
 fsdp and hsdp, against the ZeRO bookkeeping and the ring formulas written out here."""
+
 import pytest
 from notebooks import figures, run_tutorial
 
-B_GRAD = 4                                   # float32 gradients and parameters
+B_GRAD = 4  # float32 gradients and parameters
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def test_figures_and_model(k):
     assert figures("01_data_fsdp") >= 2
     parts, P = small_parts(k)
     assert k["small_params"] == P and k["devices"] == 8
-    assert parts["blocks"] > 0.95 * P                         # the parameters sit in the layers
+    assert parts["blocks"] > 0.95 * P  # the parameters sit in the layers
 
 
 def test_memory_per_device(k):
@@ -98,8 +99,9 @@ def test_real_size_state_and_zero_stages(k):
     assert state["fsdp"] == 16 * ((psi - norm) // 8 + norm)
     assert state["hsdp"] == 16 * ((psi - norm) // 4 + norm)
     z = k["zero_stages"]
-    assert z == pytest.approx({"DP": 16 * psi, "ZeRO-1": 4 * psi + 12 * psi / n, "ZeRO-2": 2 * psi + 14 * psi / n,
-                               "ZeRO-3": 2 * psi})
+    assert z == pytest.approx(
+        {"DP": 16 * psi, "ZeRO-1": 4 * psi + 12 * psi / n, "ZeRO-2": 2 * psi + 14 * psi / n, "ZeRO-3": 2 * psi}
+    )
     assert z["ZeRO-3"] < 80e9 < z["DP"]
 
 

@@ -1,6 +1,7 @@
 """colab/02_tensor_sequence.ipynb runs, and what it shows holds: the Megatron MLP equals the unsharded
 one, the collectives per layer with and without sequence parallelism, and the layout lab's TP share of
 step time for Llama-3 70B against formulas and datasheet numbers written out here."""
+
 import pytest
 from notebooks import figures, run_tutorial
 
@@ -10,7 +11,7 @@ SEQ = 4096
 # datasheets: dense bf16 FLOP/s, HBM bytes/s, link bytes/s each way (NVLink 900 GB/s both ways; PCIe Gen5
 # x16 128 GB/s both ways; PCIe Gen4 x16 64 GB/s both ways)
 HW = {"h100": (989e12, 3.35e12, 450e9), "h100-pcie": (756e12, 2.0e12, 64e9), "l40s": (362.05e12, 864e9, 32e9)}
-EFFICIENCY = 0.6                              # the lab's default share of peak
+EFFICIENCY = 0.6  # the lab's default share of peak
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def k():
 def test_megatron_mlp_equals_the_unsharded_one(k):
     B, T, D_, _ = k["mlp"]
     assert figures("02_tensor_sequence") >= 1
-    assert k["hand_error"] < 1e-5                            # float32 sums in another order
+    assert k["hand_error"] < 1e-5  # float32 sums in another order
     runs = k["mlp_runs"]
     assert runs["tp without SP"]["collectives"] == [["all-reduce", [[B, T, D_]]]]
     # with SP: gather the T-split input, reduce(-scatter) the partial sums (all-reduce + slice on CPU)
@@ -36,8 +37,11 @@ def test_collectives_per_layer(k):
     two norm-scale gradients [D] all-reduced."""
     c = k["layer_counts"]
     assert c["tp without SP"] == {"all-reduce activation": 6}
-    assert c["tp"] == {"all-gather activation": 4, "all-reduce activation": 6,
-                       f"all-reduce [{k['layer']['embed_dim']}]": 2}
+    assert c["tp"] == {
+        "all-gather activation": 4,
+        "all-reduce activation": 6,
+        f"all-reduce [{k['layer']['embed_dim']}]": 2,
+    }
     lay = k["layer"]
     A, n = lay["batch"] * lay["seq"] * lay["embed_dim"] * 4, 8
     assert k["bytes_no_sp"] == pytest.approx(6 * 2 * (n - 1) / n * A)
@@ -61,9 +65,9 @@ def _shares(t, hw):
     peak, hbm, link = HW[hw]
     params = L * (D * HD * (2 * H + 2 * K) + 3 * D * F + 2 * D) + 2 * V * D + D
     train_flops = (6 * (L * (D * HD * (2 * H + 2 * K) + 3 * D * F) + V * D) + 6 * L * H * HD * SEQ) * SEQ / t
-    ring = 2 * (t - 1) / t * SEQ * D * 2                    # one bf16 [SEQ, D] all-reduce, bytes sent
+    ring = 2 * (t - 1) / t * SEQ * D * 2  # one bf16 [SEQ, D] all-reduce, bytes sent
     fwd_comm, fwd_compute = (2 * L + 1) * ring / link, train_flops / 3 / (peak * EFFICIENCY)
-    assert 2 * params / t / hbm < fwd_compute               # compute-bound: the roofline takes compute
+    assert 2 * params / t / hbm < fwd_compute  # compute-bound: the roofline takes compute
     train_comm, train_compute = (4 * L + 2) * ring / link, train_flops / (peak * EFFICIENCY)
     return fwd_comm / (fwd_comm + fwd_compute), train_comm / (train_comm + train_compute)
 
@@ -81,7 +85,7 @@ def test_tp_share_of_step_time(k, hw):
 
 def test_what_the_notebook_says_about_the_claim(k):
     s = {key: v for key, v in k["share"].items()}
-    pct = lambda key, kind: round(100 * s[key][kind], 1)          # as the notebook's text quotes them
+    pct = lambda key, kind: round(100 * s[key][kind], 1)  # as the notebook's text quotes them
     claim_pcie = {2: 0.08, 4: 0.25, 8: 0.38}
     # the lab's PCIe shares are above the claim's at every degree
     assert [pct(f"h100-pcie/{t}", "prefill") for t in (2, 4, 8)] == [20.6, 43.7, 64.5]

@@ -1,4 +1,5 @@
 """colab/03_pipeline.ipynb runs, and what it shows holds."""
+
 import pytest
 from notebooks import figures, run_tutorial
 
@@ -12,18 +13,22 @@ def k():
 
 
 def test_figures(k):
-    assert figures("03_pipeline") >= 3          # the Gantt charts, bubble against m, memory against m
+    assert figures("03_pipeline") >= 3  # the Gantt charts, bubble against m, memory against m
 
 
 def test_bubble_counted_from_the_tables_is_the_closed_form(k):
     # Idle cells / all cells of the unit-tick tables. Fill and drain are p-1 ticks each way; the work
     # per stage is 2m ticks (F, B), 2·v·m for v chunks, 3m when the backward is split into B and W.
     # Both sides are ratios of small integers: equal to float rounding.
-    work = {"gpipe": lambda m: 2 * m, "1f1b": lambda m: 2 * m, "interleaved": lambda m: 4 * m,
-            "zero_bubble": lambda m: 3 * m}
+    work = {
+        "gpipe": lambda m: 2 * m,
+        "1f1b": lambda m: 2 * m,
+        "interleaved": lambda m: 4 * m,
+        "zero_bubble": lambda m: 3 * m,
+    }
     for name, w in work.items():
         for m in MS:
-            idle = {"zero_bubble": P - 1}.get(name, 2 * (P - 1))    # ZB-H1: W's fill 2/3 of the drain
+            idle = {"zero_bubble": P - 1}.get(name, 2 * (P - 1))  # ZB-H1: W's fill 2/3 of the drain
             want = idle / (w(m) + idle)
             assert k["bubble_counted"][f"{name}/m={m}"] == pytest.approx(want, abs=1e-12), (name, m)
             assert k["bubble_formula"][f"{name}/m={m}"] == pytest.approx(want, abs=1e-12), (name, m)
@@ -45,7 +50,7 @@ def test_what_each_stage_holds(k):
     for m in (4, 8, 16):
         assert peaks[f"gpipe/m={m}"] == [m] * P
         assert peaks[f"1f1b/m={m}"] == [P - s for s in range(P)]
-        assert peaks[f"interleaved/m={m}"] == [2 * P - s for s in range(P)]     # (microbatch, chunk) pairs
+        assert peaks[f"interleaved/m={m}"] == [2 * P - s for s in range(P)]  # (microbatch, chunk) pairs
         assert max(peaks[f"zero_bubble/m={m}"]) <= P
 
 
@@ -56,12 +61,12 @@ def test_executor_bubble(k):
     # every later one holds a backward somewhere (cost 2): 4m + 3p - 4 time units against 3m of work
     # per stage.
     assert k["executor_bubble"]["1f1b"] == pytest.approx(1 - 3 * m / (4 * m + 3 * P - 4))
-    assert k["executor_bubble"]["zero_bubble"] > (P - 1) / (3 * m + P - 1)   # W ticks cost a full backward
+    assert k["executor_bubble"]["zero_bubble"] > (P - 1) / (3 * m + P - 1)  # W ticks cost a full backward
 
 
 def test_activation_memory_from_the_compiled_step(k):
     temp, one = k["temp_bytes"], k["stage_input_bytes"]
-    assert one == 2 * 64 * 64 * 4                     # rows × tokens × tiny's embed × float32
+    assert one == 2 * 64 * 64 * 4  # rows × tokens × tiny's embed × float32
     gpipe = (temp["gpipe/m=16"] - temp["gpipe/m=4"]) / 12
     onef1b = (temp["1f1b/m=16"] - temp["1f1b/m=4"]) / 12
     # GPipe keeps every microbatch's stage input: at least one per extra microbatch; the 10% slack

@@ -1,4 +1,5 @@
 """colab/04_context.ipynb runs, and what it shows holds."""
+
 import pytest
 from notebooks import figures, run_tutorial
 
@@ -14,12 +15,12 @@ def k():
 
 
 def test_figures(k):
-    assert figures("04_context") >= 3        # the ring grids, work per device, memory against L
+    assert figures("04_context") >= 3  # the ring grids, work per device, memory against L
 
 
 def test_the_ring_hops(k):
     n = k["n"]
-    assert n == 8                            # cp takes every one of the 8 simulated devices
+    assert n == 8  # cp takes every one of the 8 simulated devices
     assert sorted(map(tuple, k["ring_pairs"])) == [(i, (i + 1) % n) for i in range(n)]
     # After s hops device d holds the block that started on device d - s.
     assert k["held"] == [[(d - s) % n for d in range(n)] for s in range(n)]
@@ -27,7 +28,7 @@ def test_the_ring_hops(k):
 
 def test_work_per_device(k):
     n, length = k["n"], k["L"]
-    c, h = length // n, length // (2 * n)    # a device's block; a chunk (half a block)
+    c, h = length // n, length // (2 * n)  # a device's block; a chunk (half a block)
     # Contiguous: device d's queries d·c .. d·c + c - 1 each see every key up to themselves.
     assert k["unmasked_entries"]["contiguous"] == [c * c * d + c * (c + 1) // 2 for d in range(n)]
     # Zig-zag: chunks d and 2n-1-d, together (2n - 1) full chunk-by-chunk tiles and two diagonals.
@@ -45,7 +46,7 @@ def test_memory_against_length(k):
     n, temp = k["n"], k["temp_bytes"]
     for length in (1024, 2048, 4096):
         one, ring = temp[f"one device/L={length}"], temp[f"cp ring/L={length}"]
-        assert one >= N * length * length * 4, length          # at least one fp32 [N, L, L] score matrix
+        assert one >= N * length * length * 4, length  # at least one fp32 [N, L, L] score matrix
         if length >= 2048:
             # The ring's scores are (L/2n)² tiles, 1/4n² of the matrix; the O(L/n) rest is small here.
             assert one >= n * n * ring, (length, one, ring)

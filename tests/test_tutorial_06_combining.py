@@ -1,14 +1,14 @@
 """colab/06_combining.ipynb runs, and what it shows holds: the 5D layout's shards and its expert
 all-to-all, the size of the layout search, and the bottleneck cases, against formulas written out here."""
+
 import math
 
 import pytest
-
 from notebooks import figures, run_tutorial
 
 GB = 1e9
 PARAMS = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "mixtral-8x7b": 46_702_792_704}  # published
-NVLINK, INFINIBAND = 450e9, 50e9        # the h100 profile's bytes/s per direction inside / across 8-GPU nodes
+NVLINK, INFINIBAND = 450e9, 50e9  # the h100 profile's bytes/s per direction inside / across 8-GPU nodes
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +25,16 @@ def test_five_axes_shards(k):
             axes = [] if entry is None else [entry] if isinstance(entry, str) else entry
             assert shard * math.prod(mesh[a] for a in axes) == size, p
     shares = {p["path"].split("/")[-1]: math.prod(p["shard"]) / math.prod(p["shape"]) for p in k["params"]}
-    assert shares["gate_up"] == shares["down"] == 1 / 8                   # expert × fsdp × tensor
-    assert shares["q"] == 1 / 4 and shares["scale"] == 1                  # fsdp × tensor; norms whole
+    assert shares["gate_up"] == shares["down"] == 1 / 8  # expert × fsdp × tensor
+    assert shares["q"] == 1 / 4 and shares["scale"] == 1  # fsdp × tensor; norms whole
 
 
 def test_each_axis_signature_and_the_expert_all_to_all(k):
     c = k["collectives"]
     assert "all-gather" in c["fsdp"] and "all-reduce" in c["tensor"]
-    assert c["sequence"]["collective-permute"]["runs"] >= 2 * k["a2a"]["moe_layers"]   # the ring, every layer
+    assert c["sequence"]["collective-permute"]["runs"] >= 2 * k["a2a"]["moe_layers"]  # the ring, every layer
     assert {g for g, kinds in c.items() if "all-to-all" in kinds} == {"expert", "tensor"}
-    assert c["tensor"]["all-to-all"]["sent"] < c["expert"]["all-to-all"]["sent"] / 10   # a small reshard
+    assert c["tensor"]["all-to-all"]["sent"] < c["expert"]["all-to-all"]["sent"] / 10  # a small reshard
     # the dispatch buffer: B/(data·fsdp·expert) sequences × E × C slots × D float32, not split by sequence
     # or tensor; 4 all-to-alls per MoE layer, each sending (ep−1)/ep of it
     a = k["a2a"]
@@ -51,7 +51,7 @@ def test_search(k):
     assert s["estimated"] + s["refused"] == math.comb(11, 5) == 462
     assert 0 < s["fitting"] < s["estimated"] and s["best_memory"] <= 80 * GB
     assert s["best"].get("expert", 1) > 1
-    assert s["data_only_memory"] >= 16 * PARAMS["mixtral-8x7b"]            # weights, gradients, 2 Adam moments
+    assert s["data_only_memory"] >= 16 * PARAMS["mixtral-8x7b"]  # weights, gradients, 2 Adam moments
 
 
 def test_bottleneck_cases(k):
@@ -62,11 +62,11 @@ def test_bottleneck_cases(k):
     assert mem["after"]["fits"] and 16 * p70 / 64 <= mem["after"]["memory_bytes"] <= 80 * GB
 
     fsdp = cases["FSDP over 8 nodes"]
-    t = fsdp["before_times"]                                               # fsdp=64 spans 8 nodes: InfiniBand
+    t = fsdp["before_times"]  # fsdp=64 spans 8 nodes: InfiniBand
     assert t["communication_s"]["fsdp"] == pytest.approx(fsdp["before_bytes"]["fsdp"] / INFINIBAND)
     assert t["exposed_communication_s"] > t["compute_s"] and fsdp["after"]["predicted_step_s"] < t["step_s"] / 2
 
-    tp = cases["TP across nodes"]                      # llama3-70b: 80 layers, D = 8192, bf16 activations
+    tp = cases["TP across nodes"]  # llama3-70b: 80 layers, D = 8192, bf16 activations
     for side, t_ways, link in (("before", 16, INFINIBAND), ("after", 8, NVLINK)):
         fsdp_ways = 64 // t_ways
         tokens = tp["batch"] * tp["seq"] / fsdp_ways
@@ -88,8 +88,8 @@ def test_bottleneck_cases(k):
     assert moe["best"].get("expert", 1) > 1 and moe["after"]["predicted_step_s"] < moe["before"]["predicted_step_s"]
 
     dp = cases["throughput (one node)"]
-    assert dp["before_times"]["exposed_communication_s"] == 0             # compute-bound on one node
-    assert 1 < dp["before"]["predicted_step_s"] / dp["after"]["predicted_step_s"] < 8    # 8× the devices
+    assert dp["before_times"]["exposed_communication_s"] == 0  # compute-bound on one node
+    assert 1 < dp["before"]["predicted_step_s"] / dp["after"]["predicted_step_s"] < 8  # 8× the devices
 
 
 def test_fsdp_sends_more_than_data_parallelism(k):

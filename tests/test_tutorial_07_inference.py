@@ -1,12 +1,20 @@
 """colab/07_inference.ipynb runs, and its cache, FLOP, intensity and decode-layout numbers hold."""
+
 import math
 
 from notebooks import figures, run_tutorial
 
 # (layers, kv heads, head width) from the published configs; the 70B variants change only the kv heads
-SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "mistral-7b": (32, 8, 128),
-          "qwen3-8b": (36, 8, 128), "mixtral-8x7b": (32, 8, 128), "llama3-70b": (80, 8, 128),
-          "70b MHA (K=64)": (80, 64, 128), "70b MQA (K=1)": (80, 1, 128)}
+SHAPES = {
+    "llama2-7b": (32, 32, 128),
+    "llama3-8b": (32, 8, 128),
+    "mistral-7b": (32, 8, 128),
+    "qwen3-8b": (36, 8, 128),
+    "mixtral-8x7b": (32, 8, 128),
+    "llama3-70b": (80, 8, 128),
+    "70b MHA (K=64)": (80, 64, 128),
+    "70b MQA (K=1)": (80, 1, 128),
+}
 BF16 = 2
 LLAMA3_8B = dict(params=8_030_261_248, vocab=128_256, embed=4096, layers=32, heads=32, head_dim=128)
 KV_8B = 2 * 32 * 8 * 128 * BF16
@@ -19,7 +27,7 @@ def flops_8b(batch: int, tokens: int, slots: int, decode: bool) -> float:
     compiled count is within 1% of this."""
     m = LLAMA3_8B
     emb = m["vocab"] * m["embed"]
-    body = m["params"] - 2 * emb                         # every weight but the embedding and the LM head
+    body = m["params"] - 2 * emb  # every weight but the embedding and the LM head
     attention = lambda keys: 4 * keys * m["heads"] * m["head_dim"] * m["layers"]
     if decode:
         return batch * (2 * (body + emb) + attention(slots))
@@ -41,7 +49,7 @@ def test_inference_notebook():
     assert sorted(k["per_device_65k_70b"]) == ["1", "2", "4", "8"]
     for t, per_device in k["per_device_65k_70b"].items():
         assert per_device == total // int(t), t
-    assert 2e9 < k["per_device_65k_70b"]["8"] < 3e9         # "~2 GB/GPU" holds at tensor=8, bf16
+    assert 2e9 < k["per_device_65k_70b"]["8"] < 3e9  # "~2 GB/GPU" holds at tensor=8, bf16
     assert k["batch32_65k_tp8"] == 32 * total // 8
     assert k["mha_65k_tp8"] == 8 * total // 8
 
@@ -70,12 +78,12 @@ def test_inference_notebook():
     # 4. Decode layouts (tiny: 102,720 float32 parameters, 2 layers, 2 kv heads of 8, D = 64; batch 8,
     # 64 slots, 8 devices)
     tp, dp = k["layouts"]["decode_tp"], k["layouts"]["decode_dp"]
-    assert dp["weight_bytes_per_device"] == 102_720 * 4                         # whole on every device
+    assert dp["weight_bytes_per_device"] == 102_720 * 4  # whole on every device
     assert tp["weight_bytes_per_device"] < dp["weight_bytes_per_device"] / 4
-    cache = 2 * 2 * 2 * 8 * 4 * 64 * 8                                          # K and V · L · K · H · b · S · B
+    cache = 2 * 2 * 2 * 8 * 4 * 64 * 8  # K and V · L · K · H · b · S · B
     assert tp["cache_bytes_per_device"] == dp["cache_bytes_per_device"] == cache // 8
-    assert dp["collective_bytes_per_step"] == 1 and dp["per_layer"] == {}    # the one-bool "all greedy?"
-    assert tp["per_layer"]["all-reduce"] == [2, 2 * 8 * 1 * 64 * 4]           # attention out + MLP down
+    assert dp["collective_bytes_per_step"] == 1 and dp["per_layer"] == {}  # the one-bool "all greedy?"
+    assert tp["per_layer"]["all-reduce"] == [2, 2 * 8 * 1 * 64 * 4]  # attention out + MLP down
     assert tp["collective_bytes_per_step"] > 1000 * dp["collective_bytes_per_step"]
 
     # 5. Trained and generated

@@ -1,4 +1,5 @@
 """The tutorial set in colab/ is complete: every source built, tested and indexed; the install cell."""
+
 import importlib.util
 import os
 import pathlib
@@ -42,7 +43,10 @@ def test_readme_run_times_are_the_recorded_ones():
     import re
 
     import nbformat
-    rows = re.findall(r"^\| \[`(\d\d_\w+)`\]\(\1\.ipynb\) \|.*\| ([\d.]+) s \|$", (COLAB / "README.md").read_text(), re.M)
+
+    rows = re.findall(
+        r"^\| \[`(\d\d_\w+)`\]\(\1\.ipynb\) \|.*\| ([\d.]+) s \|$", (COLAB / "README.md").read_text(), re.M
+    )
     assert sorted(name for name, _ in rows) == build.names()
     for name, seconds in rows:
         recorded = nbformat.read(COLAB / f"{name}.ipynb", as_version=4).metadata["jaxpar"]["seconds"]

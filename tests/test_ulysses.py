@@ -10,15 +10,17 @@ un-permute the results.
 GQA cases also check the head bookkeeping directly: with v constant per kv head, query head h must
 output the value of kv head h // G.
 """
+
 import functools
 import zlib
 
+import attention_oracle as oracle
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-import attention_oracle as oracle
 from jaxpar.analysis.hlo import parse_collectives
 from jaxpar.parallel.common import zigzag_order
 from jaxpar.parallel.ulysses import ulysses_attention, ulysses_check
@@ -38,15 +40,16 @@ def sharded_fn(n, *, segments, **kw):
     """jit(shard_map(ulysses)) over n devices: (q, k, v, q_index, kv_index[, q_seg, kv_seg]) -> out."""
     body = functools.partial(ulysses_attention, axis_name="sequence", **kw)
     n_args = 7 if segments else 5
-    return jax.shard_map(body, mesh=seq_mesh(n), in_specs=(SEQ,) * 3 + (IDX,) * (n_args - 3),
-                         out_specs=SEQ)
+    return jax.shard_map(body, mesh=seq_mesh(n), in_specs=(SEQ,) * 3 + (IDX,) * (n_args - 3), out_specs=SEQ)
 
 
 def value_and_grads(f):
     """(q, k, v, ct, *rest) -> (out, (dq, dk, dv)) with the loss sum(f(q, k, v, *rest) · ct)."""
+
     def run(q, k, v, ct, *rest):
         out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, *rest), q, k, v)
         return out, vjp(ct)
+
     return jax.jit(run)
 
 
@@ -58,7 +61,7 @@ def make_inputs(seed, n_heads, n_kv, segments):
     ct = rng.standard_normal((B, T, n_heads, H), np.float32)
     index = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
     seg = None
-    if segments:            # packed documents: 1-3 boundaries per row, at random places
+    if segments:  # packed documents: 1-3 boundaries per row, at random places
         starts = np.zeros((B, T), np.int32)
         for b in range(B):
             starts[b, rng.choice(np.arange(1, T), size=rng.integers(1, 4), replace=False)] = 1
@@ -68,15 +71,15 @@ def make_inputs(seed, n_heads, n_kv, segments):
 
 CASES = [
     # id,                    n, N, K, causal, window, segments, zigzag, replicate_kv
-    ("mha-n2-causal",        2, 8, 8, True,  None, False, False, False),
-    ("mha-n4-full-zigzag",   4, 8, 8, False, None, False, True,  False),
-    ("mha-n8-causal-zigzag", 8, 8, 8, True,  None, True,  True,  False),
-    ("gqa84-n2-segments",    2, 8, 4, True,  None, True,  False, False),
-    ("gqa84-n4-window-zz",   4, 8, 4, True,  5,    True,  True,  False),
-    ("gqa82-n2-full-window", 2, 8, 2, False, 7,    False, False, False),
-    ("rep-k2-n4-causal-zz",  4, 8, 2, True,  None, False, True,  True),
-    ("rep-mqa-n4-segments",  4, 8, 1, True,  None, True,  False, True),
-    ("rep-k6-n4-straddle",   4, 12, 6, True, 9,    False, True,  True),
+    ("mha-n2-causal", 2, 8, 8, True, None, False, False, False),
+    ("mha-n4-full-zigzag", 4, 8, 8, False, None, False, True, False),
+    ("mha-n8-causal-zigzag", 8, 8, 8, True, None, True, True, False),
+    ("gqa84-n2-segments", 2, 8, 4, True, None, True, False, False),
+    ("gqa84-n4-window-zz", 4, 8, 4, True, 5, True, True, False),
+    ("gqa82-n2-full-window", 2, 8, 2, False, 7, False, False, False),
+    ("rep-k2-n4-causal-zz", 4, 8, 2, True, None, False, True, True),
+    ("rep-mqa-n4-segments", 4, 8, 1, True, None, True, False, True),
+    ("rep-k6-n4-straddle", 4, 12, 6, True, 9, False, True, True),
 ]
 
 
@@ -91,7 +94,7 @@ def test_matches_oracle(case):
 
     # Kernel: stored order (zig-zag or natural), sharded over n devices.
     order = zigzag_order(T, n) if zigzag else np.arange(T)
-    inv = np.argsort(order)                  # stored position of each token
+    inv = np.argsort(order)  # stored position of each token
     store = lambda x: x[:, order]
     unstore = lambda x: np.asarray(x)[:, inv]
     f = sharded_fn(n, segments=segments, replicate_kv=replicate, **mask_kw)
@@ -107,8 +110,7 @@ def test_matches_oracle(case):
     # Head bookkeeping: v = kv-head number everywhere, so query head h must output h // G.
     v_label = np.broadcast_to(np.arange(nkv, dtype=np.float32)[None, None, :, None], v.shape).copy()
     out, _ = kernel(store(q), store(k), v_label, store(ct), idx, idx, *seg_args)
-    want = np.broadcast_to((np.arange(nh) // (nh // nkv)).astype(np.float32)[None, None, :, None],
-                           q.shape)
+    want = np.broadcast_to((np.arange(nh) // (nh // nkv)).astype(np.float32)[None, None, :, None], q.shape)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-6)
 
 
@@ -116,7 +118,7 @@ def test_too_few_kv_heads_is_a_layout_error():
     q, k, v, _, index, _ = make_inputs(0, 8, 2, False)
     f = sharded_fn(4, segments=False)
     with pytest.raises(LayoutError, match=r"sequence=4.*num_kv_heads \(2 on this device\).*replicate_kv"):
-        jax.eval_shape(f, q, k, v, index, index)          # trace time: nothing compiled or run
+        jax.eval_shape(f, q, k, v, index, index)  # trace time: nothing compiled or run
     with pytest.raises(LayoutError, match=r"num_kv_heads \(2 on this device\)"):
         ulysses_check(8, 2, 4, replicate_kv=False)
     ulysses_check(8, 2, 4, replicate_kv=True)
@@ -137,19 +139,18 @@ def test_compiled_forward_has_four_all_to_alls_of_the_local_shard():
     q, k, v, ct, index, _ = make_inputs(0, nh, nh, False)
     mesh = seq_mesh(n)
     f = sharded_fn(n, segments=False)
-    shard_bytes = B * (T // n) * nh * H * 4            # one local [B, Tl, N, H] float32 block
+    shard_bytes = B * (T // n) * nh * H * 4  # one local [B, Tl, N, H] float32 block
 
     def all_to_alls(compiled):
         colls = parse_collectives(compiled.as_text(), mesh=mesh)
         a2a = [c for c in colls if c.kind == "all-to-all"]
-        assert all(c.bytes == shard_bytes and c.group_size == n and c.axes == ("sequence",)
-                   for c in a2a), a2a
+        assert all(c.bytes == shard_bytes and c.group_size == n and c.axes == ("sequence",) for c in a2a), a2a
         # Everything else is the (int32) index all-gather: no float K/V is gathered.
         others = [c for c in colls if c.kind != "all-to-all"]
         assert all(c.kind == "all-gather" and c.bytes == B * T * 4 for c in others), others
         return len(a2a)
 
-    assert all_to_alls(jax.jit(f).lower(q, k, v, index, index).compile()) == 4     # q, k, v in; out back
+    assert all_to_alls(jax.jit(f).lower(q, k, v, index, index).compile()) == 4  # q, k, v in; out back
     # Backward: dO in; dQ, dK, dV back.
     assert all_to_alls(value_and_grads(f).lower(q, k, v, ct, index, index).compile()) == 8
 
@@ -159,9 +160,10 @@ def test_compiled_forward_with_replicated_kv():
     n, nh, nkv = 4, 8, 2
     q, k, v, _, index, _ = make_inputs(0, nh, nkv, False)
     f = sharded_fn(n, segments=False, replicate_kv=True)
-    colls = parse_collectives(jax.jit(f).lower(q, k, v, index, index).compile().as_text(),
-                              mesh=seq_mesh(n))
+    colls = parse_collectives(jax.jit(f).lower(q, k, v, index, index).compile().as_text(), mesh=seq_mesh(n))
     kinds = sorted((c.kind, c.bytes) for c in colls)
-    assert kinds == sorted([("all-to-all", B * (T // n) * nh * H * 4)] * 2
-                           + [("all-gather", B * T * nkv * H * 4)] * 2
-                           + [("all-gather", B * T * 4)] * 2), kinds
+    assert kinds == sorted(
+        [("all-to-all", B * (T // n) * nh * H * 4)] * 2
+        + [("all-gather", B * T * nkv * H * 4)] * 2
+        + [("all-gather", B * T * 4)] * 2
+    ), kinds

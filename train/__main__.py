@@ -1,4 +1,5 @@
 """``python -m jaxpar.train ...`` is ``jaxpar train ...``."""
+
 import sys
 
 from jaxpar.cli import main

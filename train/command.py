@@ -5,6 +5,7 @@
 
 Re-running the same command resumes from the newest checkpoint in ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ HELP = "train a model preset on a mesh layout (resumes from --out)"
 def _from_env(value, name: str, cast=str):
     """``value`` if the flag was given, else environment variable ``name`` (None when unset)."""
     from jaxpar.errors import LaunchError
+
     text = os.environ.get(name)
     if value is not None or text is None:
         return value
@@ -29,6 +31,7 @@ def start_distributed(args: argparse.Namespace, /) -> bool:
     """``jax.distributed.initialize`` when asked (flags, env, ``--distributed``); True if it ran.
     Bad values are refused here, naming the flag, before jax waits for a coordinator."""
     from jaxpar.errors import LaunchError
+
     coordinator = _from_env(args.coordinator, "JAX_COORDINATOR_ADDRESS")
     n = _from_env(args.num_processes, "JAXPAR_NUM_PROCESSES", int)
     i = _from_env(args.process_id, "JAXPAR_PROCESS_ID", int)
@@ -36,13 +39,16 @@ def start_distributed(args: argparse.Namespace, /) -> bool:
         return False
     if (n is None) != (i is None):
         missing = "--process-id" if i is None else "--num-processes"
-        raise LaunchError(f"{missing} is needed too: give --num-processes and --process-id together "
-                        "(or neither, to detect them from the cluster)")
+        raise LaunchError(
+            f"{missing} is needed too: give --num-processes and --process-id together "
+            "(or neither, to detect them from the cluster)"
+        )
     if n is not None and not 0 <= i < n:
         raise LaunchError(f"--process-id={i}: must be in 0..{n - 1} for --num-processes={n}")
     if coordinator is not None and not _host_port(coordinator):
         raise LaunchError(f"--coordinator={coordinator!r}: expected HOST:PORT, e.g. 10.0.0.1:1234")
     import jax
+
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i)
     return True
 
@@ -61,30 +67,67 @@ def _positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     from jaxpar.train.config import describe_fields
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "fields for --set (with their defaults for --model tiny):\n" + describe_fields()
     parser.add_argument("--model", default="tiny", help="model preset (default: tiny)")
-    parser.add_argument("--init-from", default=None, metavar="CKPT", help="fine-tune: the model (config and "
-                        "weights) of a model checkpoint from `jaxpar convert` or a run folder; replaces --model")
-    parser.add_argument("--mesh", default=None, help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d) or axis spec "
-                        "like data=2,fsdp=-1 (default: 3d)")
+    parser.add_argument(
+        "--init-from",
+        default=None,
+        metavar="CKPT",
+        help="fine-tune: the model (config and "
+        "weights) of a model checkpoint from `jaxpar convert` or a run folder; replaces --model",
+    )
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d) or axis spec like data=2,fsdp=-1 (default: 3d)",
+    )
     parser.add_argument("--steps", type=_positive, default=None, help="optimizer steps in all (default: 300)")
     parser.add_argument("--batch", type=_positive, default=None, help="global batch in sequences (default: 16)")
     parser.add_argument("--seq", type=_positive, default=None, help="sequence length in tokens (default: 128)")
     parser.add_argument("--out", required=True, help="run directory: config, checkpoints, metrics")
-    parser.add_argument("--cpu-devices", type=_positive, default=None,
-                        help="simulate this many CPU devices (per process when there are several)")
+    parser.add_argument(
+        "--cpu-devices",
+        type=_positive,
+        default=None,
+        help="simulate this many CPU devices (per process when there are several)",
+    )
     group = parser.add_argument_group("several processes (docs/scale-out.md)")
-    group.add_argument("--distributed", action="store_true", help="start jax.distributed; what is not given "
-                       "below is detected from the cluster (SLURM, Cloud TPU, Kubernetes, Open MPI)")
-    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="process 0's address (env JAX_COORDINATOR_ADDRESS); implies --distributed")
-    group.add_argument("--num-processes", type=_positive, default=None, metavar="N",
-                       help="processes in the job (env JAXPAR_NUM_PROCESSES); implies --distributed")
-    group.add_argument("--process-id", type=int, default=None, metavar="I",
-                       help="this process, 0..N-1 (env JAXPAR_PROCESS_ID); implies --distributed")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="set any config field by its dotted path (repeatable; listed below)")
+    group.add_argument(
+        "--distributed",
+        action="store_true",
+        help="start jax.distributed; what is not given "
+        "below is detected from the cluster (SLURM, Cloud TPU, Kubernetes, Open MPI)",
+    )
+    group.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's address (env JAX_COORDINATOR_ADDRESS); implies --distributed",
+    )
+    group.add_argument(
+        "--num-processes",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="processes in the job (env JAXPAR_NUM_PROCESSES); implies --distributed",
+    )
+    group.add_argument(
+        "--process-id",
+        type=int,
+        default=None,
+        metavar="I",
+        help="this process, 0..N-1 (env JAXPAR_PROCESS_ID); implies --distributed",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set any config field by its dotted path (repeatable; listed below)",
+    )
     parser.add_argument("--profile-steps", default=None, metavar="A:B", help="jax.profiler trace of steps A..B")
     parser.add_argument("--compile-cache", default=None, metavar="DIR", help="persistent compilation cache")
 
@@ -94,8 +137,10 @@ def build_config(args: argparse.Namespace, /):
     import dataclasses
 
     from jaxpar.train.config import TrainConfig, apply_overrides, default_config
+
     if getattr(args, "init_from", None):
         from jaxpar.convert.store import model_config
+
         model, _, _ = model_config(args.init_from)
         cfg = TrainConfig(model=model, model_preset=f"init-from:{args.init_from}", init_from=str(args.init_from))
     else:
@@ -108,12 +153,14 @@ def build_config(args: argparse.Namespace, /):
 
 def run(args: argparse.Namespace, /) -> int:
     from jaxpar.mesh import simulate_cpu_devices
+
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     start_distributed(args)
     import jax
 
     from jaxpar.train.loop import train
+
     cfg = build_config(args).validate()
     result = train(cfg, args.out)
     if jax.process_index() != 0:

@@ -13,6 +13,7 @@ type (int, float, str, bool, enums, ``X | None`` where ``none`` means None) and 
 with the closest known one. ``to_dict``/``from_dict`` (``jaxpar.config``, the one serializer) round-trip
 through JSON (``DIR/config.json``), the model keeping its family's config class.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,27 +32,28 @@ from jaxpar.train.optim import OptimizerConfig
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 100                 # save every K steps (and always at the last step)
-    keep: int = 3                    # keep the newest N checkpoints
-    async_save: bool = True          # write in the background while training continues
+    every: int = 100  # save every K steps (and always at the last step)
+    keep: int = 3  # keep the newest N checkpoints
+    async_save: bool = True  # write in the background while training continues
 
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-    eval_every: int = 50             # eval loss on held-out data every K steps (and at the end); 0 = never
-    eval_batches: int = 4            # batches per eval (the same ones every time)
-    tensorboard: bool = True         # event files in DIR/tensorboard
-    progress: bool = True            # tqdm progress bar on stderr
-    profile_steps: str = ""          # "a:b": jax.profiler trace of steps a..b into DIR/profile
-    compile_cache: str = ""          # persistent XLA compilation cache directory (opt-in)
+    eval_every: int = 50  # eval loss on held-out data every K steps (and at the end); 0 = never
+    eval_batches: int = 4  # batches per eval (the same ones every time)
+    tensorboard: bool = True  # event files in DIR/tensorboard
+    progress: bool = True  # tqdm progress bar on stderr
+    profile_steps: str = ""  # "a:b": jax.profiler trace of steps a..b into DIR/profile
+    compile_cache: str = ""  # persistent XLA compilation cache directory (opt-in)
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """How the train step runs the layers when the mesh has ``stage`` > 1 (``jaxpar.pipeline``)."""
-    schedule: Schedule = Schedule.ONE_F_ONE_B     # gpipe, 1f1b, interleaved, zero_bubble
-    microbatches: int = 8                         # the batch is fed through the stages in this many pieces
-    virtual_stages: int = 1                       # model chunks per stage (interleaved only)
+
+    schedule: Schedule = Schedule.ONE_F_ONE_B  # gpipe, 1f1b, interleaved, zero_bubble
+    microbatches: int = 8  # the batch is fed through the stages in this many pieces
+    virtual_stages: int = 1  # model chunks per stage (interleaved only)
 
     def __post_init__(self):
         check_choices(self, "pipeline")
@@ -61,17 +63,17 @@ class PipelineConfig:
 class TrainConfig:
     model: DenseConfig
     model_preset: str = "tiny"
-    mesh: str = "3d"                 # a mesh preset or an axis spec like data=2,fsdp=-1
+    mesh: str = "3d"  # a mesh preset or an axis spec like data=2,fsdp=-1
     steps: int = 300
-    batch: int = 16                  # global batch (sequences per optimizer step)
+    batch: int = 16  # global batch (sequences per optimizer step)
     seq: int = 128
-    seed: int = 0                    # parameter init and data order
-    grad_accum: int = 1              # gradient accumulation: the batch is split into this many slices, one
-                                     # optimizer update (pipeline microbatches are pipeline.microbatches)
-    z_loss: float = 0.0              # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
-    init_from: str | None = None     # a model checkpoint (jaxpar convert) or run folder: start from its weights
-    nonfinite: NonFinite = NonFinite.STOP   # a step whose loss or gradient norm is NaN/inf: stop, or skip its update
-    max_skips: int = 10              # nonfinite=skip: stop anyway after this many skipped steps in a row
+    seed: int = 0  # parameter init and data order
+    grad_accum: int = 1  # gradient accumulation: the batch is split into this many slices, one
+    # optimizer update (pipeline microbatches are pipeline.microbatches)
+    z_loss: float = 0.0  # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
+    init_from: str | None = None  # a model checkpoint (jaxpar convert) or run folder: start from its weights
+    nonfinite: NonFinite = NonFinite.STOP  # a step whose loss or gradient norm is NaN/inf: stop, or skip its update
+    max_skips: int = 10  # nonfinite=skip: stop anyway after this many skipped steps in a row
     pipeline: PipelineConfig = PipelineConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=30)
     data: DataConfig = DataConfig()
@@ -81,8 +83,10 @@ class TrainConfig:
     def __post_init__(self):
         check_choices(self, "")
         if not isinstance(self.model, DenseConfig):
-            raise ConfigError(f"model: expected a model config (DenseConfig or a family extending it), "
-                              f"got {type(self.model).__name__}")
+            raise ConfigError(
+                f"model: expected a model config (DenseConfig or a family extending it), "
+                f"got {type(self.model).__name__}"
+            )
 
     def validate(self) -> TrainConfig:
         """Checks that need no devices; raises ``ConfigError`` naming the field."""
@@ -92,9 +96,11 @@ class TrainConfig:
         if self.batch % self.grad_accum:
             raise ConfigError(f"batch={self.batch} is not divisible by grad_accum={self.grad_accum}")
         if self.seq > self.model.max_seq_len:
-            raise ConfigError(f"seq={self.seq} is longer than model.max_seq_len={self.model.max_seq_len} "
-                              f"of model {self.model_preset!r}")
-        if not self.z_loss >= 0:                  # also refuses NaN
+            raise ConfigError(
+                f"seq={self.seq} is longer than model.max_seq_len={self.model.max_seq_len} "
+                f"of model {self.model_preset!r}"
+            )
+        if not self.z_loss >= 0:  # also refuses NaN
             raise ConfigError(f"z_loss={self.z_loss} must be ≥ 0")
         if self.log.eval_every < 0:
             raise ConfigError(f"log.eval_every={self.log.eval_every} must be ≥ 0 (0: never)")
@@ -175,8 +181,10 @@ def _replace_path(obj, parts: list[str], value):
 
 
 # Settings that were renamed, with where they went.
-RENAMED = {"microbatches": "renamed: gradient accumulation is grad_accum (one optimizer update over k slices "
-                           "of the batch); pipeline microbatches are pipeline.microbatches"}
+RENAMED = {
+    "microbatches": "renamed: gradient accumulation is grad_accum (one optimizer update over k slices "
+    "of the batch); pipeline microbatches are pipeline.microbatches"
+}
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
@@ -194,7 +202,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
         value = parse_value(path, paths[path], text.strip())
         try:
             cfg = _replace_path(cfg, path.split("."), value)
-        except (ValueError, TypeError) as err:        # a config's own check: prefix where the value came from
+        except (ValueError, TypeError) as err:  # a config's own check: prefix where the value came from
             if str(err).startswith("--set "):
                 raise
             raise ConfigError(f"--set {path}={text}: {err}") from None
@@ -203,8 +211,9 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
 
 def _closest(path: str, paths) -> str:
     leaves = {p.rsplit(".", 1)[-1]: p for p in paths}
-    match = (difflib.get_close_matches(path, list(paths), n=1, cutoff=0.6)
-             or [leaves[m] for m in difflib.get_close_matches(path.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)])
+    match = difflib.get_close_matches(path, list(paths), n=1, cutoff=0.6) or [
+        leaves[m] for m in difflib.get_close_matches(path.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
+    ]
     return f"; did you mean {match[0]}?" if match else ""
 
 

@@ -15,6 +15,7 @@ checkpoint; the check runs before any checkpoint is written, so a non-finite sta
 Policy ``skip`` leaves the state unchanged inside the step (``make_train_step(skip_nonfinite=True)``),
 logs the step as skipped, and stops after ``max_skips`` skipped steps in a row.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,9 @@ from jaxpar.errors import NonFiniteError  # noqa: F401  (re-exported)
 
 class NonFinite(Choice):
     """What a run does with a step whose loss or gradient norm is NaN or inf (``nonfinite``)."""
-    STOP = "stop"            # end the run, naming the step and the last good checkpoint
-    SKIP = "skip"            # leave the state unchanged for that step and go on (at most max_skips in a row)
+
+    STOP = "stop"  # end the run, naming the step and the last good checkpoint
+    SKIP = "skip"  # leave the state unchanged for that step and go on (at most max_skips in a row)
 
 
 class Preemption:
@@ -47,8 +49,9 @@ class Preemption:
         self._notice = True
 
     def requested(self, step: int, /) -> bool:
-        if self.multiprocess:                   # every process calls this at every step (the protocol)
+        if self.multiprocess:  # every process calls this at every step (the protocol)
             from jax.experimental import multihost_utils
+
             return multihost_utils.reached_preemption_sync_point(step)
         return self._notice
 
@@ -67,7 +70,7 @@ class NonFiniteGuard:
 
     def check(self, step: int, loss: float, grad_norm: float) -> bool:
         """True when the step is fine; False when it was skipped; raises ``NonFiniteError`` to stop."""
-        if math.isfinite(loss) and math.isfinite(grad_norm):    # the step's own test, on the host
+        if math.isfinite(loss) and math.isfinite(grad_norm):  # the step's own test, on the host
             self.in_a_row = 0
             return True
         what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
@@ -75,14 +78,21 @@ class NonFiniteGuard:
             self.in_a_row += 1
             if self.in_a_row <= self.max_skips:
                 return False
-            raise NonFiniteError(f"{what}: {self.in_a_row} non-finite steps in a row, more than "
-                                 f"max_skips={self.max_skips}; stopping. {self._last_good()}")
-        raise NonFiniteError(f"{what}: not finite; stopping (nonfinite=stop). {self._last_good()} "
-                             "To skip such steps instead: --set nonfinite=skip")
+            raise NonFiniteError(
+                f"{what}: {self.in_a_row} non-finite steps in a row, more than "
+                f"max_skips={self.max_skips}; stopping. {self._last_good()}"
+            )
+        raise NonFiniteError(
+            f"{what}: not finite; stopping (nonfinite=stop). {self._last_good()} "
+            "To skip such steps instead: --set nonfinite=skip"
+        )
 
     def _last_good(self) -> str:
         self.checkpoints.wait()
         steps = self.checkpoints.steps
         where = self.checkpoints.directory
-        return (f"The last good checkpoint is step {max(steps)} in {where}." if steps
-                else f"No checkpoint was written to {where}.")
+        return (
+            f"The last good checkpoint is step {max(steps)} in {where}."
+            if steps
+            else f"No checkpoint was written to {where}."
+        )

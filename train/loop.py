@@ -22,6 +22,7 @@ a checkpoint of it; a non-finite step stops the run (or is skipped, by policy). 
 resumes from its last complete checkpoint: orbax finishes a checkpoint by renaming its directory, and
 an unfinished one is never listed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,34 +35,32 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.checkpoint import CheckpointError, Checkpointer, SavedRun, abstract_like, latest
+from jaxpar.checkpoint import Checkpointer, CheckpointError, SavedRun, abstract_like, latest
 from jaxpar.data import make_loader, to_global
 from jaxpar.identity import Entry, check_fits
 from jaxpar.layout import Layout, make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import DenseConfig, build_model
+from jaxpar.pipeline.executor import check_stack
+from jaxpar.pipeline.schedules import build, check_pipeline
 from jaxpar.train.config import ConfigError, TrainConfig, to_dict
 from jaxpar.train.guard import NonFinite, NonFiniteError, NonFiniteGuard, Preemption
 from jaxpar.train.metrics import MetricsLog, throughput
 from jaxpar.train.optim import make_optimizer, make_schedule
-from jaxpar.errors import LayoutError
-from jaxpar.pipeline.executor import check_stack
-from jaxpar.pipeline.schedules import build, check_pipeline
 from jaxpar.train.step import InitProgram, TrainState, batch_sharding, init_program, make_eval_step, make_train_step
 
-
-BARRIER_TIMEOUT_S = 3600      # how long processes wait for each other at a barrier (compiles can be slow)
+BARRIER_TIMEOUT_S = 3600  # how long processes wait for each other at a barrier (compiles can be slow)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
     out_dir: Path
-    start_step: int                  # the step the run began after (0, or the checkpoint it resumed)
+    start_step: int  # the step the run began after (0, or the checkpoint it resumed)
     last_step: int
-    losses: dict[int, float]         # step -> training cross-entropy
+    losses: dict[int, float]  # step -> training cross-entropy
     eval_losses: dict[int, float]
-    entropy_rate: float | None       # of the synthetic source, when that is the data
-    preempted: bool = False          # stopped after last_step by a preemption notice (checkpoint saved)
+    entropy_rate: float | None  # of the synthetic source, when that is the data
+    preempted: bool = False  # stopped after last_step by a preemption notice (checkpoint saved)
 
 
 def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
@@ -73,11 +72,16 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     micro = cfg.batch // batch_slices(cfg, layout)
     sharded = math.prod(layout.mesh.shape[a] for a in layout.rules["batch"])
     if micro % sharded:
-        split = (f"pipeline.microbatches={cfg.pipeline.microbatches}" if layout.mesh.shape["stage"] > 1
-                 else f"grad_accum={cfg.grad_accum}")
-        raise ConfigError(f"batch={cfg.batch} / {split} = {micro} rows per slice "
-                          f"is not divisible by the {sharded} devices the batch is split over "
-                          f"({' × '.join(f'{a}={layout.mesh.shape[a]}' for a in layout.rules['batch'])})")
+        split = (
+            f"pipeline.microbatches={cfg.pipeline.microbatches}"
+            if layout.mesh.shape["stage"] > 1
+            else f"grad_accum={cfg.grad_accum}"
+        )
+        raise ConfigError(
+            f"batch={cfg.batch} / {split} = {micro} rows per slice "
+            f"is not divisible by the {sharded} devices the batch is split over "
+            f"({' × '.join(f'{a}={layout.mesh.shape[a]}' for a in layout.rules['batch'])})"
+        )
     if jax.process_count() > 1:
         check_process_rows(cfg, layout, jax.process_index(), jax.process_count(), jax.local_devices())
     return layout
@@ -89,8 +93,10 @@ def _check_pipelined(cfg: TrainConfig, shape) -> None:
     check_pipeline(cfg.pipeline.schedule, stages, cfg.pipeline.microbatches, cfg.pipeline.virtual_stages)
     check_stack(cfg.model, stages, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches)
     if cfg.grad_accum != 1:
-        raise ConfigError(f"grad_accum={cfg.grad_accum} with mesh stage={stages}: the pipeline's microbatches "
-                          "already accumulate the gradient; set pipeline.microbatches")
+        raise ConfigError(
+            f"grad_accum={cfg.grad_accum} with mesh stage={stages}: the pipeline's microbatches "
+            "already accumulate the gradient; set pipeline.microbatches"
+        )
     if cfg.batch % cfg.pipeline.microbatches:
         raise ConfigError(f"batch={cfg.batch} is not divisible by pipeline.microbatches={cfg.pipeline.microbatches}")
 
@@ -123,7 +129,8 @@ def check_process_rows(cfg: TrainConfig, layout: Layout, p: int, n: int, local_d
             f"--mesh {cfg.mesh} on {n} processes: process {p} loads rows {p * b}..{(p + 1) * b - 1} (all "
             f"{cfg.seq} positions) of each batch, but its devices hold rows {rows[0]}..{rows[-1]} "
             f"({len(rows)} rows) and {len(cols)} positions. The axes that split the batch must span the "
-            "processes in order and sequence must stay inside each process (docs/scale-out.md)")
+            "processes in order and sequence must stay inside each process (docs/scale-out.md)"
+        )
 
 
 def _check_out_dir(out: Path, config: dict, abstract) -> SavedRun | None:
@@ -133,14 +140,23 @@ def _check_out_dir(out: Path, config: dict, abstract) -> SavedRun | None:
         raise CheckpointError(f"--out {out}: is a file (or inside one), not a run directory; nothing was written")
     saved = latest(out / "checkpoints")
     if saved is not None:
-        check_fits(Entry.RESUME, saved_config=saved.config, current=config, step=saved.step, where=out,
-                   checkpoints=out / "checkpoints", abstract=abstract)
+        check_fits(
+            Entry.RESUME,
+            saved_config=saved.config,
+            current=config,
+            step=saved.step,
+            where=out,
+            checkpoints=out / "checkpoints",
+            abstract=abstract,
+        )
     elif (out / "config.json").is_file():
         try:
             previous = json.loads((out / "config.json").read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"{out / 'config.json'}: not valid JSON, so not a run this one can resume; "
-                                  "nothing was written. Use another --out.") from None
+            raise CheckpointError(
+                f"{out / 'config.json'}: not valid JSON, so not a run this one can resume; "
+                "nothing was written. Use another --out."
+            ) from None
         check_fits(Entry.RESUME, saved_config=previous, current=config, step=None, where=out / "config.json")
     return saved
 
@@ -155,12 +171,22 @@ def _check_init_from(cfg: TrainConfig) -> None:
     ckpt = Path(cfg.init_from).resolve()
     saved = latest(ckpt / "checkpoints")
     if saved is None:
-        raise CheckpointError(f"--init-from {ckpt}: holds no complete checkpoint (expected {ckpt / 'checkpoints'}/<step>)")
+        raise CheckpointError(
+            f"--init-from {ckpt}: holds no complete checkpoint (expected {ckpt / 'checkpoints'}/<step>)"
+        )
     model = saved.config.get("model") if isinstance(saved.config, dict) else None
     is_run = isinstance(saved.config, dict) and saved.config.get("format") != "jaxpar-model"
     abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0))))
-    check_fits(Entry.INIT_FROM, saved_config=model, current=config_data(cfg.model, DenseConfig), step=saved.step,
-               where=ckpt, checkpoints=ckpt / "checkpoints", abstract=abstract, prefix="0/" if is_run else "")
+    check_fits(
+        Entry.INIT_FROM,
+        saved_config=model,
+        current=config_data(cfg.model, DenseConfig),
+        step=saved.step,
+        where=ckpt,
+        checkpoints=ckpt / "checkpoints",
+        abstract=abstract,
+        prefix="0/" if is_run else "",
+    )
 
 
 def _with_weights_of(cfg: TrainConfig, state, layout: Layout):
@@ -180,9 +206,12 @@ def moe_record(stats, /, *, slices: int) -> dict:
     weighted balancing and router z-losses, the share of assignments capacity dropped (mean over layers;
     overflow is silent otherwise) and each expert's assignments per step, summed over layers."""
     load = np.asarray(stats.expert_load, np.float64).reshape(-1, np.shape(stats.expert_load)[-1])
-    return {"moe_aux_loss": float(np.sum(stats.aux_loss)), "router_z_loss": float(np.sum(stats.router_z_loss)),
-            "dropped_fraction": float(np.mean(stats.dropped_fraction)),
-            "expert_tokens": [round(x) for x in load.sum(0) * slices]}
+    return {
+        "moe_aux_loss": float(np.sum(stats.aux_loss)),
+        "router_z_loss": float(np.sum(stats.router_z_loss)),
+        "dropped_fraction": float(np.mean(stats.dropped_fraction)),
+        "expert_tokens": [round(x) for x in load.sum(0) * slices],
+    }
 
 
 def all_processes_reach(name: str, /) -> None:
@@ -191,6 +220,7 @@ def all_processes_reach(name: str, /) -> None:
     first collective; compile times on a loaded host differ by more than that."""
     if jax.process_count() > 1:
         import orbax.checkpoint as ocp
+
         ocp.multihost.get_barrier_sync_fn()(key=f"jaxpar-{name}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
 
 
@@ -205,8 +235,14 @@ def _make_loaders(cfg: TrainConfig) -> dict:
     loaders = {}
     try:
         for split in ("train", "eval") if cfg.log.eval_every else ("train",):
-            loaders[split] = make_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq=cfg.seq,
-                                         global_batch=cfg.batch, seed=cfg.seed, split=split)
+            loaders[split] = make_loader(
+                cfg.data,
+                vocab_size=cfg.model.vocab_size,
+                seq=cfg.seq,
+                global_batch=cfg.batch,
+                seed=cfg.seed,
+                split=split,
+            )
     except BaseException:
         for loader in loaders.values():
             loader.close()
@@ -230,13 +266,16 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     """Runs (or resumes) ``cfg`` in ``out_dir``. ``stop_after`` ends the run after that step without a
     final checkpoint, as an interruption would (for tests and experiments)."""
     cfg.validate()
-    out = Path(out_dir).resolve()          # orbax wants absolute paths
+    out = Path(out_dir).resolve()  # orbax wants absolute paths
     profile = _profile_window(cfg.log.profile_steps)
     layout = plan_layout(cfg, devices=devices)
     config = to_dict(cfg)
-    program = init_program(lambda rngs: build_model(cfg.model, rngs=rngs),
-                           lambda model: make_optimizer(cfg.optimizer, model, total_steps=cfg.steps),
-                           layout, seed=cfg.seed)
+    program = init_program(
+        lambda rngs: build_model(cfg.model, rngs=rngs),
+        lambda model: make_optimizer(cfg.optimizer, model, total_steps=cfg.steps),
+        layout,
+        seed=cfg.seed,
+    )
     saved = _check_out_dir(out, config, program.abstract)
     if cfg.init_from and saved is None:
         _check_init_from(cfg)
@@ -260,26 +299,46 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
 class _Run:
     """The state of one training run between ``train``'s checks and its end."""
 
-    def __init__(self, cfg: TrainConfig, layout: Layout, out: Path, config: dict, loaders: dict,
-                 saved: SavedRun | None, program: InitProgram):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        layout: Layout,
+        out: Path,
+        config: dict,
+        loaders: dict,
+        saved: SavedRun | None,
+        program: InitProgram,
+    ):
         self.cfg, self.layout, self.out, self.config = cfg, layout, out, config
         self.loader, self.eval_loader = loaders["train"], loaders.get("eval")
-        self.checkpoints = Checkpointer(out / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                                        async_save=cfg.checkpoint.async_save)
+        self.checkpoints = Checkpointer(
+            out / "checkpoints",
+            every=cfg.checkpoint.every,
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+        )
         try:
             state = self._initial_state(program, saved)
         except BaseException:
             self.checkpoints.close()
             raise
-        if jax.process_index() == 0:                # the run's config, once its state exists
+        if jax.process_index() == 0:  # the run's config, once its state exists
             _write_json(out / "config.json", config)
         self.ts = TrainState(program.graphdef, state, program.shardings)
-        self.metrics = MetricsLog(out, enabled=jax.process_index() == 0, total_steps=cfg.steps,
-                                  start_step=self.start, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
+        self.metrics = MetricsLog(
+            out,
+            enabled=jax.process_index() == 0,
+            total_steps=cfg.steps,
+            start_step=self.start,
+            tensorboard=cfg.log.tensorboard,
+            progress=cfg.log.progress,
+        )
         if saved is not None:
             self.metrics.message(f"resumed from {out / 'checkpoints'} at step {saved.step}")
-        self.metrics.message(f"{cfg.model_preset}: {cfg.model.num_params():,} params | mesh {dict(layout.mesh.shape)} "
-                             f"rules {layout.rules.name!r} | data: {self.loader.describe()}")
+        self.metrics.message(
+            f"{cfg.model_preset}: {cfg.model.num_params():,} params | mesh {dict(layout.mesh.shape)} "
+            f"rules {layout.rules.name!r} | data: {self.loader.describe()}"
+        )
         self.schedule = make_schedule(cfg.optimizer, cfg.steps)
         self.guard = NonFiniteGuard(cfg.nonfinite, cfg.max_skips, self.checkpoints)
         self.preemption = Preemption()
@@ -304,11 +363,20 @@ class _Run:
     def _compile(self, batch):
         """Ahead-of-time compile of the train and eval steps (timed and reported separately)."""
         t0 = time.perf_counter()
-        step = make_train_step(self.ts, self.layout, grad_accum=self.cfg.grad_accum, z_loss=self.cfg.z_loss,
-                               skip_nonfinite=self.cfg.nonfinite == NonFinite.SKIP, pipeline=pipeline_table(self.cfg, self.layout))
+        step = make_train_step(
+            self.ts,
+            self.layout,
+            grad_accum=self.cfg.grad_accum,
+            z_loss=self.cfg.z_loss,
+            skip_nonfinite=self.cfg.nonfinite == NonFinite.SKIP,
+            pipeline=pipeline_table(self.cfg, self.layout),
+        )
         step = step.lower(self.ts.state, batch).compile()
-        evaluate = (make_eval_step(self.ts, self.layout).lower(self.ts.state, batch).compile()
-                    if self.cfg.log.eval_every else None)
+        evaluate = (
+            make_eval_step(self.ts, self.layout).lower(self.ts.state, batch).compile()
+            if self.cfg.log.eval_every
+            else None
+        )
         self.metrics.message(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
         all_processes_reach("compiled")
         return step, evaluate
@@ -332,7 +400,7 @@ class _Run:
             if profile and s == profile[0]:
                 jax.profiler.start_trace(str(self.out / "profile"))
             state, metrics = step_fn(state, batch)
-            if pending is not None:                   # the previous step's metrics, while this one runs
+            if pending is not None:  # the previous step's metrics, while this one runs
                 clock = self._report(pending, clock, losses)
             pending = [s, metrics]
             if profile and s == profile[1]:
@@ -341,29 +409,39 @@ class _Run:
             preempted = self.preemption.requested(s)
             final = s == cfg.steps or preempted
             save = s % cfg.checkpoint.every == 0 or final
-            position = self.loader.get_state() if save else None      # before the next batch is read
+            position = self.loader.get_state() if save else None  # before the next batch is read
             if s < last and not preempted:
                 batch = self._batch()
             do_eval = bool(eval_batches) and (s % cfg.log.eval_every == 0 or s == cfg.steps)
-            if do_eval or save:                       # the step's metrics now: never save a non-finite state
-                clock = paused = self._report(pending, clock, losses, eval_fn=eval_fn if do_eval else None,
-                                              eval_batches=eval_batches, evals=evals, state=state)
-                pending = None                        # eval and save time is kept out of the next step's time
+            if do_eval or save:  # the step's metrics now: never save a non-finite state
+                clock = paused = self._report(
+                    pending,
+                    clock,
+                    losses,
+                    eval_fn=eval_fn if do_eval else None,
+                    eval_batches=eval_batches,
+                    evals=evals,
+                    state=state,
+                )
+                pending = None  # eval and save time is kept out of the next step's time
                 if save:
                     self.checkpoints.save(s, state=state, data=position, config=self.config, force=final)
                 clock += time.perf_counter() - paused
             if preempted:
                 self.checkpoints.wait()
-                self.metrics.message(f"preempted: stopped after step {s}; checkpoint {s} is saved in "
-                                     f"{self.out / 'checkpoints'} and the same command resumes from it")
+                self.metrics.message(
+                    f"preempted: stopped after step {s}; checkpoint {s} is saved in "
+                    f"{self.out / 'checkpoints'} and the same command resumes from it"
+                )
                 last = s
                 break
         if pending is not None:
             self._report(pending, clock, losses)
         return RunResult(self.out, self.start, last, losses, evals, self.loader.entropy_rate, preempted)
 
-    def _report(self, pending: list, since: float, losses: dict, *, eval_fn=None, eval_batches=(), evals=None,
-                state=None) -> float:
+    def _report(
+        self, pending: list, since: float, losses: dict, *, eval_fn=None, eval_batches=(), evals=None, state=None
+    ) -> float:
         """Fetches the metrics of step ``pending = [step, metrics]`` (waiting for them), applies the
         non-finite guard, evaluates when ``eval_fn`` is given, logs; returns the time the metrics arrived."""
         step, metrics = pending
@@ -385,11 +463,22 @@ class _Run:
 
     def _record(self, step: int, metrics, loss: float, grad_norm: float, seconds: float) -> dict:
         cfg = self.cfg
-        record = {"step": step, "loss": loss, "grad_norm": grad_norm,
-                  "lr": float(self.schedule(step - 1)), "step_time_s": seconds}
-        record.update(throughput(tokens=cfg.batch * cfg.seq, seconds=seconds,
-                                 flops_per_token=cfg.model.flops_per_token(cfg.seq),
-                                 num_devices=self.layout.mesh.size, device_kind=jax.devices()[0].device_kind))
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": float(self.schedule(step - 1)),
+            "step_time_s": seconds,
+        }
+        record.update(
+            throughput(
+                tokens=cfg.batch * cfg.seq,
+                seconds=seconds,
+                flops_per_token=cfg.model.flops_per_token(cfg.seq),
+                num_devices=self.layout.mesh.size,
+                device_kind=jax.devices()[0].device_kind,
+            )
+        )
         if cfg.z_loss:
             record["z_loss"] = float(metrics.z_loss)
         if metrics.moe is not None:

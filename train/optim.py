@@ -9,6 +9,7 @@ Schedules (``OptimizerConfig.schedule``), over the run's total steps S with warm
 The transformation's structure is the same for every setting (clip + AdamW with a schedule), so a
 checkpoint's optimizer state loads whatever the schedule or clipping of the resumed run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,22 +34,29 @@ class OptimizerConfig:
     learning_rate: float = 3e-4
     schedule: Schedule = Schedule.CONSTANT
     warmup_steps: int = 0
-    min_lr_ratio: float = 0.1           # cosine / wsd end at this fraction of learning_rate
-    decay_fraction: float = 0.2         # wsd: share of the run spent decaying
+    min_lr_ratio: float = 0.1  # cosine / wsd end at this fraction of learning_rate
+    decay_fraction: float = 0.2  # wsd: share of the run spent decaying
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    clip_norm: float | None = 1.0       # global-norm clipping; None = off
+    clip_norm: float | None = 1.0  # global-norm clipping; None = off
 
     def __post_init__(self):
         check_choices(self, "optimizer")
 
     def validate(self) -> OptimizerConfig:
-        checks = {"learning_rate": self.learning_rate > 0, "warmup_steps": self.warmup_steps >= 0,
-                  "min_lr_ratio": 0 <= self.min_lr_ratio <= 1, "decay_fraction": 0 < self.decay_fraction <= 1,
-                  "clip_norm": self.clip_norm is None or self.clip_norm > 0, "eps": self.eps > 0,
-                  "b1": 0 <= self.b1 < 1, "b2": 0 <= self.b2 < 1, "weight_decay": self.weight_decay >= 0}
+        checks = {
+            "learning_rate": self.learning_rate > 0,
+            "warmup_steps": self.warmup_steps >= 0,
+            "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+            "decay_fraction": 0 < self.decay_fraction <= 1,
+            "clip_norm": self.clip_norm is None or self.clip_norm > 0,
+            "eps": self.eps > 0,
+            "b1": 0 <= self.b1 < 1,
+            "b2": 0 <= self.b2 < 1,
+            "weight_decay": self.weight_decay >= 0,
+        }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(f"optimizer.{bad[0]}={getattr(self, bad[0])} is out of range")
@@ -67,21 +75,32 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int | None, /) -> optax.Sch
         return optax.join_schedules([warmup, optax.constant_schedule(peak)], [warm])
     decay_steps = max(1, math.ceil(cfg.decay_fraction * total_steps))
     stable_end = max(warm, total_steps - decay_steps)
-    return optax.join_schedules([warmup, optax.constant_schedule(peak), optax.linear_schedule(peak, end, decay_steps)],
-                                [warm, stable_end])
+    return optax.join_schedules(
+        [warmup, optax.constant_schedule(peak), optax.linear_schedule(peak, end, decay_steps)], [warm, stable_end]
+    )
 
 
 def decay_mask(model: nnx.Module):
     """Weight decay on weight matrices and embeddings (parameters with an ``embed`` dimension); none on
     norm scales and biases. Decided by logical names, so a stacked ``[layers, D]`` norm is not a matrix.
     A static tree of bools shaped like ``nnx.state(model, nnx.Param)``."""
-    return jax.tree.map(lambda v: "embed" in (v.get_metadata().get("out_sharding") or ()),
-                        nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(
+        lambda v: "embed" in (v.get_metadata().get("out_sharding") or ()),
+        nnx.state(model, nnx.Param),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
-def make_optimizer(cfg: OptimizerConfig, model: nnx.Module, /, *,
-                   total_steps: int | None = None) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: OptimizerConfig, model: nnx.Module, /, *, total_steps: int | None = None
+) -> optax.GradientTransformation:
     clip = optax.clip_by_global_norm(cfg.clip_norm if cfg.clip_norm is not None else math.inf)
-    adamw = optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=decay_mask(model))
+    adamw = optax.adamw(
+        make_schedule(cfg, total_steps),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask(model),
+    )
     return optax.chain(clip, adamw)

@@ -4,11 +4,13 @@ State is ``nnx.state((model, optimizer))``: parameters plus optimizer moments, e
 names of its dimensions. Shardings come from those names through the layout's rules; the state is created
 directly in its shards by ``jit(out_shardings=...)`` (never whole on one device) and donated to every step.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,21 +21,22 @@ from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
 from jaxpar.rules import constrain, partly_manual
 
-Batch = dict[str, jax.Array]          # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
+Batch = dict[str, jax.Array]  # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepMetrics:
-    loss: jax.Array          # mean next-token cross-entropy (float32), without the z-loss term
-    grad_norm: jax.Array     # global norm of the gradient of the whole objective, before clipping
-    z_loss: jax.Array        # the z-loss term that was added to the objective (0 when off)
-    moe: Any = None          # MoE models: jaxpar.layers.MoEStats stacked over the MoE layers [L, ...]
+    loss: jax.Array  # mean next-token cross-entropy (float32), without the z-loss term
+    grad_norm: jax.Array  # global norm of the gradient of the whole objective, before clipping
+    z_loss: jax.Array  # the z-loss term that was added to the objective (0 when off)
+    moe: Any = None  # MoE models: jaxpar.layers.MoEStats stacked over the MoE layers [L, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
     """What a training run holds: the graph (static), the state arrays and their shardings."""
+
     graphdef: Any
     state: Any
     shardings: Any
@@ -44,7 +47,7 @@ class TrainState:
 class LossParts:
     cross_entropy: jax.Array
     z_loss: jax.Array
-    moe: Any = None          # MoE statistics of the forward pass (None for dense models)
+    moe: Any = None  # MoE statistics of the forward pass (None for dense models)
 
 
 def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
@@ -52,7 +55,7 @@ def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) 
     ``z_loss · mean(log Z²)`` (PaLM's z-loss: keeps the softmax normaliser near 1, so logits don't drift
     in low precision) plus the model's own weighted auxiliary losses (MoE balancing and router z-loss).
     Returns ``(objective, LossParts)``."""
-    out = model.forward(batch["inputs"])                  # logits in the layout's storage order
+    out = model.forward(batch["inputs"])  # logits in the layout's storage order
     targets = batch["targets"] if out.order is None else batch["targets"][:, out.order]
     ce, z = token_losses(out.logits, targets, z_loss=z_loss)
     return ce + z + out.aux_loss, LossParts(ce, z, out.moe)
@@ -77,21 +80,28 @@ def token_losses(logits: jax.Array, targets: jax.Array, /, *, z_loss: float = 0.
 class InitProgram:
     """The sharded initialisation, not yet run: ``create()`` returns the state arrays; ``abstract`` is
     that state's shapes and dtypes (``nnx.eval_shape``), e.g. to check a checkpoint against."""
+
     graphdef: Any
     shardings: Any
     create: Callable[[], Any]
     abstract: Any
 
 
-def init_program(make_model: Callable[[nnx.Rngs], nnx.Module],
-                 make_tx: Callable[[nnx.Module], optax.GradientTransformation],
-                 layout: Layout, /, *, seed: int = 0) -> InitProgram:
+def init_program(
+    make_model: Callable[[nnx.Rngs], nnx.Module],
+    make_tx: Callable[[nnx.Module], optax.GradientTransformation],
+    layout: Layout,
+    /,
+    *,
+    seed: int = 0,
+) -> InitProgram:
     """``InitProgram``: ``create()`` is jitted with ``out_shardings`` from the
     parameters' logical names, so XLA computes each shard on its own device (partitionable RNG) and no
     device ever holds the whole model. Nothing is allocated until ``create()`` is called.
 
     ``make_tx(model)`` builds the optimizer (it may read parameter metadata, e.g. for a decay mask).
     """
+
     def create():
         model = make_model(nnx.Rngs(params=seed))
         return model, nnx.Optimizer(model, make_tx(model), wrt=nnx.Param)
@@ -102,9 +112,14 @@ def init_program(make_model: Callable[[nnx.Rngs], nnx.Module],
     return InitProgram(graphdef, shardings, jax.jit(lambda: nnx.state(create()), out_shardings=shardings), abstract)
 
 
-def init_train_state(make_model: Callable[[nnx.Rngs], nnx.Module],
-                     make_tx: Callable[[nnx.Module], optax.GradientTransformation],
-                     layout: Layout, /, *, seed: int = 0) -> TrainState:
+def init_train_state(
+    make_model: Callable[[nnx.Rngs], nnx.Module],
+    make_tx: Callable[[nnx.Module], optax.GradientTransformation],
+    layout: Layout,
+    /,
+    *,
+    seed: int = 0,
+) -> TrainState:
     """Model and optimizer state, born sharded on ``layout`` (see ``init_program``)."""
     program = init_program(make_model, make_tx, layout, seed=seed)
     with layout.activate():
@@ -124,9 +139,10 @@ def _split_slices(batch: Batch, k: int) -> Batch:
 def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int):
     """Mean loss parts and mean gradient over ``grad_accum`` equal slices of ``batch``, scanned so
     only one slice's activations are alive at a time. Gradients accumulate in float32."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)     # rest: non-trained state (router bias)
-    rest, rest_def = jax.tree.flatten(rest)     # plain arrays: the Variables are rebuilt inside the
-                                                # differentiated function, at its trace level
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # rest: non-trained state (router bias)
+    rest, rest_def = jax.tree.flatten(rest)  # plain arrays: the Variables are rebuilt inside the
+
+    # differentiated function, at its trace level
     def loss_of(params, rest, micro):
         return loss_fn(nnx.merge(graphdef, params, jax.tree.unflatten(rest_def, rest)), micro)
 
@@ -154,8 +170,14 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float):
 
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
-    out = pipeline_grads(model, micro["inputs"], micro["targets"], table, mesh=layout.mesh,
-                         losses=functools.partial(token_losses, z_loss=z_loss))
+    out = pipeline_grads(
+        model,
+        micro["inputs"],
+        micro["targets"],
+        table,
+        mesh=layout.mesh,
+        losses=functools.partial(token_losses, z_loss=z_loss),
+    )
     return LossParts(out.cross_entropy, out.z_loss, out.moe), out.grads
 
 
@@ -165,12 +187,23 @@ def _check_pipeline_given(layout: Layout, pipeline) -> None:
     stages = layout.mesh.shape["stage"]
     if (pipeline is None) != (stages == 1) or (pipeline is not None and pipeline.stages != stages):
         got = "none" if pipeline is None else f"a table for {pipeline.stages} stages"
-        raise ConfigError(f"mesh stage={stages} with {got}: give the train step the schedule table for the mesh's "
-                          "stages (jaxpar.pipeline.build; the train loop builds it from pipeline.*)")
+        raise ConfigError(
+            f"mesh stage={stages} with {got}: give the train step the schedule table for the mesh's "
+            "stages (jaxpar.pipeline.build; the train loop builds it from pipeline.*)"
+        )
 
 
-def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, grad_accum: int = 1,
-                    z_loss: float = 0.0, skip_nonfinite: bool = False, pipeline=None):
+def make_train_step(
+    ts: TrainState,
+    layout: Layout,
+    /,
+    *,
+    loss_fn=next_token_loss,
+    grad_accum: int = 1,
+    z_loss: float = 0.0,
+    skip_nonfinite: bool = False,
+    pipeline=None,
+):
     """``step(state, batch) -> (state, StepMetrics)``, jitted with explicit shardings, state donated.
 
     ``grad_accum=k`` accumulates the gradient over k slices of the batch before one optimizer update:
@@ -185,13 +218,15 @@ def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_los
     objective = functools.partial(loss_fn, z_loss=z_loss)
     _check_pipeline_given(layout, pipeline)
     if pipeline is not None and (grad_accum != 1 or loss_fn is not next_token_loss):
-        raise ConfigError(f"grad_accum={grad_accum} with a pipeline: its microbatches already accumulate the "
-                          "gradient (pipeline.microbatches), and it computes next_token_loss only")
+        raise ConfigError(
+            f"grad_accum={grad_accum} with a pipeline: its microbatches already accumulate the "
+            "gradient (pipeline.microbatches), and it computes next_token_loss only"
+        )
 
     def apply(state, grads, parts):
         model, opt = nnx.merge(graphdef, state)
         opt.update(model, grads)
-        if parts.moe is not None:                     # DeepSeek's auxiliary-loss-free balancing (off at rate 0)
+        if parts.moe is not None:  # DeepSeek's auxiliary-loss-free balancing (off at rate 0)
             model.update_router_bias(parts.moe.expert_load)
         return nnx.state((model, opt))
 
@@ -202,15 +237,20 @@ def make_train_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_los
                 parts, grads = _accumulated_grads(model, batch, objective, grad_accum)
             else:
                 parts, grads = _pipelined_grads(model, batch, pipeline, layout, z_loss)
-            metrics = StepMetrics(loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss,
-                                  moe=parts.moe)
+            metrics = StepMetrics(
+                loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss, moe=parts.moe
+            )
             if not skip_nonfinite:
                 return apply(state, grads, parts), metrics
             finite = jnp.isfinite(metrics.loss) & jnp.isfinite(metrics.grad_norm)
             return jax.lax.cond(finite, apply, lambda s, g, p: s, state, grads, parts), metrics
 
-    return jax.jit(step, in_shardings=(ts.shardings, batch_sharding(layout)),
-                   out_shardings=(ts.shardings, layout.sharding(())), donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=(ts.shardings, batch_sharding(layout)),
+        out_shardings=(ts.shardings, layout.sharding(())),
+        donate_argnums=0,
+    )
 
 
 def make_eval_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss):

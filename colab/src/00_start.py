@@ -13,7 +13,7 @@
 # %%
 from jaxpar.mesh import simulate_cpu_devices
 
-simulate_cpu_devices(8)             # before any other JAX operation: the CPU shows up as 8 devices
+simulate_cpu_devices(8)  # before any other JAX operation: the CPU shows up as 8 devices
 import jax
 
 print(jax.devices())
@@ -30,7 +30,7 @@ from jaxpar.mesh import MeshConfig, build_mesh
 
 mesh = build_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
 print(dict(mesh.shape))
-print(mesh.devices.reshape(-1, 2))   # one row per tensor group
+print(mesh.devices.reshape(-1, 2))  # one row per tensor group
 
 # %% [markdown]
 # ## Logical axes → rules → mesh axes
@@ -80,8 +80,11 @@ for name in ("dp", "fsdp", "tp", "fsdp_tp", "3d", "hsdp"):
 plt.figure(figsize=(6, 3))
 plt.bar(per_device.keys(), per_device.values())
 plt.axhline(80, color="r", ls="--", label="80 GB HBM (H100)")
-plt.ylabel("GiB per device"); plt.title("Llama-3-8B on 8 devices: parameters + AdamW moments")
-plt.legend(); plt.tight_layout(); plt.show()
+plt.ylabel("GiB per device")
+plt.title("Llama-3-8B on 8 devices: parameters + AdamW moments")
+plt.legend()
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## Same step, two layouts
@@ -107,8 +110,9 @@ batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 def first_loss(preset, devices=None):
     layout = make_layout(cfg, preset, batch=8, seq=16, devices=devices)
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
-                          layout)
+    ts = init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
     _, metrics = make_train_step(ts, layout)(ts.state, batch)
     return float(metrics.loss)
 
@@ -118,6 +122,11 @@ eight = first_loss(PRESETS["3d"])
 print(f"1 device: {one:.6f}   8 devices (3d): {eight:.6f}   relative difference {abs(one - eight) / one:.1e}")
 
 # %%
-key_numbers = {"devices": jax.device_count(), "llama3_8b_params": report.num_params,
-               "per_device_gib": per_device, "loss_one_device": one, "loss_8_devices": eight}
+key_numbers = {
+    "devices": jax.device_count(),
+    "llama3_8b_params": report.num_params,
+    "per_device_gib": per_device,
+    "loss_one_device": one,
+    "loss_8_devices": eight,
+}
 key_numbers

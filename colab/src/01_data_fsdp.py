@@ -19,7 +19,7 @@
 # %%
 from jaxpar.mesh import simulate_cpu_devices
 
-simulate_cpu_devices(8)             # before any other JAX operation: the CPU shows up as 8 devices
+simulate_cpu_devices(8)  # before any other JAX operation: the CPU shows up as 8 devices
 import jax
 
 n = jax.device_count()
@@ -54,10 +54,12 @@ GB = 1e9
 big = get_model_preset("llama3-8b")
 reports = {name: param_shardings(big, default_layout(big, PRESETS[name])) for name in ("dp", "fsdp", "hsdp")}
 psi = reports["dp"].num_params
-zero = {"DP": (16 * psi, 16 * psi),
-        "ZeRO-1": (4 * psi + 12 * psi / n, 8 * psi + 8 * psi / n),
-        "ZeRO-2": (2 * psi + 14 * psi / n, 4 * psi + 12 * psi / n),
-        "ZeRO-3": (16 * psi / n, 16 * psi / n)}
+zero = {
+    "DP": (16 * psi, 16 * psi),
+    "ZeRO-1": (4 * psi + 12 * psi / n, 8 * psi + 8 * psi / n),
+    "ZeRO-2": (2 * psi + 14 * psi / n, 4 * psi + 12 * psi / n),
+    "ZeRO-3": (16 * psi / n, 16 * psi / n),
+}
 print(f"Llama-3-8B: Ψ = {psi / 1e9:.2f} B parameters, N = {n}")
 for stage, (mixed, fp32) in zero.items():
     print(f"  {stage:7s} {mixed / GB:7.1f} GB per device (2+2+12)   {fp32 / GB:7.1f} GB (4+4+8)")
@@ -75,10 +77,12 @@ for stage, (mixed, fp32) in zero.items():
 # %%
 llama = {}
 for name, r in reports.items():
-    local = sum(p.bytes_per_device // 4 for p in r.params)          # float32 elements each device keeps
+    local = sum(p.bytes_per_device // 4 for p in r.params)  # float32 elements each device keeps
     llama[name] = 16 * local
-    print(f"{name:5s} {dict(r.mesh)}: {local / 1e9:5.2f} B elements per device -> {16 * local / GB:6.1f} GB "
-          f"(16Ψ/{psi / local:.2f})")
+    print(
+        f"{name:5s} {dict(r.mesh)}: {local / 1e9:5.2f} B elements per device -> {16 * local / GB:6.1f} GB "
+        f"(16Ψ/{psi / local:.2f})"
+    )
 
 # %% [markdown]
 # ## 3 · Measured: the compiled train step
@@ -101,16 +105,17 @@ from jaxpar.analysis import analyze_compiled
 from jaxpar.analysis.plan import compile_step
 from jaxpar.layout import make_layout
 
-small = get_model_preset("tiny", vocab_size=512, embed_dim=256, num_layers=8, num_heads=8, num_kv_heads=8,
-                         head_dim=32, mlp_dim=1024)
+small = get_model_preset(
+    "tiny", vocab_size=512, embed_dim=256, num_layers=8, num_heads=8, num_kv_heads=8, head_dim=32, mlp_dim=1024
+)
 P = small.num_params(padded=True)
 B, T = 8, 16
 compiled, measured = {}, {}
 for name in ("dp", "fsdp", "hsdp"):
     start = time.perf_counter()
     layout = make_layout(small, PRESETS[name], batch=B, seq=T)
-    compiled[name] = compile_step(small, layout, batch=B, seq=T)          # jaxpar's train step, compiled
-    measured[name] = analyze_compiled(compiled[name], mesh=layout.mesh)   # its collectives, read from the HLO
+    compiled[name] = compile_step(small, layout, batch=B, seq=T)  # jaxpar's train step, compiled
+    measured[name] = analyze_compiled(compiled[name], mesh=layout.mesh)  # its collectives, read from the HLO
     print(f"{name:5s} {dict(layout.mesh.shape)}  compiled in {time.perf_counter() - start:.1f} s")
 
 memory = {}
@@ -155,11 +160,12 @@ plt.bar(names, args, label="arguments: parameters + Adam moments")
 plt.bar(names, temps, bottom=args, label="temporaries: gradients, gathered weights")
 for i, k in enumerate(names):
     shards = {"dp": 1, "fsdp": 8, "hsdp": 4}[k]
-    plt.plot([i - 0.4, i + 0.4], [16 / shards] * 2, "k--", lw=1,
-             label="16Ψ / shards (bookkeeping)" if i == 0 else None)
+    plt.plot([i - 0.4, i + 0.4], [16 / shards] * 2, "k--", lw=1, label="16Ψ / shards (bookkeeping)" if i == 0 else None)
 plt.ylabel("bytes per parameter, one device")
 plt.title(f"Compiled train step, {P / 1e6:.1f} M parameters, 8 devices")
-plt.legend(fontsize=8); plt.tight_layout(); plt.show()
+plt.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## 4 · What moves: one all-reduce against gathers and reduce-scatters
@@ -174,6 +180,7 @@ plt.legend(fontsize=8); plt.tight_layout(); plt.show()
 #
 # **DP** all-reduces every gradient once: S = P·b with b = 4 bytes (float32 gradients), so the ring
 # sends 2(n−1)/n · P·b per device.
+
 
 # %%
 def volumes(report) -> dict:
@@ -192,8 +199,9 @@ dp_sent = ring_sent(measured["dp"])
 ring_formula = 2 * (n - 1) / n * P * b
 print("dp collectives:", dp_volumes)
 print(f"all-reduced: {dp_volumes['all-reduce@data']:,} B = P·b + {dp_volumes['all-reduce@data'] - P * b} B (the loss)")
-print(f"ring sends {dp_sent:,.0f} B per device; 2(n−1)/n·P·b = {ring_formula:,.0f} B "
-      f"(ratio {dp_sent / ring_formula:.7f})")
+print(
+    f"ring sends {dp_sent:,.0f} B per device; 2(n−1)/n·P·b = {ring_formula:,.0f} B (ratio {dp_sent / ring_formula:.7f})"
+)
 
 # %% [markdown]
 # **FSDP** sends three things per step instead: every layer's weights gathered in the forward pass,
@@ -218,21 +226,29 @@ def fsdp_traffic(report, axis: str, ways: int) -> dict:
     v = volumes(report)
     gathered = v.get(f"all-gather@{axis}", 0)
     reduced = v.get(f"all-reduce@{axis}", 0) + ways * v.get(f"reduce-scatter@{axis}", 0)
-    return dict(gathered=gathered, reduced=reduced, all_to_all=v.get(f"all-to-all@{axis}", 0),
-                sent_reduce_scatter=(ways - 1) / ways * (gathered + reduced),
-                sent_as_compiled=(ways - 1) / ways * gathered + 2 * (ways - 1) / ways * reduced)
+    return dict(
+        gathered=gathered,
+        reduced=reduced,
+        all_to_all=v.get(f"all-to-all@{axis}", 0),
+        sent_reduce_scatter=(ways - 1) / ways * (gathered + reduced),
+        sent_as_compiled=(ways - 1) / ways * gathered + 2 * (ways - 1) / ways * reduced,
+    )
 
 
 fsdp = fsdp_traffic(measured["fsdp"], "fsdp", n)
-minimum = weight_bytes(param_shardings(small, make_layout(small, PRESETS["fsdp"], batch=B, seq=T)),
-                       {"stage": 1, "data": 1, "fsdp": n, "expert": 1, "sequence": 1, "tensor": 1}, {"fsdp"})
+minimum = weight_bytes(
+    param_shardings(small, make_layout(small, PRESETS["fsdp"], batch=B, seq=T)),
+    {"stage": 1, "data": 1, "fsdp": n, "expert": 1, "sequence": 1, "tensor": 1},
+    {"fsdp"},
+)
 print("fsdp collectives:", volumes(measured["fsdp"]))
 print(f"gathered {fsdp['gathered'] / (P * b):.3f}·P·b, reduced {fsdp['reduced'] / (P * b):.3f}·P·b")
-print(f"ring, reduce-scatter: {fsdp['sent_reduce_scatter'] / (P * b):.3f}·P·b   "
-      f"(formula 3(n−1)/n = {3 * (n - 1) / n:.3f}; the lab's minimum {minimum['fsdp'] / (P * b):.3f})")
+print(
+    f"ring, reduce-scatter: {fsdp['sent_reduce_scatter'] / (P * b):.3f}·P·b   "
+    f"(formula 3(n−1)/n = {3 * (n - 1) / n:.3f}; the lab's minimum {minimum['fsdp'] / (P * b):.3f})"
+)
 print(f"ring, as compiled:    {fsdp['sent_as_compiled'] / (P * b):.3f}·P·b")
-print(f"DP's all-reduce:      {dp_sent / (P * b):.3f}·P·b  ->  "
-      f"FSDP / DP = {fsdp['sent_reduce_scatter'] / dp_sent:.2f}")
+print(f"DP's all-reduce:      {dp_sent / (P * b):.3f}·P·b  ->  FSDP / DP = {fsdp['sent_reduce_scatter'] / dp_sent:.2f}")
 
 # %% [markdown]
 # **HSDP** (`data=2 × fsdp=4`) gathers and reduce-scatters inside each group of 4, so those volumes
@@ -252,8 +268,10 @@ hsdp = fsdp_traffic(measured["hsdp"], "fsdp", 4)
 hsdp_data = hsdp_v.get("all-reduce@data", 0)
 hsdp_sent = hsdp["sent_reduce_scatter"] + 2 * (2 - 1) / 2 * hsdp_data
 print("hsdp collectives:", hsdp_v)
-print(f"inside groups: gathered {hsdp['gathered'] / (P * b):.3f}·P·b, reduced {hsdp['reduced'] / (P * b):.3f}·P·b;"
-      f" across groups all-reduced {hsdp_data / (P * b):.3f}·P·b")
+print(
+    f"inside groups: gathered {hsdp['gathered'] / (P * b):.3f}·P·b, reduced {hsdp['reduced'] / (P * b):.3f}·P·b;"
+    f" across groups all-reduced {hsdp_data / (P * b):.3f}·P·b"
+)
 print(f"ring, reduce-scatter: {hsdp_sent / (P * b):.3f}·P·b per device")
 
 # %% [markdown]
@@ -293,10 +311,14 @@ for name, marker in (("dp", "o"), ("fsdp", "s"), ("hsdp", "^")):
         offset = {"dp": (-12, 7), "fsdp": (-34, -3), "hsdp": (6, 2)}[name]
         ax.annotate(f"N={N}", (x / GB, y / GB), textcoords="offset points", xytext=offset, fontsize=7)
 ax.axhline(80, color="r", ls="--", lw=1, label="80 GB (H100)")
-ax.set_yscale("log"); ax.set_yticks([2, 5, 10, 20, 50, 100], ["2", "5", "10", "20", "50", "100"])
-ax.set_xlabel("GB sent per device per step (ring)"); ax.set_ylabel("GB of state per device")
+ax.set_yscale("log")
+ax.set_yticks([2, 5, 10, 20, 50, 100], ["2", "5", "10", "20", "50", "100"])
+ax.set_xlabel("GB sent per device per step (ring)")
+ax.set_ylabel("GB of state per device")
 ax.set_title("Llama-3-8B across N devices: parameters + gradients + Adam (fp32)", fontsize=10)
-ax.legend(); plt.tight_layout(); plt.show()
+ax.legend()
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # FSDP's extra traffic only costs time when it cannot hide behind compute. Its gathers for the next
@@ -325,13 +347,25 @@ for link_name, link in (("NVLink", h100.fast_link), ("InfiniBand", h100.slow_lin
 
 # %%
 key_numbers = {
-    "devices": n, "batch": B, "seq": T,
-    "small": {k: getattr(small, k) for k in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
-                                            "head_dim", "mlp_dim")},
-    "small_params": P, "memory": memory,
-    "dp_volumes": dp_volumes, "dp_sent": dp_sent, "fsdp": fsdp, "fsdp_minimum": minimum["fsdp"],
-    "hsdp": hsdp, "hsdp_data_reduced": hsdp_data, "hsdp_sent": hsdp_sent,
-    "llama_params": psi, "llama_state": llama, "zero_stages": {k: v[0] for k, v in zero.items()},
+    "devices": n,
+    "batch": B,
+    "seq": T,
+    "small": {
+        k: getattr(small, k)
+        for k in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
+    },
+    "small_params": P,
+    "memory": memory,
+    "dp_volumes": dp_volumes,
+    "dp_sent": dp_sent,
+    "fsdp": fsdp,
+    "fsdp_minimum": minimum["fsdp"],
+    "hsdp": hsdp,
+    "hsdp_data_reduced": hsdp_data,
+    "hsdp_sent": hsdp_sent,
+    "llama_params": psi,
+    "llama_state": llama,
+    "zero_stages": {k: v[0] for k, v in zero.items()},
     "sweep": {name: {str(N): list(v) for N, v in s.items()} for name, s in sweep.items()},
     "hide_tokens": hide,
 }

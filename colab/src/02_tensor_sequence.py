@@ -19,7 +19,7 @@
 # %%
 from jaxpar.mesh import simulate_cpu_devices
 
-simulate_cpu_devices(8)             # before any other JAX operation: the CPU shows up as 8 devices
+simulate_cpu_devices(8)  # before any other JAX operation: the CPU shows up as 8 devices
 import jax
 
 print(jax.device_count(), "devices")
@@ -45,19 +45,19 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.layers.mlp import SwiGLU
 
 B, T, D, F = 4, 32, 64, 256
-mlp = SwiGLU(D, F, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))   # gate_up [D, 2, F], down [F, D]
+mlp = SwiGLU(D, F, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))  # gate_up [D, 2, F], down [F, D]
 x = jax.random.normal(jax.random.key(1), (B, T, D))
-reference = mlp(x)                                          # one device, nothing split
+reference = mlp(x)  # one device, nothing split
 mesh = jax.make_mesh((8,), ("tensor",))
 
 
 @jax.shard_map(mesh=mesh, in_specs=(P(), P(None, None, "tensor"), P("tensor", None)), out_specs=P())
 def megatron_mlp(x, gate_up, down):
     print(f"on each device: x {x.shape}, gate_up {gate_up.shape} (columns), down {down.shape} (rows)")
-    h = jnp.einsum("btd,dgf->btgf", x, gate_up)              # [B, T, 2, F/t]: this device's hidden units
+    h = jnp.einsum("btd,dgf->btgf", x, gate_up)  # [B, T, 2, F/t]: this device's hidden units
     partial = jnp.einsum("btf,fd->btd", jax.nn.silu(h[:, :, 0]) * h[:, :, 1], down)
     print(f"partial sum of y on each device: {partial.shape}")
-    return jax.lax.psum(partial, "tensor")                  # the one all-reduce
+    return jax.lax.psum(partial, "tensor")  # the one all-reduce
 
 
 columns = jax.device_put(mlp.gate_up[...], NamedSharding(mesh, P(None, None, "tensor")))
@@ -89,25 +89,33 @@ graphdef, state = nnx.split(mlp)
 mlp_runs = {}
 for preset in (without_sp, with_sp):
     layout = make_layout(cfg, preset, batch=B, seq=T)
-    logical = nnx.get_partition_spec(state)                  # the weights' logical names
-    shardings = jax.tree.map(lambda names: NamedSharding(layout.mesh, layout.rules.spec(tuple(names))),
-                             logical, is_leaf=lambda v: isinstance(v, P))
+    logical = nnx.get_partition_spec(state)  # the weights' logical names
+    shardings = jax.tree.map(
+        lambda names, layout=layout: NamedSharding(layout.mesh, layout.rules.spec(tuple(names))),
+        logical,
+        is_leaf=lambda v: isinstance(v, P),
+    )
     weights = jax.device_put(state, shardings)
     x_in = jax.device_put(x, layout.sharding(("batch", "length", "act_embed")))
 
     def apply(weights, x):
-        with layout.activate_trace():
+        with layout.activate_trace():  # noqa: B023 (jitted and run in this iteration)
             return nnx.merge(graphdef, weights)(x)
 
     step = jax.jit(apply)
     y = step(weights, x_in)
     report = analyze_compiled(step.lower(weights, x_in).compile(), mesh=layout.mesh)
-    mlp_runs[preset.name] = dict(error=float(jnp.abs(y - reference).max()),
-                                 collectives=[(op.kind, op.shapes) for op in report.ops])
-    print(f"{preset.name}: gate_up {shardings['gate_up'].spec}, down {shardings['down'].spec}; "
-          f"x in {x_in.sharding.spec}, y out {y.sharding.spec}")
-    print(f"   max |y − unsharded| = {mlp_runs[preset.name]['error']:.1e}; collectives: "
-          f"{mlp_runs[preset.name]['collectives']}")
+    mlp_runs[preset.name] = dict(
+        error=float(jnp.abs(y - reference).max()), collectives=[(op.kind, op.shapes) for op in report.ops]
+    )
+    print(
+        f"{preset.name}: gate_up {shardings['gate_up'].spec}, down {shardings['down'].spec}; "
+        f"x in {x_in.sharding.spec}, y out {y.sharding.spec}"
+    )
+    print(
+        f"   max |y − unsharded| = {mlp_runs[preset.name]['error']:.1e}; collectives: "
+        f"{mlp_runs[preset.name]['collectives']}"
+    )
 
 # %% [markdown]
 # Without SP the input arrives whole on every device and the output leaves whole: one all-reduce of
@@ -145,7 +153,7 @@ for preset in (without_sp, with_sp):
     report = analyze_compiled(compiled, mesh=layout.mesh)
     per_layer = Counter()
     for op in report.ops:
-        if op.executions != cfg.num_layers:          # outside the layer loop
+        if op.executions != cfg.num_layers:  # outside the layer loop
             continue
         for shape in op.shapes:
             what = "activation" if math.prod(shape) == A_elems else f"{list(shape)}"
@@ -173,18 +181,24 @@ for preset in (without_sp, with_sp):
 
 # %%
 n = 8
-unit = (n - 1) / n * A_elems * 4                        # (n−1)/n·A bytes
+unit = (n - 1) / n * A_elems * 4  # (n−1)/n·A bytes
 no_sp = layer_counts[without_sp.name]
 sp = layer_counts[with_sp.name]
 bytes_no_sp = 2 * unit * no_sp["all-reduce activation"]
 bytes_sp = unit * (sp["all-gather activation"] + sp["all-reduce activation"])
-print(f"without SP: {no_sp['all-reduce activation']} all-reduces  = {bytes_no_sp / unit:.0f}·(n−1)/n·A "
-      f"= {bytes_no_sp:,.0f} B")
-print(f"with SP:    {sp['all-gather activation']} all-gathers + {sp['all-reduce activation']} reduce-scatters "
-      f"= {bytes_sp / unit:.0f}·(n−1)/n·A = {bytes_sp:,.0f} B")
-print(f"Megatron's 4 pairs: 4 all-reduces = 8·(n−1)/n·A without SP, 4 + 4 = 8·(n−1)/n·A with SP")
-print(f"temporaries (activations kept for the backward pass and work buffers): "
-      f"{layer_memory[with_sp.name] / layer_memory[without_sp.name]:.2f}× with SP")
+print(
+    f"without SP: {no_sp['all-reduce activation']} all-reduces  = {bytes_no_sp / unit:.0f}·(n−1)/n·A "
+    f"= {bytes_no_sp:,.0f} B"
+)
+print(
+    f"with SP:    {sp['all-gather activation']} all-gathers + {sp['all-reduce activation']} reduce-scatters "
+    f"= {bytes_sp / unit:.0f}·(n−1)/n·A = {bytes_sp:,.0f} B"
+)
+print("Megatron's 4 pairs: 4 all-reduces = 8·(n−1)/n·A without SP, 4 + 4 = 8·(n−1)/n·A with SP")
+print(
+    f"temporaries (activations kept for the backward pass and work buffers): "
+    f"{layer_memory[with_sp.name] / layer_memory[without_sp.name]:.2f}× with SP"
+)
 
 # %% [markdown]
 # The four collectives Megatron's analysis counts move the same bytes with and without SP, 8·(n−1)/n·A
@@ -215,8 +229,10 @@ from jaxpar.analysis.hardware import HARDWARE
 
 for name in ("h100", "h100-pcie", "l40s"):
     hw = HARDWARE[name]
-    print(f"{name:10s} {hw.peak_bf16_flops / 1e12:5.0f} TFLOP/s bf16, {hw.hbm_bandwidth / 1e12:.2f} TB/s HBM, "
-          f"{hw.fast_link / 1e9:4.0f} GB/s each way to the other {hw.fast_domain - 1} in its node")
+    print(
+        f"{name:10s} {hw.peak_bf16_flops / 1e12:5.0f} TFLOP/s bf16, {hw.hbm_bandwidth / 1e12:.2f} TB/s HBM, "
+        f"{hw.fast_link / 1e9:4.0f} GB/s each way to the other {hw.fast_domain - 1} in its node"
+    )
 
 # %% [markdown]
 # First the memory half of the claim, from an abstract build of Llama-3 70B (no weights allocated):
@@ -236,8 +252,10 @@ def mesh_of(t):
 
 tp4 = resharded(base, compose_rules("tensor=4", {"tensor"}), mesh_of(4))
 weights_tp4 = 2 * sum(math.prod(p.shard_shape) for p in tp4.params)
-print(f"Llama-3 70B, {big.num_params() / 1e9:.1f} B parameters: {2 * big.num_params() / 1e9:.0f} GB in 16 bits, "
-      f"{weights_tp4 / 1e9:.1f} GB per device at tensor = 4")
+print(
+    f"Llama-3 70B, {big.num_params() / 1e9:.1f} B parameters: {2 * big.num_params() / 1e9:.0f} GB in 16 bits, "
+    f"{weights_tp4 / 1e9:.1f} GB per device at tensor = 4"
+)
 
 # %% [markdown]
 # Now the time. For each TP degree t the lab gives two steps:
@@ -269,13 +287,20 @@ for hw_name in ("h100", "h100-pcie", "l40s"):
         mesh = mesh_of(t)
         rules = compose_rules(f"tensor={t}", {"tensor"})
         forward_bytes = activation_bytes(activations_of(big, batch=1, seq=SEQ), mesh, rules)["tensor"] / 2
-        prefill = predict({"tensor": forward_bytes}, flops=big.flops_per_token(SEQ) / 3 * SEQ / t,
-                          bytes_accessed=2 * big.num_params() / t, mesh=mesh, hw=hw)
-        train = estimate(big, {"tensor": t}, batch=1, seq=SEQ, hardware=hw_name, base=base,
-                         efficiency=0.6, overlap=0.8)       # the roofline: TP bytes over the link, exposed
+        prefill = predict(
+            {"tensor": forward_bytes},
+            flops=big.flops_per_token(SEQ) / 3 * SEQ / t,
+            bytes_accessed=2 * big.num_params() / t,
+            mesh=mesh,
+            hw=hw,
+        )
+        train = estimate(
+            big, {"tensor": t}, batch=1, seq=SEQ, hardware=hw_name, base=base, efficiency=0.6, overlap=0.8
+        )  # the roofline: TP bytes over the link, exposed
         train_tp_s = train.bytes_by_axis["tensor"] / link_of("tensor", mesh, hw)[1]
-        share[f"{hw_name}/{t}"] = dict(prefill=prefill["exposed_communication_s"] / prefill["step_s"],
-                                       training=train_tp_s / train.predicted_step_s)
+        share[f"{hw_name}/{t}"] = dict(
+            prefill=prefill["exposed_communication_s"] / prefill["step_s"], training=train_tp_s / train.predicted_step_s
+        )
 
 print(f"{'TP share of step time':22s}" + "".join(f"{'TP=' + str(t):>8s}" for t in TPS))
 for hw_name in ("h100", "h100-pcie", "l40s"):
@@ -290,7 +315,7 @@ for hw_name in ("h100", "h100-pcie", "l40s"):
 # %%
 claim_pcie = {2: 0.08, 4: 0.25, 8: 0.38}
 claim_nvlink = (0.02, 0.09)
-r2 = claim_pcie[2] / (1 - claim_pcie[2])             # TP time over compute at TP = 2
+r2 = claim_pcie[2] / (1 - claim_pcie[2])  # TP time over compute at TP = 2
 scaled = {t: r2 * (t - 1) / (1 + r2 * (t - 1)) for t in TPS}
 print("the claim's PCIe shares:        " + ", ".join(f"TP={t}: {v:.0%}" for t, v in claim_pcie.items()))
 print("8 % at TP=2, scaled as (t − 1): " + ", ".join(f"TP={t}: {v:.0%}" for t, v in scaled.items()))
@@ -299,20 +324,34 @@ print("8 % at TP=2, scaled as (t − 1): " + ", ".join(f"TP={t}: {v:.0%}" for t,
 import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(6.5, 4))
-for hw_name, color, label in (("h100", "tab:green", "H100 SXM, NVLink"),
-                              ("h100-pcie", "tab:red", "H100 PCIe, PCIe Gen5"),
-                              ("l40s", "tab:purple", "L40S, PCIe Gen4")):
-    ax.plot(TPS, [100 * share[f"{hw_name}/{t}"]["prefill"] for t in TPS], "o-", color=color,
-            label=f"lab, prefill: {label}")
-    ax.plot(TPS, [100 * share[f"{hw_name}/{t}"]["training"] for t in TPS], "o--", color=color, alpha=0.6,
-            label=f"lab, training: {label}")
+for hw_name, color, label in (
+    ("h100", "tab:green", "H100 SXM, NVLink"),
+    ("h100-pcie", "tab:red", "H100 PCIe, PCIe Gen5"),
+    ("l40s", "tab:purple", "L40S, PCIe Gen4"),
+):
+    ax.plot(
+        TPS, [100 * share[f"{hw_name}/{t}"]["prefill"] for t in TPS], "o-", color=color, label=f"lab, prefill: {label}"
+    )
+    ax.plot(
+        TPS,
+        [100 * share[f"{hw_name}/{t}"]["training"] for t in TPS],
+        "o--",
+        color=color,
+        alpha=0.6,
+        label=f"lab, training: {label}",
+    )
 ax.plot(TPS, [100 * v for v in claim_pcie.values()], "kx", ms=9, mew=2, label="claim: PCIe")
 ax.plot(TPS, [100 * v for v in scaled.values()], "k:", lw=1, label="claim's 8 % at TP=2, scaled as (t − 1)")
-ax.fill_between([2, 8], 100 * claim_nvlink[0], 100 * claim_nvlink[1], color="k", alpha=0.12,
-                label="claim: NVLink 2–9 %")
-ax.set_xticks(TPS); ax.set_xlabel("tensor-parallel degree t"); ax.set_ylabel("TP communication, % of step time")
+ax.fill_between(
+    [2, 8], 100 * claim_nvlink[0], 100 * claim_nvlink[1], color="k", alpha=0.12, label="claim: NVLink 2–9 %"
+)
+ax.set_xticks(TPS)
+ax.set_xlabel("tensor-parallel degree t")
+ax.set_ylabel("TP communication, % of step time")
 ax.set_title("Llama-3 70B, bf16: exposed TP all-reduce time (layout lab)", fontsize=10)
-ax.legend(fontsize=7); plt.tight_layout(); plt.show()
+ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # **Where the lab agrees with the claim.**
@@ -349,17 +388,30 @@ for hw_name in ("h100", "h100-pcie"):
         mesh = mesh_of(t)
         rules = compose_rules(f"tensor={t}", {"tensor"})
         step_bytes = activation_bytes(activations_of(big, batch=8, seq=1), mesh, rules)["tensor"] / 2
-        times = predict({"tensor": step_bytes}, flops=big.flops_per_token(1) / 3 * 8 / t,
-                        bytes_accessed=2 * big.num_params() / t, mesh=mesh, hw=hw)
+        times = predict(
+            {"tensor": step_bytes},
+            flops=big.flops_per_token(1) / 3 * 8 / t,
+            bytes_accessed=2 * big.num_params() / t,
+            mesh=mesh,
+            hw=hw,
+        )
         decode[f"{hw_name}/{t}"] = times["exposed_communication_s"] / times["step_s"]
 print("decode, 8 sequences, bandwidth only: " + ", ".join(f"{k} {v:.1%}" for k, v in decode.items()))
 
 # %%
 key_numbers = {
-    "hand_error": hand_error, "mlp_runs": mlp_runs, "mlp": [B, T, D, F],
+    "hand_error": hand_error,
+    "mlp_runs": mlp_runs,
+    "mlp": [B, T, D, F],
     "layer": {"batch": Bt, "seq": Tt, "embed_dim": cfg.embed_dim, "num_layers": cfg.num_layers},
-    "layer_counts": layer_counts, "layer_memory": layer_memory, "bytes_no_sp": bytes_no_sp, "bytes_sp": bytes_sp,
-    "llama70b_params": big.num_params(), "weights_tp4": weights_tp4,
-    "share": share, "claim_scaled": {str(t): v for t, v in scaled.items()}, "decode": decode,
+    "layer_counts": layer_counts,
+    "layer_memory": layer_memory,
+    "bytes_no_sp": bytes_no_sp,
+    "bytes_sp": bytes_sp,
+    "llama70b_params": big.num_params(),
+    "weights_tp4": weights_tp4,
+    "share": share,
+    "claim_scaled": {str(t): v for t, v in scaled.items()},
+    "decode": decode,
 }
 key_numbers

@@ -17,7 +17,7 @@
 # %%
 from jaxpar.mesh import simulate_cpu_devices
 
-simulate_cpu_devices(8)             # before any other JAX operation: the CPU shows up as 8 devices
+simulate_cpu_devices(8)  # before any other JAX operation: the CPU shows up as 8 devices
 import jax
 
 print(jax.device_count(), "devices")
@@ -36,8 +36,12 @@ print(jax.device_count(), "devices")
 from jaxpar.pipeline import Op, build
 
 P, M = 4, 8
-tables = {"gpipe": build("gpipe", P, M), "1f1b": build("1f1b", P, M),
-          "interleaved": build("interleaved", P, M, virtual_stages=2), "zero_bubble": build("zero_bubble", P, M)}
+tables = {
+    "gpipe": build("gpipe", P, M),
+    "1f1b": build("1f1b", P, M),
+    "interleaved": build("interleaved", P, M, virtual_stages=2),
+    "zero_bubble": build("zero_bubble", P, M),
+}
 print(tables["1f1b"].gantt())
 
 # %% [markdown]
@@ -69,8 +73,9 @@ def draw(ax, table, title):
             if op == Op.IDLE:
                 continue
             light = table.virtual_stages > 1 and table.chunk[t, s] == 1
-            ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=COLOURS[op], alpha=0.45 if light else 1.0,
-                                       edgecolor="white"))
+            ax.add_patch(
+                plt.Rectangle((t, s), 1, 1, facecolor=COLOURS[op], alpha=0.45 if light else 1.0, edgecolor="white")
+            )
             ax.text(t + 0.5, s + 0.5, str(table.mb[t, s]), ha="center", va="center", fontsize=6, color="black")
     ax.set_ylim(table.stages, 0)
     ax.set_yticks([s + 0.5 for s in range(table.stages)], [f"stage {s}" for s in range(table.stages)])
@@ -84,7 +89,8 @@ for ax, (name, table) in zip(axes, tables.items()):
 axes[-1].set_xlim(0, max(t.ticks for t in tables.values()))
 axes[-1].set_xlabel("tick")
 fig.legend(handles=[Patch(color=c, label=op.name) for op, c in COLOURS.items()], loc="upper right", ncol=3)
-plt.tight_layout(rect=(0, 0, 1, 0.96)); plt.show()
+plt.tight_layout(rect=(0, 0, 1, 0.96))
+plt.show()
 
 # %% [markdown]
 # ## The bubble, counted and by formula
@@ -110,14 +116,14 @@ import numpy as np
 from jaxpar.pipeline import bubble_formula
 
 MS = [4, 8, 12, 16, 24, 32]
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero_bubble": 1}     # name: chunks per stage
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero_bubble": 1}  # name: chunks per stage
 counted, formula = {}, {}
 print(f"{'m':>3} " + " ".join(f"{name + ' counted / formula':>34}" for name in SCHEDULES))
 for m in MS:
     row = []
     for name, v in SCHEDULES.items():
         table = build(name, P, m, virtual_stages=v)
-        counted[name, m] = float((table.op == Op.IDLE).mean())         # idle cells / all cells
+        counted[name, m] = float((table.op == Op.IDLE).mean())  # idle cells / all cells
         formula[name, m] = float(bubble_formula(name, P, m, virtual_stages=v))
         row.append(f"{counted[name, m]:>16.4f} / {formula[name, m]:<15.4f}")
     print(f"{m:>3} " + " ".join(row))
@@ -126,17 +132,25 @@ print(f"largest |counted - formula| over the grid: {worst:.1e}")
 
 # %%
 plt.figure(figsize=(7, 3.6))
-styles = {"gpipe": ("tab:blue", "o"), "1f1b": ("tab:orange", "x"), "interleaved": ("tab:purple", "s"),
-          "zero_bubble": ("tab:green", "^")}
+styles = {
+    "gpipe": ("tab:blue", "o"),
+    "1f1b": ("tab:orange", "x"),
+    "interleaved": ("tab:purple", "s"),
+    "zero_bubble": ("tab:green", "^"),
+}
 dense_m = np.arange(4, 33)
 for name, v in SCHEDULES.items():
     colour, marker = styles[name]
     plt.plot(MS, [counted[name, m] for m in MS], marker, color=colour, label=f"{name} (counted)")
-    line_m = [int(m) for m in dense_m if v == 1 or m % P == 0]        # interleaved: multiples of p only
+    line_m = [int(m) for m in dense_m if v == 1 or m % P == 0]  # interleaved: multiples of p only
     plt.plot(line_m, [bubble_formula(name, P, m, virtual_stages=v) for m in line_m], "-", color=colour, lw=0.8)
-plt.xlabel("microbatches m"); plt.ylabel("bubble (idle share)"); plt.ylim(0, 0.5)
+plt.xlabel("microbatches m")
+plt.ylabel("bubble (idle share)")
+plt.ylim(0, 0.5)
 plt.title("p = 4 stages: bubble against m (markers counted from tables, lines the closed forms)", fontsize=9)
-plt.legend(fontsize=8); plt.tight_layout(); plt.show()
+plt.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # Equal durations are the simplest case. `Table.bubble_fraction` replays a table with real durations,
@@ -149,8 +163,10 @@ plt.legend(fontsize=8); plt.tight_layout(); plt.show()
 for name, v in SCHEDULES.items():
     table = build(name, P, 8, virtual_stages=v)
     times = dict(t_f=1, t_b=1, t_w=1) if table.split_backward else dict(t_f=1, t_b=2)
-    print(f"{name:12s} m = 8, {times}: replayed {table.bubble_fraction(**times):.4f}, "
-          f"formula {bubble_formula(name, P, 8, virtual_stages=v, **times):.4f}")
+    print(
+        f"{name:12s} m = 8, {times}: replayed {table.bubble_fraction(**times):.4f}, "
+        f"formula {bubble_formula(name, P, 8, virtual_stages=v, **times):.4f}"
+    )
 
 # %% [markdown]
 # ### Checking a claim: "PP = 4 with 4 microbatches wastes 43%"
@@ -163,20 +179,24 @@ for name, v in SCHEDULES.items():
 # %%
 claim = build("gpipe", 4, 4)
 single = build("gpipe", 4, 1)
-forward_ticks = claim.op[: 4 + 4 - 1]                              # until the last forward is done
+forward_ticks = claim.op[: 4 + 4 - 1]  # until the last forward is done
 assert (forward_ticks != Op.B).all()
 idle_4x4 = int((claim.op == Op.IDLE).sum())
 idle_forward = int((forward_ticks == Op.IDLE).sum())
 print(claim.gantt())
-print(f"p = 4, m = 4, forward half: {idle_forward} idle cells of {forward_ticks.size} = "
-      f"{idle_forward / forward_ticks.size:.1%}")
+print(
+    f"p = 4, m = 4, forward half: {idle_forward} idle cells of {forward_ticks.size} = "
+    f"{idle_forward / forward_ticks.size:.1%}"
+)
 print(f"p = 4, m = 4, whole step:   {idle_4x4} idle cells of {claim.op.size} = {idle_4x4 / claim.op.size:.1%}")
 print(f"p = 4, m = 1: {(single.op == Op.IDLE).mean():.1%} idle")
 
 bubble = lambda m: float((build("gpipe", 4, m).op == Op.IDLE).mean())
 halving_m = next(m for m in range(4, 64) if bubble(m) <= bubble(4) / 2 + 1e-12)
-print(f"doubling m: 4 -> 8 takes the bubble from {bubble(4):.1%} to {bubble(8):.1%}; "
-      f"16 -> 32 from {bubble(16):.1%} to {bubble(32):.1%}")
+print(
+    f"doubling m: 4 -> 8 takes the bubble from {bubble(4):.1%} to {bubble(8):.1%}; "
+    f"16 -> 32 from {bubble(16):.1%} to {bubble(32):.1%}"
+)
 print(f"the fewest microbatches that halve the m = 4 bubble: m = {halving_m} ({bubble(halving_m):.1%})")
 
 # %% [markdown]
@@ -224,11 +244,13 @@ for name, v in SCHEDULES.items():
     table = build(name, P, 8, virtual_stages=v)
     times = dict(t_f=1, t_b=1, t_w=1) if table.split_backward else dict(t_f=1, t_b=2)
     cost = {Op.IDLE: 0, Op.F: times["t_f"], Op.B: times["t_b"], Op.W: times.get("t_w", 0)}
-    vjp = (1, 1, 2) if table.split_backward else (1, 2)          # the executor's sections: F, [B,] B + W
+    vjp = (1, 1, 2) if table.split_backward else (1, 2)  # the executor's sections: F, [B,] B + W
     executor[name] = executor_bubble_fraction(table, *vjp)
-    print(f"{name:12s} p = 4, m = 8: ideal {table.bubble_fraction(**times):.1%}   lockstep "
-          f"{lockstep(table, cost):.1%} counted, {table.lockstep_bubble_fraction(**times):.1%} library   "
-          f"executor {executor[name]:.1%}")
+    print(
+        f"{name:12s} p = 4, m = 8: ideal {table.bubble_fraction(**times):.1%}   lockstep "
+        f"{lockstep(table, cost):.1%} counted, {table.lockstep_bubble_fraction(**times):.1%} library   "
+        f"executor {executor[name]:.1%}"
+    )
 
 # %% [markdown]
 # GPipe loses nothing to lockstep (its ticks are all forwards or all backwards). 1F1B's bubble rises
@@ -262,7 +284,7 @@ from jaxpar.train.step import TrainState, batch_sharding, init_program, make_tra
 
 cfg = dataclasses.replace(get_model_preset("tiny"), num_layers=4)
 ROWS, SEQ = 2, 64
-stage_input = ROWS * SEQ * cfg.embed_dim * 4                   # bytes of one float32 stage input
+stage_input = ROWS * SEQ * cfg.embed_dim * 4  # bytes of one float32 stage input
 make_model = lambda r: build_model(cfg, rngs=r)
 make_tx = functools.partial(make_optimizer, OptimizerConfig())
 
@@ -271,11 +293,11 @@ def compiled_step(schedule, m):
     """The pipelined train step for batch ROWS·m, compiled from shapes only."""
     layout = make_layout(cfg, PRESETS["pp"], batch=ROWS * m, seq=SEQ, devices=jax.devices()[:P])
     program = init_program(make_model, make_tx, layout)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         program.abstract, program.shardings)
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), program.abstract, program.shardings
+    )
     ts = TrainState(program.graphdef, state, program.shardings)
-    data = {k: jax.ShapeDtypeStruct((ROWS * m, SEQ), np.int32, sharding=s)
-            for k, s in batch_sharding(layout).items()}
+    data = {k: jax.ShapeDtypeStruct((ROWS * m, SEQ), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     return make_train_step(ts, layout, pipeline=build(schedule, P, m)).lower(state, data).compile(), layout
 
 
@@ -286,8 +308,10 @@ for schedule in ("gpipe", "1f1b"):
     for m in MEM_MS:
         steps[schedule, m], layout = compiled_step(schedule, m)
         temp[schedule, m] = steps[schedule, m].memory_analysis().temp_size_in_bytes
-print(f"mesh {dict(layout.mesh.shape)}; one stage input = {stage_input / 1024:.0f} KiB; "
-      f"{len(temp)} compiles in {time.perf_counter() - start:.0f} s")
+print(
+    f"mesh {dict(layout.mesh.shape)}; one stage input = {stage_input / 1024:.0f} KiB; "
+    f"{len(temp)} compiles in {time.perf_counter() - start:.0f} s"
+)
 for schedule in ("gpipe", "1f1b"):
     row = "  ".join(f"m={m}: {temp[schedule, m] / 2**20:.3f} MiB" for m in MEM_MS)
     growth = (temp[schedule, MEM_MS[-1]] - temp[schedule, MEM_MS[0]]) / (MEM_MS[-1] - MEM_MS[0])
@@ -298,11 +322,18 @@ plt.figure(figsize=(6.5, 3.4))
 for schedule, colour in (("gpipe", "tab:blue"), ("1f1b", "tab:orange")):
     plt.plot(MEM_MS, [temp[schedule, m] / 2**20 for m in MEM_MS], "o-", color=colour, label=f"{schedule} (compiled)")
 base = temp["1f1b", MEM_MS[0]]
-plt.plot(MEM_MS, [(base + (m - MEM_MS[0]) * stage_input) / 2**20 for m in MEM_MS], "k:",
-         label="m=4 value + one stage input per extra microbatch")
-plt.xlabel("microbatches m"); plt.ylabel("temp MiB per device")
+plt.plot(
+    MEM_MS,
+    [(base + (m - MEM_MS[0]) * stage_input) / 2**20 for m in MEM_MS],
+    "k:",
+    label="m=4 value + one stage input per extra microbatch",
+)
+plt.xlabel("microbatches m")
+plt.ylabel("temp MiB per device")
 plt.title("tiny, 4 stages, 2 × 64 tokens per microbatch: compiled temp memory", fontsize=9)
-plt.legend(fontsize=8); plt.tight_layout(); plt.show()
+plt.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # GPipe's temporary memory grows by about one stage input per extra microbatch (a little more: the
@@ -326,32 +357,40 @@ layout = make_layout(cfg, PRESETS["pp"], batch=ROWS * m, seq=SEQ, devices=jax.de
 ts = init_train_state(make_model, make_tx, layout)
 model, _ = nnx.merge(ts.graphdef, ts.state)
 graphdef, weights = nnx.split(model)
-weights = jax.tree.map(np.asarray, weights)                   # a host copy: the step donates its state
+weights = jax.tree.map(np.asarray, weights)  # a host copy: the step donates its state
 tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (ROWS * m, SEQ + 1), dtype=np.int32)
 batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 placed = {k: jax.device_put(v, s) for k, v, s in zip(batch, batch.values(), batch_sharding(layout).values())}
 _, metrics = steps["gpipe", m](ts.state, placed)
 pipelined = float(metrics.loss)
 
-plain_model = nnx.merge(graphdef, weights)                    # the same weights, as plain host arrays
+plain_model = nnx.merge(graphdef, weights)  # the same weights, as plain host arrays
 unpipelined = float(nnx.jit(lambda model, b: next_token_loss(model, b)[0])(plain_model, batch))
-print(f"pipelined (4 stages, GPipe, m = 4): {pipelined:.6f}   one device: {unpipelined:.6f}   "
-      f"relative difference {abs(pipelined - unpipelined) / unpipelined:.1e}")
+print(
+    f"pipelined (4 stages, GPipe, m = 4): {pipelined:.6f}   one device: {unpipelined:.6f}   "
+    f"relative difference {abs(pipelined - unpipelined) / unpipelined:.1e}"
+)
 
 # %%
 key_numbers = {
     "p": P,
     "bubble_counted": {f"{name}/m={m}": counted[name, m] for name, m in counted},
     "bubble_formula": {f"{name}/m={m}": formula[name, m] for name, m in formula},
-    "claim_idle_cells": idle_4x4, "claim_cells": int(claim.op.size),
-    "claim_forward_idle_cells": idle_forward, "claim_forward_cells": int(forward_ticks.size),
+    "claim_idle_cells": idle_4x4,
+    "claim_cells": int(claim.op.size),
+    "claim_forward_idle_cells": idle_forward,
+    "claim_forward_cells": int(forward_ticks.size),
     "halving_m": halving_m,
     "single_microbatch_bubble": float((single.op == Op.IDLE).mean()),
-    "peak_in_flight": {f"{name}/m={m}": build(name, P, m, virtual_stages=v).peak_in_flight.tolist()
-                       for name, v in SCHEDULES.items() for m in (4, 8, 16)},
+    "peak_in_flight": {
+        f"{name}/m={m}": build(name, P, m, virtual_stages=v).peak_in_flight.tolist()
+        for name, v in SCHEDULES.items()
+        for m in (4, 8, 16)
+    },
     "stage_input_bytes": stage_input,
     "temp_bytes": {f"{schedule}/m={m}": temp[schedule, m] for schedule, m in temp},
     "executor_bubble": executor,
-    "loss_pipelined": pipelined, "loss_one_device": unpipelined,
+    "loss_pipelined": pipelined,
+    "loss_one_device": unpipelined,
 }
 key_numbers

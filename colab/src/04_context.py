@@ -21,7 +21,7 @@
 # %%
 from jaxpar.mesh import simulate_cpu_devices
 
-simulate_cpu_devices(8)             # before any other JAX operation: the CPU shows up as 8 devices
+simulate_cpu_devices(8)  # before any other JAX operation: the CPU shows up as 8 devices
 import jax
 
 print(jax.device_count(), "devices")
@@ -66,7 +66,7 @@ n = cp_layout.mesh.shape["sequence"]
 hlo = ring_program.as_text()
 PERMUTE = re.compile(r"collective-permute(?:-start)?\(.*?source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}")
 pair_lists = set(PERMUTE.findall(hlo))
-assert len(pair_lists) == 1, pair_lists                  # every hop of every layer uses the same ring
+assert len(pair_lists) == 1, pair_lists  # every hop of every layer uses the same ring
 pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", pair_lists.pop())]
 print(f"mesh {dict(cp_layout.mesh.shape)}; every collective-permute sends along {pairs}")
 
@@ -116,16 +116,25 @@ chunk = L // (2 * n)
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
 share = {}
 for ax, (name, order) in zip(axes, orders.items()):
-    blocks = order.reshape(n, L // n)                       # tokens stored on each device
+    blocks = order.reshape(n, L // n)  # tokens stored on each device
     share[name] = np.array([[unmasked_share(blocks[d], blocks[held[s, d]]) for s in range(n)] for d in range(n)])
     image = ax.imshow(share[name], cmap="Blues", vmin=0, vmax=1)
     for d in range(n):
         for s in range(n):
             chunks = sorted(set(blocks[held[s, d]] // chunk))
-            ax.text(s, d, ",".join(map(str, chunks)), ha="center", va="center", fontsize=7,
-                    color="white" if share[name][d, s] > 0.6 else "black")
-    ax.set_xticks(range(n)); ax.set_yticks(range(n), [f"dev {d}" for d in range(n)])
-    ax.set_xlabel("ring step"); ax.set_title(f"{name}: chunks of the K/V block held", fontsize=9)
+            ax.text(
+                s,
+                d,
+                ",".join(map(str, chunks)),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if share[name][d, s] > 0.6 else "black",
+            )
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(n), [f"dev {d}" for d in range(n)])
+    ax.set_xlabel("ring step")
+    ax.set_title(f"{name}: chunks of the K/V block held", fontsize=9)
 fig.colorbar(image, ax=axes, shrink=0.8, label="share of the tile left by the causal mask")
 plt.show()
 
@@ -148,13 +157,17 @@ plt.show()
 # %%
 from jaxpar.parallel.ring import ring_work
 
-entries = {name: share[name].sum(axis=1) * (L // n) ** 2 for name in orders}     # unmasked entries per device
+entries = {name: share[name].sum(axis=1) * (L // n) ** 2 for name in orders}  # unmasked entries per device
 pairs_computed = {"contiguous": ring_work(L, n, "contiguous"), "zig-zag": ring_work(L, n, "zigzag")}
 for name in orders:
-    print(f"{name:10s} unmasked entries per device {entries[name].astype(int).tolist()}  "
-          f"max/mean {entries[name].max() / entries[name].mean():.3f}")
-    print(f"{'':10s} half-block pairs computed   {pairs_computed[name].tolist()}  "
-          f"max/mean {pairs_computed[name].max() / pairs_computed[name].mean():.3f}")
+    print(
+        f"{name:10s} unmasked entries per device {entries[name].astype(int).tolist()}  "
+        f"max/mean {entries[name].max() / entries[name].mean():.3f}"
+    )
+    print(
+        f"{'':10s} half-block pairs computed   {pairs_computed[name].tolist()}  "
+        f"max/mean {pairs_computed[name].max() / pairs_computed[name].mean():.3f}"
+    )
 print(f"total unmasked entries {int(entries['contiguous'].sum())} = L(L+1)/2 = {L * (L + 1) // 2}")
 
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
@@ -164,7 +177,9 @@ for ax, (what, data) in zip(axes, (("unmasked score entries", entries), ("half-b
         ax.bar(np.arange(n) + (i - 0.5) * width, data[name], width, label=name)
     ax.set_xticks(range(n), [f"dev {d}" for d in range(n)], fontsize=8)
     ax.set_title(f"causal attention, L = {L}, n = {n}: {what}", fontsize=9)
-axes[0].legend(fontsize=8); plt.tight_layout(); plt.show()
+axes[0].legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # A ring step takes as long as its slowest device, so the step time follows the maximum. Under the
@@ -197,10 +212,12 @@ ONE_DEVICE = dataclasses.replace(PRESETS["dp"], mesh=MeshConfig())
 
 def step_memory(cfg, preset, length, devices=None):
     layout = make_layout(cfg, preset, batch=1, seq=length, devices=devices)
-    program = init_program(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
-                           layout)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         program.abstract, program.shardings)
+    program = init_program(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), program.abstract, program.shardings
+    )
     data = {k: jax.ShapeDtypeStruct((1, length), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     step = make_train_step(TrainState(program.graphdef, state, program.shardings), layout)
     stats = step.lower(state, data).compile().memory_analysis()
@@ -216,26 +233,45 @@ print(f"{len(memory)} compiles in {time.perf_counter() - start:.0f} s")
 cfg = ring_cfg
 for length in LENGTHS:
     one, ring = memory["one device", length][0], memory["cp ring", length][0]
-    scores = cfg.num_heads * length ** 2 * 4                       # one fp32 [N, L, L] score matrix
-    tile = cfg.num_heads * (length // (2 * n)) ** 2 * 4            # one fp32 score tile of a half pair
-    print(f"L = {length:5d}: temp one device {one / 2**20:8.1f} MiB ({one / scores:.1f} score matrices)   "
-          f"cp ring {ring / 2**20:6.2f} MiB per device ({ring / tile:.1f} half-pair tiles)   ratio {one / ring:.0f}x")
-print(f"arguments (weights + AdamW state): one device {memory['one device', LENGTHS[0]][1] / 2**20:.2f} MiB, "
-      f"cp ring {memory['cp ring', LENGTHS[0]][1] / 2**20:.2f} MiB per device")
+    scores = cfg.num_heads * length**2 * 4  # one fp32 [N, L, L] score matrix
+    tile = cfg.num_heads * (length // (2 * n)) ** 2 * 4  # one fp32 score tile of a half pair
+    print(
+        f"L = {length:5d}: temp one device {one / 2**20:8.1f} MiB ({one / scores:.1f} score matrices)   "
+        f"cp ring {ring / 2**20:6.2f} MiB per device ({ring / tile:.1f} half-pair tiles)   ratio {one / ring:.0f}x"
+    )
+print(
+    f"arguments (weights + AdamW state): one device {memory['one device', LENGTHS[0]][1] / 2**20:.2f} MiB, "
+    f"cp ring {memory['cp ring', LENGTHS[0]][1] / 2**20:.2f} MiB per device"
+)
 
 # %%
 plt.figure(figsize=(6.5, 3.6))
 for name, colour in (("one device", "tab:red"), ("cp ring", "tab:blue")):
-    plt.loglog(LENGTHS, [memory[name, length][0] / 2**20 for length in LENGTHS], "o-", color=colour,
-               label=f"{name} (compiled temp)" + (f", per device of {n}" if name == "cp ring" else ""))
-plt.loglog(LENGTHS, [cfg.num_heads * length ** 2 * 4 / 2**20 for length in LENGTHS], "k:",
-           label="one fp32 N·L² score matrix")
-plt.loglog(LENGTHS, [cfg.num_heads * (length // (2 * n)) ** 2 * 4 / 2**20 for length in LENGTHS], ":", color="tab:blue",
-           label="one fp32 N·(L/2n)² tile (one half pair)")
-plt.xticks(LENGTHS, [str(x) for x in LENGTHS]); plt.minorticks_off()
-plt.xlabel("sequence length L"); plt.ylabel("MiB per device")
+    plt.loglog(
+        LENGTHS,
+        [memory[name, length][0] / 2**20 for length in LENGTHS],
+        "o-",
+        color=colour,
+        label=f"{name} (compiled temp)" + (f", per device of {n}" if name == "cp ring" else ""),
+    )
+plt.loglog(
+    LENGTHS, [cfg.num_heads * length**2 * 4 / 2**20 for length in LENGTHS], "k:", label="one fp32 N·L² score matrix"
+)
+plt.loglog(
+    LENGTHS,
+    [cfg.num_heads * (length // (2 * n)) ** 2 * 4 / 2**20 for length in LENGTHS],
+    ":",
+    color="tab:blue",
+    label="one fp32 N·(L/2n)² tile (one half pair)",
+)
+plt.xticks(LENGTHS, [str(x) for x in LENGTHS])
+plt.minorticks_off()
+plt.xlabel("sequence length L")
+plt.ylabel("MiB per device")
 plt.title("tiny train step, batch 1: temporary memory per device", fontsize=9)
-plt.legend(fontsize=8); plt.tight_layout(); plt.show()
+plt.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # On one device the step's temporary memory is a few L × L score matrices and grows four-fold with
@@ -283,8 +319,10 @@ a2a_count = uly_report.collectives.count("all-to-all")
 a2a_bytes = uly_report.collectives.bytes("all-to-all")
 H = uly_cfg.head_dim
 per_layer = B * (L // un) * H * 4 * (2 * uly_cfg.num_heads + 2 * uly_cfg.num_kv_heads)
-print(f"all-to-alls: {a2a_count} (formula 4 x {uly_cfg.num_layers} layers = {4 * uly_cfg.num_layers}), "
-      f"{a2a_bytes} bytes (formula {uly_cfg.num_layers} x {per_layer} = {uly_cfg.num_layers * per_layer})")
+print(
+    f"all-to-alls: {a2a_count} (formula 4 x {uly_cfg.num_layers} layers = {4 * uly_cfg.num_layers}), "
+    f"{a2a_bytes} bytes (formula {uly_cfg.num_layers} x {per_layer} = {uly_cfg.num_layers * per_layer})"
+)
 
 # %% [markdown]
 # Count and bytes are the formula's. The one all-gather is the int32 token indices (each device needs
@@ -297,8 +335,10 @@ print(f"all-to-alls: {a2a_count} (formula 4 x {uly_cfg.num_layers} layers = {4 *
 ring_bytes = ring_report.collectives.bytes("collective-permute")
 kv_formula = ring_cfg.num_layers * (n - 1) * 2 * B * (L // n) * ring_cfg.num_kv_heads * ring_cfg.head_dim * 4
 idx_formula = ring_cfg.num_layers * (n - 1) * B * (L // n) * 4
-print(f"ring: {ring_report.collectives.count('collective-permute')} collective-permutes, {ring_bytes} bytes; "
-      f"formula: K/V {kv_formula} + indices {idx_formula} = {kv_formula + idx_formula}")
+print(
+    f"ring: {ring_report.collectives.count('collective-permute')} collective-permutes, {ring_bytes} bytes; "
+    f"formula: K/V {kv_formula} + indices {idx_formula} = {kv_formula + idx_formula}"
+)
 
 # %% [markdown]
 # The trade: Ulysses moves each device's Q, K, V and output once per layer, in collectives that span
@@ -324,11 +364,15 @@ rng = np.random.default_rng(0)
 q, cot = (rng.standard_normal((2, Ls, N, Hd), np.float32) for _ in range(2))
 k, v = (rng.standard_normal((2, Ls, K, Hd), np.float32) for _ in range(2))
 ring_mesh = jax.make_mesh((rn,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:rn])
-order = zigzag_order(Ls, rn)                           # stored position p holds token order[p]
+order = zigzag_order(Ls, rn)  # stored position p holds token order[p]
 index = np.broadcast_to(order.astype(np.int32), (2, Ls))
 seq, idx = PartitionSpec(None, "sequence", None, None), PartitionSpec(None, "sequence")
-ring_fn = jax.shard_map(lambda q, k, v, i: ring_attention(q, k, v, i, i, axis_name="sequence"), mesh=ring_mesh,
-                        in_specs=(seq, seq, seq, idx), out_specs=seq)
+ring_fn = jax.shard_map(
+    lambda q, k, v, i: ring_attention(q, k, v, i, i, axis_name="sequence"),
+    mesh=ring_mesh,
+    in_specs=(seq, seq, seq, idx),
+    out_specs=seq,
+)
 
 
 @jax.jit
@@ -348,17 +392,32 @@ print("largest |ring - dense|:", {w: f"{e:.1e}" for w, e in ring_error.items()})
 
 # %%
 key_numbers = {
-    "n": n, "L": L, "ring_pairs": pairs,
+    "n": n,
+    "L": L,
+    "ring_pairs": pairs,
     "held": held.tolist(),
     "unmasked_entries": {name: entries[name].astype(int).tolist() for name in orders},
     "pairs_computed": {name: pairs_computed[name].tolist() for name in orders},
     "temp_bytes": {f"{name}/L={length}": memory[name, length][0] for name, length in memory},
-    "ring_permute_bytes": int(ring_bytes), "ring_permute_count": ring_report.collectives.count("collective-permute"),
-    "ulysses": {"n": un, "all_to_all_count": a2a_count, "all_to_all_bytes": int(a2a_bytes),
-                "batch": B, "length": L, "heads": uly_cfg.num_heads, "kv_heads": uly_cfg.num_kv_heads,
-                "head_dim": H, "layers": uly_cfg.num_layers},
-    "model": {"heads": ring_cfg.num_heads, "kv_heads": ring_cfg.num_kv_heads, "head_dim": ring_cfg.head_dim,
-              "layers": ring_cfg.num_layers},
+    "ring_permute_bytes": int(ring_bytes),
+    "ring_permute_count": ring_report.collectives.count("collective-permute"),
+    "ulysses": {
+        "n": un,
+        "all_to_all_count": a2a_count,
+        "all_to_all_bytes": int(a2a_bytes),
+        "batch": B,
+        "length": L,
+        "heads": uly_cfg.num_heads,
+        "kv_heads": uly_cfg.num_kv_heads,
+        "head_dim": H,
+        "layers": uly_cfg.num_layers,
+    },
+    "model": {
+        "heads": ring_cfg.num_heads,
+        "kv_heads": ring_cfg.num_kv_heads,
+        "head_dim": ring_cfg.head_dim,
+        "layers": ring_cfg.num_layers,
+    },
     "ring_vs_dense_max_error": ring_error,
 }
 key_numbers

@@ -20,7 +20,7 @@
 # %%
 from jaxpar.mesh import simulate_cpu_devices
 
-simulate_cpu_devices(8)             # before any other JAX operation: the CPU shows up as 8 devices
+simulate_cpu_devices(8)  # before any other JAX operation: the CPU shows up as 8 devices
 import dataclasses
 
 import jax
@@ -53,11 +53,11 @@ print(jax.device_count(), "devices")
 # %%
 tiny = get_model_preset("tiny-moe")
 D, E, K = tiny.embed_dim, 16, 2
-B, T = 8, 256                                      # 8 sequences (capacity groups) of 256 tokens
-HOT = 2                                            # experts 0 and 1 get the skew
+B, T = 8, 256  # 8 sequences (capacity groups) of 256 tokens
+HOT = 2  # experts 0 and 1 get the skew
 
 x = np.random.default_rng(0).normal(size=(B, T, D)).astype(np.float32)
-x[..., 0] = 1.0                                    # the constant feature the skew rides on
+x[..., 0] = 1.0  # the constant feature the skew rides on
 base_router = np.random.default_rng(1).normal(size=(D, E)).astype(np.float32) / np.sqrt(D - 1)
 base_router[0] = 0.0
 
@@ -72,7 +72,7 @@ def moe_layer(skew=0.0, **moe_fields):
     return layer
 
 
-run = nnx.jit(lambda layer, x: layer(x))           # compiles once per shape (capacity) and router kind
+run = nnx.jit(lambda layer, x: layer(x))  # compiles once per shape (capacity) and router kind
 
 
 def route(router):
@@ -97,7 +97,7 @@ for t in range(4):
     print(f"token {t}: experts {idx[0, t].tolist()}  gates {[f'{g:.3f}' for g in gates[0, t]]}")
 load = np.asarray(stats.expert_load)
 print("assignments per expert (jaxpar):", load.astype(int).tolist())
-assert np.array_equal(counts_per_sequence(idx).sum(0), load)      # numpy's routing = the layer's
+assert np.array_equal(counts_per_sequence(idx).sum(0), load)  # numpy's routing = the layer's
 
 # %% [markdown]
 # Each of the B·T = 2,048 tokens makes k = 2 assignments, so a perfectly balanced router would give every
@@ -116,9 +116,12 @@ for ax, (skew, per_expert) in zip(axes, loads.items()):
     ax.bar(range(E), per_expert, color=["tab:red" if e < HOT and skew else "tab:blue" for e in range(E)])
     ax.axhline(B * T * K / E, color="k", ls=":", label="balanced: N·k/E")
     ax.axhline(cap_125, color="r", ls="--", label="capacity at cf 1.25 (all sequences)")
-    ax.set_title(f"router skew {skew:g} nat: assignments per expert"); ax.set_xlabel("expert")
-axes[0].set_ylabel("assignments"); axes[0].legend(fontsize=8)
-plt.tight_layout(); plt.show()
+    ax.set_title(f"router skew {skew:g} nat: assignments per expert")
+    ax.set_xlabel("expert")
+axes[0].set_ylabel("assignments")
+axes[0].legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## 2 · Capacity factor against dropped tokens
@@ -153,16 +156,27 @@ for skew in SKEWS:
 print("cf     C  " + "".join(f"skew {s:<4g}" for s in SKEWS))
 for cf in FACTORS:
     print(f"{cf:<5g}{slots[cf]:>4d}  " + "".join(f"{dropped[s, cf]:>9.1%}" for s in SKEWS))
-print("hottest expert's share of assignments:", {s: round(float(h), 3) for s, h in hottest.items()},
-      f"(balanced: {1 / E:.4f})")
+print(
+    "hottest expert's share of assignments:",
+    {s: round(float(h), 3) for s, h in hottest.items()},
+    f"(balanced: {1 / E:.4f})",
+)
 
 plt.figure(figsize=(6, 3.5))
 for skew in SKEWS:
-    plt.plot(FACTORS, [100 * dropped[skew, cf] for cf in FACTORS], "o-",
-             label=f"skew {skew:g} nat (hottest expert {hottest[skew]:.0%})")
-plt.xlabel("capacity factor"); plt.ylabel("assignments dropped (%)")
-plt.title("Dropped assignments, measured by the MoE layer"); plt.legend(fontsize=8); plt.grid(alpha=0.3)
-plt.tight_layout(); plt.show()
+    plt.plot(
+        FACTORS,
+        [100 * dropped[skew, cf] for cf in FACTORS],
+        "o-",
+        label=f"skew {skew:g} nat (hottest expert {hottest[skew]:.0%})",
+    )
+plt.xlabel("capacity factor")
+plt.ylabel("assignments dropped (%)")
+plt.title("Dropped assignments, measured by the MoE layer")
+plt.legend(fontsize=8)
+plt.grid(alpha=0.3)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # With an unbiased router a little headroom is enough: a few percent drop at cf 1.25 and nothing from
@@ -208,8 +222,13 @@ step_sent = sum(op.sent_bytes * op.executions for op in a2a)
 moe = cfg.moe
 step_slots = moe.num_experts * math.ceil(moe.capacity_factor * STEP_T * moe.top_k / moe.num_experts)
 step_formula = cfg.num_moe_layers * a2a_bytes_formula(
-    tokens_per_device=STEP_B * STEP_T // layout.mesh.size, top_k=moe.top_k,
-    capacity_factor=step_slots / (STEP_T * moe.top_k), embed_dim=cfg.embed_dim, ep=4, bytes_per_element=4)
+    tokens_per_device=STEP_B * STEP_T // layout.mesh.size,
+    top_k=moe.top_k,
+    capacity_factor=step_slots / (STEP_T * moe.top_k),
+    embed_dim=cfg.embed_dim,
+    ep=4,
+    bytes_per_element=4,
+)
 print(f"all-to-all bytes sent per device per step: {step_sent:,.0f} (compiled)  {step_formula:,.0f} (formula)")
 
 # %% [markdown]
@@ -230,19 +249,26 @@ ep_sent = {}
 for ep in (2, 4, 8):
     preset = resolve_mesh_arg(f"data={8 // ep},expert={ep}" if ep < 8 else "expert=8")
     mesh, rules = build_mesh(preset.mesh), preset.rules
-    spec = lambda *names: jax.sharding.NamedSharding(mesh, rules.spec(names))
-    shardings = (spec("batch", None, None, "act_embed"), spec("experts", "embed", None, "mlp"),
-                 spec("experts", "mlp", "embed"))
+    spec = lambda *names, mesh=mesh, rules=rules: jax.sharding.NamedSharding(mesh, rules.spec(names))
+    shardings = (
+        spec("batch", None, None, "act_embed"),
+        spec("experts", "embed", None, "mlp"),
+        spec("experts", "mlp", "embed"),
+    )
     with use_layout(mesh, rules):
-        fn = jax.jit(jax.value_and_grad(lambda b, g, d: jnp.sum(experts_apply(b, g, d)), argnums=(0, 1, 2)),
-                     in_shardings=shardings)
-        ops = analyze_compiled(fn.lower(abstract(G, EL, C, D), abstract(EL, D, 2, F), abstract(EL, F, D)).compile(),
-                               mesh=mesh).ops
+        fn = jax.jit(
+            jax.value_and_grad(lambda b, g, d: jnp.sum(experts_apply(b, g, d)), argnums=(0, 1, 2)),
+            in_shardings=shardings,
+        )
+        ops = analyze_compiled(
+            fn.lower(abstract(G, EL, C, D), abstract(EL, D, 2, F), abstract(EL, F, D)).compile(), mesh=mesh
+        ).ops
     ep_sent[ep] = sum(op.sent_bytes * op.executions for op in ops if op.kind == "all-to-all")
 
-rows_per_device = G // 8 * EL * C                  # slots a device holds: T_dev · k · cf
-formula = lambda ep: a2a_bytes_formula(tokens_per_device=rows_per_device, top_k=1, capacity_factor=1.0,
-                                       embed_dim=D, ep=ep, bytes_per_element=4)
+rows_per_device = G // 8 * EL * C  # slots a device holds: T_dev · k · cf
+formula = lambda ep: a2a_bytes_formula(
+    tokens_per_device=rows_per_device, top_k=1, capacity_factor=1.0, embed_dim=D, ep=ep, bytes_per_element=4
+)
 for ep, sent in ep_sent.items():
     print(f"ep={ep}: {sent:,.0f} bytes sent (compiled), formula {formula(ep):,.0f}")
 
@@ -250,9 +276,13 @@ eps = np.linspace(1, 8, 50)
 plt.figure(figsize=(5.5, 3.2))
 plt.plot(eps, [formula(e) / 1e3 for e in eps], "k-", label="4·(ep−1)/ep · rows · D · 4 B")
 plt.plot(list(ep_sent), [v / 1e3 for v in ep_sent.values()], "o", ms=9, label="compiled (experts_apply)")
-plt.xlabel("expert-parallel degree ep"); plt.ylabel("kB sent per device")
-plt.title("All-to-all bytes: compiled program vs formula"); plt.legend(fontsize=8); plt.grid(alpha=0.3)
-plt.tight_layout(); plt.show()
+plt.xlabel("expert-parallel degree ep")
+plt.ylabel("kB sent per device")
+plt.title("All-to-all bytes: compiled program vs formula")
+plt.legend(fontsize=8)
+plt.grid(alpha=0.3)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## 4 · Token choice against expert choice
@@ -274,45 +304,60 @@ SKEW = 1.0
 tc_layer, ec_layer = moe_layer(SKEW, capacity_factor=1.0), moe_layer(SKEW, capacity_factor=1.0, router="expert_choice")
 (_, tc_stats), (_, ec_stats) = run(tc_layer, x), run(ec_layer, x)
 c1 = capacity(T, tc_layer.cfg)
-assert capacity(T, ec_layer.cfg) == c1 and E * c1 == T * K         # same slots, same compute
+assert capacity(T, ec_layer.cfg) == c1 and E * c1 == T * K  # same slots, same compute
 
 idx, _, probs = route(np.asarray(tc_layer.router[...]))
-choice_major = idx.transpose(0, 2, 1).reshape(B, K * T)             # all 1st choices, then all 2nd
-hot = np.eye(E, dtype=int)[choice_major]                            # [B, k·T, E]
+choice_major = idx.transpose(0, 2, 1).reshape(B, K * T)  # all 1st choices, then all 2nd
+hot = np.eye(E, dtype=int)[choice_major]  # [B, k·T, E]
 slot = ((np.cumsum(hot, axis=1) * hot).sum(-1) - 1).reshape(B, K, T).transpose(0, 2, 1)
-tc_kept = (slot < c1).sum(-1)                                        # experts each token keeps: 0..k
-tc_load = np.bincount(idx[slot < c1], minlength=E)                   # assignments each expert runs
+tc_kept = (slot < c1).sum(-1)  # experts each token keeps: 0..k
+tc_load = np.bincount(idx[slot < c1], minlength=E)  # assignments each expert runs
 
-ec_pick = np.argsort(-probs, axis=1, kind="stable")[:, :c1, :]       # [B, C, E]: each expert's C tokens
+ec_pick = np.argsort(-probs, axis=1, kind="stable")[:, :c1, :]  # [B, C, E]: each expert's C tokens
 ec_experts = np.zeros((B, T), int)
 for b in range(B):
-    np.add.at(ec_experts[b], ec_pick[b].ravel(), 1)                  # experts each token got: 0..E
+    np.add.at(ec_experts[b], ec_pick[b].ravel(), 1)  # experts each token got: 0..E
 ec_load = np.full(E, B * c1)
 
 assert abs((1 - tc_kept.sum() / (B * T * K)) - float(tc_stats.dropped_fraction)) < 1e-6
 assert abs(np.mean(ec_experts == 0) - float(ec_stats.dropped_fraction)) < 1e-6
-balance = {"token choice": dict(max_over_mean_demand=float(loads[SKEW].max() / loads[SKEW].mean()),
-                                slots_used=float(tc_load.sum() / (E * B * c1)),
-                                tokens_without_expert=float(np.mean(tc_kept == 0))),
-           "expert choice": dict(max_over_mean_demand=float(ec_load.max() / ec_load.mean()),
-                                 slots_used=float(ec_load.sum() / (E * B * c1)),
-                                 tokens_without_expert=float(ec_stats.dropped_fraction))}
+balance = {
+    "token choice": dict(
+        max_over_mean_demand=float(loads[SKEW].max() / loads[SKEW].mean()),
+        slots_used=float(tc_load.sum() / (E * B * c1)),
+        tokens_without_expert=float(np.mean(tc_kept == 0)),
+    ),
+    "expert choice": dict(
+        max_over_mean_demand=float(ec_load.max() / ec_load.mean()),
+        slots_used=float(ec_load.sum() / (E * B * c1)),
+        tokens_without_expert=float(ec_stats.dropped_fraction),
+    ),
+}
 for name, v in balance.items():
-    print(f"{name:14s} busiest expert / mean {v['max_over_mean_demand']:.2f}   slots used {v['slots_used']:.1%}"
-          f"   tokens with no expert {v['tokens_without_expert']:.1%}")
+    print(
+        f"{name:14s} busiest expert / mean {v['max_over_mean_demand']:.2f}   slots used {v['slots_used']:.1%}"
+        f"   tokens with no expert {v['tokens_without_expert']:.1%}"
+    )
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
 left.bar(np.arange(E) - 0.2, loads[SKEW], 0.4, label="token choice: wanted")
 left.bar(np.arange(E) + 0.2, ec_load, 0.4, label="expert choice: taken")
 left.axhline(B * c1, color="r", ls="--", label="capacity (cf 1)")
-left.set_xlabel("expert"); left.set_ylabel("tokens"); left.set_title("Load per expert, skew 1 nat")
+left.set_xlabel("expert")
+left.set_ylabel("tokens")
+left.set_title("Load per expert, skew 1 nat")
 left.legend(fontsize=8)
 n = ec_experts.max() + 1
 right.bar(np.arange(n) - 0.2, np.bincount(tc_kept.ravel(), minlength=n), 0.4, label="token choice: experts kept")
-right.bar(np.arange(n) + 0.2, np.bincount(ec_experts.ravel(), minlength=n), 0.4, label="expert choice: experts received")
-right.set_xlabel("experts per token"); right.set_ylabel("tokens"); right.legend(fontsize=8)
+right.bar(
+    np.arange(n) + 0.2, np.bincount(ec_experts.ravel(), minlength=n), 0.4, label="expert choice: experts received"
+)
+right.set_xlabel("experts per token")
+right.set_ylabel("tokens")
+right.legend(fontsize=8)
 right.set_title("What each token gets")
-plt.tight_layout(); plt.show()
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # Expert choice is perfectly balanced, which is what the "better load balancing than top-k" claim means:
@@ -337,6 +382,7 @@ plt.tight_layout(); plt.show()
 # that in numpy, with the layer's own weights, and compares it with the dropless layer and with the
 # capacity layer at cf = 1 on the skewed router.
 
+
 # %%
 def silu(v):
     return v / (1 + np.exp(-v))
@@ -344,7 +390,7 @@ def silu(v):
 
 def dense_moe(layer):
     """Every expert on every token, weighted by the token's gates (zero for unchosen experts)."""
-    gate_up, down = np.asarray(layer.gate_up[...]), np.asarray(layer.down[...])   # [E, D, 2, F], [E, F, D]
+    gate_up, down = np.asarray(layer.gate_up[...]), np.asarray(layer.down[...])  # [E, D, 2, F], [E, F, D]
     idx, gates, _ = route(np.asarray(layer.router[...]))
     weight = np.zeros((B, T, E), np.float32)
     np.put_along_axis(weight, idx, gates, -1)
@@ -355,17 +401,23 @@ def dense_moe(layer):
 
 dropless = moe_layer(SKEW, capacity_factor=None)
 y_dropless, dropless_stats = run(dropless, x)
-y_capacity, capacity_stats = run(tc_layer, x)         # cf = 1, the same weights (same seed):
+y_capacity, capacity_stats = run(tc_layer, x)  # cf = 1, the same weights (same seed):
 assert np.array_equal(np.asarray(tc_layer.gate_up[...]), np.asarray(dropless.gate_up[...]))
 want = dense_moe(dropless)
 scale = np.abs(want).max()
-err = {"dropless": float(np.abs(np.asarray(y_dropless) - want).max() / scale),
-       "capacity cf=1": float(np.abs(np.asarray(y_capacity) - want).max() / scale)}
+err = {
+    "dropless": float(np.abs(np.asarray(y_dropless) - want).max() / scale),
+    "capacity cf=1": float(np.abs(np.asarray(y_capacity) - want).max() / scale),
+}
 changed = float(np.mean(np.abs(np.asarray(y_capacity) - want).max(-1) > 1e-5 * scale))
-print(f"dropless:      dropped {float(dropless_stats.dropped_fraction):.1%}, "
-      f"max |y − dense| / max |dense| = {err['dropless']:.1e}")
-print(f"capacity cf=1: dropped {float(capacity_stats.dropped_fraction):.1%}, "
-      f"max |y − dense| / max |dense| = {err['capacity cf=1']:.2f}; {changed:.1%} of tokens differ")
+print(
+    f"dropless:      dropped {float(dropless_stats.dropped_fraction):.1%}, "
+    f"max |y − dense| / max |dense| = {err['dropless']:.1e}"
+)
+print(
+    f"capacity cf=1: dropped {float(capacity_stats.dropped_fraction):.1%}, "
+    f"max |y − dense| / max |dense| = {err['capacity cf=1']:.2f}; {changed:.1%} of tokens differ"
+)
 
 # %% [markdown]
 # The dropless layer agrees with the dense computation to float32 rounding, with the hot experts running
@@ -379,22 +431,40 @@ print(f"capacity cf=1: dropped {float(capacity_stats.dropped_fraction):.1%}, "
 
 # %%
 key_numbers = {
-    "experts": E, "top_k": K, "batch": B, "seq": T,
+    "experts": E,
+    "top_k": K,
+    "batch": B,
+    "seq": T,
     "capacity_slots": {str(cf): int(slots[cf]) for cf in FACTORS},
     "dropped": {f"{s:g}/{cf:g}": dropped[s, cf] for s in SKEWS for cf in FACTORS},
     "counts_per_sequence": {f"{s:g}": per_sequence[s].tolist() for s in SKEWS},
     "hottest_share": {f"{s:g}": float(hottest[s]) for s in SKEWS},
-    "step_all_to_all": {"sent_bytes": float(step_sent), "count": report.collectives.count("all-to-all"),
-                        "axes": sorted({"+".join(op.axes) for op in a2a}), "batch": STEP_B, "seq": STEP_T,
-                        "ep": 4, "devices": layout.mesh.size, "experts": moe.num_experts, "top_k": moe.top_k,
-                        "capacity_factor": moe.capacity_factor, "embed_dim": cfg.embed_dim,
-                        "moe_layers": cfg.num_moe_layers},
-    "layer_all_to_all": {"sent_bytes": {str(ep): float(v) for ep, v in ep_sent.items()},
-                         "groups": G, "experts": EL, "slots": C, "embed_dim": D},
+    "step_all_to_all": {
+        "sent_bytes": float(step_sent),
+        "count": report.collectives.count("all-to-all"),
+        "axes": sorted({"+".join(op.axes) for op in a2a}),
+        "batch": STEP_B,
+        "seq": STEP_T,
+        "ep": 4,
+        "devices": layout.mesh.size,
+        "experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "capacity_factor": moe.capacity_factor,
+        "embed_dim": cfg.embed_dim,
+        "moe_layers": cfg.num_moe_layers,
+    },
+    "layer_all_to_all": {
+        "sent_bytes": {str(ep): float(v) for ep, v in ep_sent.items()},
+        "groups": G,
+        "experts": EL,
+        "slots": C,
+        "embed_dim": D,
+    },
     "balance": balance,
     "expert_choice_experts_per_token": np.bincount(ec_experts.ravel()).tolist(),
-    "dropless_error": err["dropless"], "capacity_error": err["capacity cf=1"],
+    "dropless_error": err["dropless"],
+    "capacity_error": err["capacity cf=1"],
     "dropless_dropped": float(dropless_stats.dropped_fraction),
     "capacity_cf1_dropped": float(capacity_stats.dropped_fraction),
 }
-{k: v for k, v in key_numbers.items() if k != "counts_per_sequence"}      # (the 4 × 8 × 16 counts left out)
+{k: v for k, v in key_numbers.items() if k != "counts_per_sequence"}  # (the 4 × 8 × 16 counts left out)

@@ -19,7 +19,7 @@
 # %%
 from jaxpar.mesh import simulate_cpu_devices
 
-simulate_cpu_devices(32)            # before any other JAX operation: the CPU shows up as 32 devices
+simulate_cpu_devices(32)  # before any other JAX operation: the CPU shows up as 32 devices
 import jax
 
 print(jax.device_count(), "devices")
@@ -54,19 +54,22 @@ from jaxpar.models import get_model_preset
 from jaxpar.shardings import param_shardings
 
 cfg = get_model_preset("tiny-moe", context_parallel="ring", remat="none")
-B, T = 8, 32                                   # tiny: the 32-device compile is this notebook's cost
+B, T = 8, 32  # tiny: the 32-device compile is this notebook's cost
 layout = make_layout(cfg, preset, batch=B, seq=T)
 held = param_shardings(cfg, layout)
 print(f"{'parameter':26s} {'logical axes':42s} {'shape':18s} {'spec':36s} per device")
 for p in held.params:
     spec = str(tuple(p.spec)).replace("'", "")
     print(f"{p.path:26s} {str(p.names).replace(chr(39), ''):42s} {str(p.shape):18s} {spec:36s} {p.shard_shape}")
-print(f"\n{held.num_params:,} parameters; a device keeps {held.per_device_adamw_bytes:,} bytes of parameters and "
-      f"AdamW moments of {12 * held.num_params:,} ({12 * held.num_params / held.per_device_adamw_bytes:.1f}× less)")
+print(
+    f"\n{held.num_params:,} parameters; a device keeps {held.per_device_adamw_bytes:,} bytes of parameters and "
+    f"AdamW moments of {12 * held.num_params:,} ({12 * held.num_params / held.per_device_adamw_bytes:.1f}× less)"
+)
 
 # %% [markdown]
 # The expert weights are cut over three axes (expert × fsdp × tensor: 8 shards), the attention, embedding
-# and head weights over two (fsdp × tensor: 4 shards), the norms not at all. No device holds a whole expert matrix: FSDP gathers the fsdp
+# and head weights over two (fsdp × tensor: 4 shards), the norms not at all. No device holds a whole expert matrix:
+# FSDP gathers the fsdp
 # shards before use, and tensor keeps its half of the MLP columns.
 #
 # ## 2 · The collectives of each axis, read from the compiled step
@@ -90,8 +93,8 @@ report = analyze_compiled(compiled, mesh=layout.mesh)
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "collective-permute")
 ORDER = tuple(layout.mesh.axis_names)
-sent = defaultdict(lambda: defaultdict(float))        # axis group -> kind -> bytes one device sends
-runs = defaultdict(lambda: defaultdict(int))          # axis group -> kind -> executions per step
+sent = defaultdict(lambda: defaultdict(float))  # axis group -> kind -> bytes one device sends
+runs = defaultdict(lambda: defaultdict(int))  # axis group -> kind -> executions per step
 for op in report.ops:
     group = "+".join(op.axes) or "(groups of one device)"
     sent[group][op.kind] += op.sent_bytes * op.executions
@@ -112,9 +115,12 @@ for kind in KINDS:
     values = np.array([sent[g][kind] / 1e3 for g in groups])
     ax.barh(groups, values, left=left, label=kind)
     left += values
-ax.invert_yaxis(); ax.set_xlabel("kB sent per device per step"); ax.legend(fontsize=8)
+ax.invert_yaxis()
+ax.set_xlabel("kB sent per device per step")
+ax.legend(fontsize=8)
 ax.set_title(f"tiny-moe train step on {SPEC}: collectives by mesh-axis group")
-plt.tight_layout(); plt.show()
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # Each axis leaves its own signature in the program:
@@ -153,10 +159,17 @@ a2a_sent = sum(op.sent_bytes * op.executions for op in a2a)
 batch_ways = math.prod(layout.mesh.shape[a] for a in ("data", "fsdp", "expert"))
 slots = moe.num_experts * math.ceil(moe.capacity_factor * T * moe.top_k / moe.num_experts)
 a2a_formula = cfg.num_moe_layers * a2a_bytes_formula(
-    tokens_per_device=B * T // batch_ways, top_k=moe.top_k, capacity_factor=slots / (T * moe.top_k),
-    embed_dim=cfg.embed_dim, ep=layout.mesh.shape["expert"], bytes_per_element=4)
-print(f"expert all-to-all: {len(a2a)} instructions, buffer {a2a[0].shapes[0]} each, "
-      f"{a2a_sent:,.0f} bytes sent per device per step; formula {a2a_formula:,.0f}")
+    tokens_per_device=B * T // batch_ways,
+    top_k=moe.top_k,
+    capacity_factor=slots / (T * moe.top_k),
+    embed_dim=cfg.embed_dim,
+    ep=layout.mesh.shape["expert"],
+    bytes_per_element=4,
+)
+print(
+    f"expert all-to-all: {len(a2a)} instructions, buffer {a2a[0].shapes[0]} each, "
+    f"{a2a_sent:,.0f} bytes sent per device per step; formula {a2a_formula:,.0f}"
+)
 
 # %% [markdown]
 # `tests/test_five_d.py` trains this layout for 3 steps and finds the losses, the per-expert loads and every
@@ -190,16 +203,21 @@ GPU = dict(attention_impl="cudnn")
 start = time.perf_counter()
 ranked, refused = search(MODEL, N, batch=BATCH, seq=SEQ, hardware=HW, **ROOFLINE, **GPU)
 fitting = [c for c in ranked if c.fits]
-print(f"{len(ranked)} layouts estimated, {len(refused)} refused (cannot divide the model), {len(fitting)} fit "
-      f"in {HARDWARE[HW].hbm_bytes / 1e9:.0f} GB; {time.perf_counter() - start:.1f} s")
+print(
+    f"{len(ranked)} layouts estimated, {len(refused)} refused (cannot divide the model), {len(fitting)} fit "
+    f"in {HARDWARE[HW].hbm_bytes / 1e9:.0f} GB; {time.perf_counter() - start:.1f} s"
+)
 print(f"{'rank':>4}  {'mesh':36s}{'GB/device':>10s}{'step s':>8s}{'MFU':>7s}")
 for i, c in enumerate(ranked[:10], 1):
     mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items())
     print(f"{i:>4}  {mesh:36s}{c.memory_bytes / 1e9:>10.1f}{c.predicted_step_s:>8.2f}{c.predicted_mfu:>7.1%}")
 print("refused, e.g.:", refused[0][1][:110], "…")
 hw = HARDWARE[HW]
-print(f"{HW}: {hw.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, {hw.hbm_bytes / 1e9:.0f} GB HBM, links {hw.fast_link / 1e9:.0f} GB/s "
-      f"inside a {hw.fast_domain}-GPU node, {hw.slow_link / 1e9:.0f} GB/s across nodes (per direction)")
+print(
+    f"{HW}: {hw.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, {hw.hbm_bytes / 1e9:.0f} GB HBM, "
+    f"links {hw.fast_link / 1e9:.0f} GB/s inside a {hw.fast_domain}-GPU node, "
+    f"{hw.slow_link / 1e9:.0f} GB/s across nodes (per direction)"
+)
 
 # %% [markdown]
 # The CLI's `--plot` draws this figure (here returned by `candidates_figure` and shown inline): for the
@@ -224,16 +242,27 @@ plt.figure(figsize=(6.5, 4))
 plt.scatter(memory[~has_expert], step[~has_expert], s=12, alpha=0.6, label="no expert axis")
 plt.scatter(memory[has_expert], step[has_expert], s=12, alpha=0.6, label="with an expert axis")
 top = fitting[0]
-plt.scatter([top.memory_bytes / 1e9], [top.predicted_step_s], s=120, marker="*", color="k",
-            label="best: " + ",".join(f"{a}={n}" for a, n in top.mesh.items()))
+plt.scatter(
+    [top.memory_bytes / 1e9],
+    [top.predicted_step_s],
+    s=120,
+    marker="*",
+    color="k",
+    label="best: " + ",".join(f"{a}={n}" for a, n in top.mesh.items()),
+)
 plt.axvline(HARDWARE[HW].hbm_bytes / 1e9, color="r", ls="--", label="80 GB HBM")
-plt.xscale("log"); plt.yscale("log")
+plt.xscale("log")
+plt.yscale("log")
 for axis, ticks in ((plt.gca().xaxis, [10, 20, 40, 80, 160, 320, 640]), (plt.gca().yaxis, [3, 4, 6, 10, 20, 40])):
-    axis.set_major_locator(FixedLocator(ticks)); axis.set_major_formatter(ScalarFormatter())
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(ScalarFormatter())
     axis.set_minor_locator(NullLocator())
-plt.xlabel("memory per device (GB)"); plt.ylabel("predicted step (s)")
-plt.title(f"{MODEL} on {N} H100s: {len(ranked)} layouts"); plt.legend(fontsize=8)
-plt.tight_layout(); plt.show()
+plt.xlabel("memory per device (GB)")
+plt.ylabel("predicted step (s)")
+plt.title(f"{MODEL} on {N} H100s: {len(ranked)} layouts")
+plt.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## 4 · "What is your bottleneck?"
@@ -289,32 +318,64 @@ def mesh_text(mesh):
 CASES = [  # (case, model, devices, batch, seq, naive layout, the texts' remedy, remedy's layout)
     ("weights + optimizer don't fit", "llama3-70b", 64, 64, 4096, {"data": 64}, "ZeRO / FSDP", {"fsdp": 64}),
     ("FSDP over 8 nodes", "llama3-70b", 64, 64, 4096, {"fsdp": 64}, "TP inside the node", {"fsdp": 8, "tensor": 8}),
-    ("TP across nodes", "llama3-70b", 64, 64, 4096, {"fsdp": 4, "tensor": 16}, "keep TP ≤ a node",
-     {"fsdp": 8, "tensor": 8}),
-    ("long context (64k tokens)", "llama3-8b", 64, 8, 65536, {"fsdp": 8}, "context parallelism",
-     {"fsdp": 8, "sequence": 8}),
+    (
+        "TP across nodes",
+        "llama3-70b",
+        64,
+        64,
+        4096,
+        {"fsdp": 4, "tensor": 16},
+        "keep TP ≤ a node",
+        {"fsdp": 8, "tensor": 8},
+    ),
+    (
+        "long context (64k tokens)",
+        "llama3-8b",
+        64,
+        8,
+        65536,
+        {"fsdp": 8},
+        "context parallelism",
+        {"fsdp": 8, "sequence": 8},
+    ),
     ("MoE experts", "mixtral-8x7b", 64, 256, 4096, {"fsdp": 64}, "expert parallelism", {"fsdp": 8, "expert": 8}),
-    ("throughput (one node)", "llama3-8b", 64, 64, 2048, {"fsdp": 8}, "more data parallelism",
-     {"data": 8, "fsdp": 8}),
+    ("throughput (one node)", "llama3-8b", 64, 64, 2048, {"fsdp": 8}, "more data parallelism", {"data": 8, "fsdp": 8}),
 ]
 rows, cases = [], {}
 for name, model, n, batch, seq, naive, remedy, fix in CASES:
     before, after = candidate(model, naive, batch, seq), candidate(model, fix, batch, seq)
     best = best_layout(model, n, batch, seq)
-    cases[name] = dict(model=model, devices=n, batch=batch, seq=seq, naive=naive, fix=fix, best=best.mesh,
-                       before={k: getattr(before, k) for k in ("fits", "memory_bytes", "predicted_step_s")},
-                       after={k: getattr(after, k) for k in ("fits", "memory_bytes", "predicted_step_s")},
-                       best_step_s=best.predicted_step_s, before_times=before.times, after_times=after.times,
-                       before_bytes=before.bytes_by_axis, after_bytes=after.bytes_by_axis)
+    cases[name] = dict(
+        model=model,
+        devices=n,
+        batch=batch,
+        seq=seq,
+        naive=naive,
+        fix=fix,
+        best=best.mesh,
+        before={k: getattr(before, k) for k in ("fits", "memory_bytes", "predicted_step_s")},
+        after={k: getattr(after, k) for k in ("fits", "memory_bytes", "predicted_step_s")},
+        best_step_s=best.predicted_step_s,
+        before_times=before.times,
+        after_times=after.times,
+        before_bytes=before.bytes_by_axis,
+        after_bytes=after.bytes_by_axis,
+    )
     devices = f"{n}" if math.prod(naive.values()) == n else f"{math.prod(naive.values())} → {n}"
-    rows.append(f"| {name} | {model}, {devices} H100, {batch}×{seq} | `{mesh_text(naive)}`: "
-                f"{bottleneck(before)} | {remedy} | `{mesh_text(fix)}`: {'fits' if after.fits else 'no fit'}, "
-                f"{after.predicted_step_s:.2f} s | `{mesh_text(best.mesh)}`: {best.predicted_step_s:.2f} s |")
+    rows.append(
+        f"| {name} | {model}, {devices} H100, {batch}×{seq} | `{mesh_text(naive)}`: "
+        f"{bottleneck(before)} | {remedy} | `{mesh_text(fix)}`: {'fits' if after.fits else 'no fit'}, "
+        f"{after.predicted_step_s:.2f} s | `{mesh_text(best.mesh)}`: {best.predicted_step_s:.2f} s |"
+    )
 
 from IPython.display import Markdown, display
 
-display(Markdown("| case | model, devices, batch × seq | naive layout: the lab's bottleneck | texts' remedy "
-                 "| remedy's layout | search's best |\n|---|---|---|---|---|---|\n" + "\n".join(rows)))
+display(
+    Markdown(
+        "| case | model, devices, batch × seq | naive layout: the lab's bottleneck | texts' remedy "
+        "| remedy's layout | search's best |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
+    )
+)
 
 # %% [markdown]
 # How the remedies held up in the lab's numbers:
@@ -357,25 +418,53 @@ print("with XLA's attention:", ", ".join(f"{m}: {c.memory_bytes / 1e9:,.0f} GB" 
 # %%
 dp8, fsdp8 = candidate("llama3-8b", {"data": 8}, 64, 2048), candidate("llama3-8b", {"fsdp": 8}, 64, 2048)
 sync = {"data": dp8.bytes_by_axis["data"], "fsdp": fsdp8.bytes_by_axis["fsdp"]}
-print(f"data=8 sends {sync['data'] / 1e9:.1f} GB per device per step, fsdp=8 {sync['fsdp'] / 1e9:.1f} GB "
-      f"({sync['fsdp'] / sync['data']:.2f}×); memory {dp8.memory_bytes / 1e9:.0f} GB against {fsdp8.memory_bytes / 1e9:.0f} GB")
+print(
+    f"data=8 sends {sync['data'] / 1e9:.1f} GB per device per step, fsdp=8 {sync['fsdp'] / 1e9:.1f} GB "
+    f"({sync['fsdp'] / sync['data']:.2f}×); "
+    f"memory {dp8.memory_bytes / 1e9:.0f} GB against {fsdp8.memory_bytes / 1e9:.0f} GB"
+)
 
 # %% [markdown]
 # ## Key numbers
 
 # %%
 key_numbers = {
-    "devices": jax.device_count(), "mesh": dict(layout.mesh.shape), "batch": B, "seq": T,
-    "params": [dict(path=p.path, shape=list(p.shape), spec=[e if e is None or isinstance(e, str) else list(e)
-                                                              for e in p.spec], shard=list(p.shard_shape))
-               for p in held.params],
+    "devices": jax.device_count(),
+    "mesh": dict(layout.mesh.shape),
+    "batch": B,
+    "seq": T,
+    "params": [
+        dict(
+            path=p.path,
+            shape=list(p.shape),
+            spec=[e if e is None or isinstance(e, str) else list(e) for e in p.spec],
+            shard=list(p.shard_shape),
+        )
+        for p in held.params
+    ],
     "collectives": {g: {k: dict(sent=sent[g][k], runs=runs[g][k]) for k in KINDS if runs[g][k]} for g in groups},
-    "a2a": dict(sent=a2a_sent, formula=a2a_formula, instructions=len(a2a), runs=sum(op.executions for op in a2a),
-                moe_layers=cfg.num_moe_layers, experts=moe.num_experts, top_k=moe.top_k,
-                capacity_factor=moe.capacity_factor, embed_dim=cfg.embed_dim),
-    "search": dict(model=MODEL, devices=N, estimated=len(ranked), refused=len(refused), fitting=len(fitting),
-                   best=fitting[0].mesh, best_memory=fitting[0].memory_bytes, best_step_s=fitting[0].predicted_step_s,
-                   data_only_memory=next(c.memory_bytes for c in ranked if c.mesh == {"data": N})),
+    "a2a": dict(
+        sent=a2a_sent,
+        formula=a2a_formula,
+        instructions=len(a2a),
+        runs=sum(op.executions for op in a2a),
+        moe_layers=cfg.num_moe_layers,
+        experts=moe.num_experts,
+        top_k=moe.top_k,
+        capacity_factor=moe.capacity_factor,
+        embed_dim=cfg.embed_dim,
+    ),
+    "search": dict(
+        model=MODEL,
+        devices=N,
+        estimated=len(ranked),
+        refused=len(refused),
+        fitting=len(fitting),
+        best=fitting[0].mesh,
+        best_memory=fitting[0].memory_bytes,
+        best_step_s=fitting[0].predicted_step_s,
+        data_only_memory=next(c.memory_bytes for c in ranked if c.mesh == {"data": N}),
+    ),
     "cases": cases,
     "sync_bytes": sync,
     "long_context": {m: dict(memory=c.memory_bytes, step_s=c.predicted_step_s, fits=c.fits) for m, c in long.items()},

@@ -56,32 +56,45 @@ def nbytes(tree):
 
 # %%
 S = 4096
-models = {"llama2-7b": ("llama2-7b", {}), "llama3-8b": ("llama3-8b", {}), "mistral-7b": ("mistral-7b", {}),
-          "qwen3-8b": ("qwen3-8b", {}), "mixtral-8x7b": ("mixtral-8x7b", {}), "deepseek-v3": ("deepseek-v3", {}),
-          "70b MHA (K=64)": ("llama3-70b", dict(num_kv_heads=64)), "llama3-70b": ("llama3-70b", {}),
-          "70b MQA (K=1)": ("llama3-70b", dict(num_kv_heads=1))}
+models = {
+    "llama2-7b": ("llama2-7b", {}),
+    "llama3-8b": ("llama3-8b", {}),
+    "mistral-7b": ("mistral-7b", {}),
+    "qwen3-8b": ("qwen3-8b", {}),
+    "mixtral-8x7b": ("mixtral-8x7b", {}),
+    "deepseek-v3": ("deepseek-v3", {}),
+    "70b MHA (K=64)": ("llama3-70b", dict(num_kv_heads=64)),
+    "llama3-70b": ("llama3-70b", {}),
+    "70b MQA (K=1)": ("llama3-70b", dict(num_kv_heads=1)),
+}
 kv_bytes, formula, kind = {}, {}, {}
 for label, (name, changes) in models.items():
     model = abstract(name, **changes)
     cfg = model.cfg
-    kv_bytes[label] = nbytes(jax.eval_shape(lambda: model.empty_cache(1, S))) / S
+    kv_bytes[label] = nbytes(jax.eval_shape(lambda model=model: model.empty_cache(1, S))) / S
     if cfg.uses_mla:
         formula[label] = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * cfg.num_layers * 2
         kind[label] = "MLA"
     else:
         formula[label] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        kind[label] = ("MHA" if cfg.num_kv_heads == cfg.num_heads else "MQA" if cfg.num_kv_heads == 1 else "GQA")
-    print(f"{label:15s} {kind[label]}  L={cfg.num_layers:2d}  {kv_bytes[label] / 1024:7.1f} KiB per token   "
-          f"formula {formula[label] / 1024:7.1f} KiB")
+        kind[label] = "MHA" if cfg.num_kv_heads == cfg.num_heads else "MQA" if cfg.num_kv_heads == 1 else "GQA"
+    print(
+        f"{label:15s} {kind[label]}  L={cfg.num_layers:2d}  {kv_bytes[label] / 1024:7.1f} KiB per token   "
+        f"formula {formula[label] / 1024:7.1f} KiB"
+    )
 
 colors = {"MHA": "tab:red", "GQA": "tab:blue", "MQA": "tab:green", "MLA": "tab:purple"}
 plt.figure(figsize=(8, 3.2))
 plt.bar(kv_bytes.keys(), [v / 1024 for v in kv_bytes.values()], color=[colors[kind[k]] for k in kv_bytes])
 for k, c in colors.items():
     plt.bar([0], [0], color=c, label=k)
-plt.yscale("log"); plt.ylabel("KiB per token (bf16)"); plt.legend(ncol=4, fontsize=8)
-plt.title("KV cache per token, read from jaxpar's cache arrays"); plt.xticks(rotation=25, ha="right")
-plt.tight_layout(); plt.show()
+plt.yscale("log")
+plt.ylabel("KiB per token (bf16)")
+plt.legend(ncol=4, fontsize=8)
+plt.title("KV cache per token, read from jaxpar's cache arrays")
+plt.xticks(rotation=25, ha="right")
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # The cache arrays match the formula for every model. GQA keeps Llama-3-70B at 320 KiB per token, an
@@ -118,8 +131,10 @@ for t in (1, 2, 4, 8):
     print(f"tensor={t}: {per_device_65k[t] / 1e9:5.2f} GB per GPU ({per_device_65k[t] / 2**30:5.2f} GiB)")
 batch32_tp8 = cache_per_device(m70, mesh, "decode_tp", 32, T65)
 mha_tp8 = cache_per_device(abstract("llama3-70b", num_kv_heads=64), mesh, "decode_tp", 1, T65)
-print(f"all devices together: {total_65k / 1e9:.2f} GB. At tensor=8: a batch of 32 such sequences "
-      f"{batch32_tp8 / 1e9:.1f} GB per GPU; one sequence at MHA (64 kv heads) {mha_tp8 / 1e9:.1f} GB per GPU")
+print(
+    f"all devices together: {total_65k / 1e9:.2f} GB. At tensor=8: a batch of 32 such sequences "
+    f"{batch32_tp8 / 1e9:.1f} GB per GPU; one sequence at MHA (64 kv heads) {mha_tp8 / 1e9:.1f} GB per GPU"
+)
 
 # %% [markdown]
 # The claim holds at 8-way tensor parallelism in bf16, the usual way to serve a 70B model on one
@@ -154,7 +169,7 @@ from jaxpar.inference.generate import generation_config
 from jaxpar.layers.kvcache import DECODE, PREFILL, Step
 from jaxpar.models.dense import scan_cached
 
-cfg8 = generation_config(get_model_preset("llama3-8b"))                 # float32; no remat
+cfg8 = generation_config(get_model_preset("llama3-8b"))  # float32; no remat
 PROMPT, CONTEXT = 512, 4096
 
 
@@ -173,13 +188,28 @@ def phase_costs(cfg, batch, tokens, slots, prefill):
     x = jax.ShapeDtypeStruct((batch, tokens, cfg.embed_dim), jnp.float32)
     lengths = i32(batch)
     if prefill:
-        whole = cost(lambda s, ids, n, c: nnx.merge(graph, s).prefill(ids, n, c), state, i32(batch, tokens), lengths, cache)
-        layer = cost(lambda s, x, p, c, n: scan_cached(nnx.merge(layer_graph, s), x, p, c, Step(PREFILL, n)),
-                     layer_state, x, i32(batch, tokens), cache["blocks"], lengths)
+        whole = cost(
+            lambda s, ids, n, c: nnx.merge(graph, s).prefill(ids, n, c), state, i32(batch, tokens), lengths, cache
+        )
+        layer = cost(
+            lambda s, x, p, c, n: scan_cached(nnx.merge(layer_graph, s), x, p, c, Step(PREFILL, n)),
+            layer_state,
+            x,
+            i32(batch, tokens),
+            cache["blocks"],
+            lengths,
+        )
     else:
-        whole = cost(lambda s, ids, p, c: nnx.merge(graph, s).decode(ids, p, c), state, i32(batch, 1), i32(batch, 1), cache)
-        layer = cost(lambda s, x, p, c: scan_cached(nnx.merge(layer_graph, s), x, p, c, Step(DECODE)),
-                     layer_state, x, i32(batch, 1), cache["blocks"])
+        whole = cost(
+            lambda s, ids, p, c: nnx.merge(graph, s).decode(ids, p, c), state, i32(batch, 1), i32(batch, 1), cache
+        )
+        layer = cost(
+            lambda s, x, p, c: scan_cached(nnx.merge(layer_graph, s), x, p, c, Step(DECODE)),
+            layer_state,
+            x,
+            i32(batch, 1),
+            cache["blocks"],
+        )
     return whole + (cfg.num_layers - 1) * layer
 
 
@@ -187,15 +217,22 @@ def phase_costs(cfg, batch, tokens, slots, prefill):
 full = nnx.eval_shape(lambda: build_model(cfg8, rngs=nnx.Rngs(0)))
 g, s = nnx.split(full)
 i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-scan_once = cost(lambda s, ids, p, c: nnx.merge(g, s).decode(ids, p, c), s, i32(1, 1), i32(1, 1),
-                 jax.eval_shape(lambda: full.empty_cache(1, CONTEXT)))[0]
+scan_once = cost(
+    lambda s, ids, p, c: nnx.merge(g, s).decode(ids, p, c),
+    s,
+    i32(1, 1),
+    i32(1, 1),
+    jax.eval_shape(lambda: full.empty_cache(1, CONTEXT)),
+)[0]
 batches = [1, 16, 256]
 compiled = {"prefill": {}, "decode": {}}
 for b in batches:
     compiled["prefill"][b] = phase_costs(cfg8, b, PROMPT, CONTEXT, True)
     compiled["decode"][b] = phase_costs(cfg8, b, 1, CONTEXT, False)
-print(f"the 32-layer decode program as one scan reports {scan_once:.3g} FLOPs; "
-      f"composed from exact programs: {compiled['decode'][1][0]:.3g}")
+print(
+    f"the 32-layer decode program as one scan reports {scan_once:.3g} FLOPs; "
+    f"composed from exact programs: {compiled['decode'][1][0]:.3g}"
+)
 
 # %% [markdown]
 # What must a step move, at the least? It reads every weight once and every cached key and value it
@@ -215,8 +252,10 @@ P8 = param_shardings(cfg8, default_layout(cfg8, "dp")).num_params
 kv8 = kv_bytes["llama3-8b"]
 h100 = HARDWARE["h100"]
 ridge = h100.peak_bf16_flops / h100.hbm_bandwidth
-moved = {"prefill": {b: 2 * P8 + b * PROMPT * kv8 for b in batches},
-         "decode": {b: 2 * P8 + b * CONTEXT * kv8 for b in batches}}
+moved = {
+    "prefill": {b: 2 * P8 + b * PROMPT * kv8 for b in batches},
+    "decode": {b: 2 * P8 + b * CONTEXT * kv8 for b in batches},
+}
 intensity = {ph: {b: compiled[ph][b][0] / moved[ph][b] for b in batches} for ph in moved}
 xla_intensity = {ph: {b: compiled[ph][b][0] / compiled[ph][b][1] for b in batches} for ph in moved}
 print(f"Llama-3-8B: {P8 / 1e9:.2f} B parameters; H100 ridge point {ridge:.0f} FLOPs/byte (bf16)")
@@ -224,18 +263,25 @@ print("phase    batch   compiled FLOPs   FLOPs/token   bytes moved (bf16)   FLOP
 for ph, per in (("prefill", PROMPT), ("decode", 1)):
     for b in batches:
         f = compiled[ph][b][0]
-        print(f"{ph:8s} {b:5d} {f:16.3e} {f / (b * per):13.3e} {moved[ph][b]:18.3e} {intensity[ph][b]:12.1f}"
-              f" {xla_intensity[ph][b]:14.1f}")
+        print(
+            f"{ph:8s} {b:5d} {f:16.3e} {f / (b * per):13.3e} {moved[ph][b]:18.3e} {intensity[ph][b]:12.1f}"
+            f" {xla_intensity[ph][b]:14.1f}"
+        )
 
 plt.figure(figsize=(6.5, 3.4))
 for ph, c in (("prefill", "tab:orange"), ("decode", "tab:blue")):
     label = f"prefill, {PROMPT}-token prompts" if ph == "prefill" else f"decode, {CONTEXT}-slot cache"
     plt.loglog(batches, [intensity[ph][b] for b in batches], "o-", color=c, label=label)
-    plt.loglog(batches, [xla_intensity[ph][b] for b in batches], "x--", color=c, alpha=0.6,
-               label=f"{ph}, XLA:CPU's byte count")
+    plt.loglog(
+        batches, [xla_intensity[ph][b] for b in batches], "x--", color=c, alpha=0.6, label=f"{ph}, XLA:CPU's byte count"
+    )
 plt.axhline(ridge, color="r", ls=":", label="H100 ridge point (bf16)")
-plt.xlabel("sequences per step"); plt.ylabel("FLOPs per byte"); plt.title("Llama-3-8B, compiled programs")
-plt.legend(fontsize=7); plt.tight_layout(); plt.show()
+plt.xlabel("sequences per step")
+plt.ylabel("FLOPs per byte")
+plt.title("Llama-3-8B, compiled programs")
+plt.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # The compiled FLOPs are what the parameter count predicts. A decode token costs about 2 FLOPs per
@@ -260,9 +306,9 @@ plt.legend(fontsize=7); plt.tight_layout(); plt.show()
 from jaxpar.inference.generate import Generator
 
 tiny = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))
-one = Generator(tiny)                                      # one device
+one = Generator(tiny)  # one device
 prompts = [list(np.random.default_rng(i).integers(0, 256, 100)) for i in range(8)]
-one.generate(prompts, max_new_tokens=64)                   # compiles
+one.generate(prompts, max_new_tokens=64)  # compiles
 timing = one.generate(prompts, max_new_tokens=64)
 prefill_tok_s = 8 * 100 / timing.prefill_s
 print(f"batch 8: prefill {prefill_tok_s:,.0f} tokens/s, decode {timing.decode_tokens_per_s:,.0f} tokens/s")
@@ -292,19 +338,23 @@ for name in ("decode_tp", "decode_dp"):
     gen = Generator(tiny, name)
     _, dec = gen.programs(8, 16, 64)
     report = analyze_compiled(dec, mesh=gen.mesh)
-    weights = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                  for x in jax.tree.leaves(gen.state))
+    weights = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(gen.state))
     per_layer, per_step = {}, {}
-    for c in report.ops:                       # a collective inside the layer scan runs once per layer
+    for c in report.ops:  # a collective inside the layer scan runs once per layer
         where = per_layer if c.executions == gen.cfg.num_layers else per_step
         count, sent = where.get(c.kind, (0, 0))
         where[c.kind] = (count + 1, sent + c.bytes)
-    layouts[name] = {"weight_bytes_per_device": weights,
-                     "cache_bytes_per_device": cache_per_device(gen.model, gen.mesh, name, 8, 64),
-                     "collective_bytes_per_step": report.collectives.total_bytes,
-                     "per_layer": per_layer, "per_step": per_step}
-    print(f"{name}: mesh {dict((k, v) for k, v in gen.mesh.shape.items() if v > 1)}; per device: "
-          f"{weights:,} weight bytes, {layouts[name]['cache_bytes_per_device']:,} cache bytes")
+    layouts[name] = {
+        "weight_bytes_per_device": weights,
+        "cache_bytes_per_device": cache_per_device(gen.model, gen.mesh, name, 8, 64),
+        "collective_bytes_per_step": report.collectives.total_bytes,
+        "per_layer": per_layer,
+        "per_step": per_step,
+    }
+    print(
+        f"{name}: mesh {dict((k, v) for k, v in gen.mesh.shape.items() if v > 1)}; per device: "
+        f"{weights:,} weight bytes, {layouts[name]['cache_bytes_per_device']:,} cache bytes"
+    )
     print(f"   collectives in each layer (count, bytes): {per_layer}")
     print(f"   once per step, outside the layers:        {per_step}")
     print(f"   bytes sent per decode step: {report.collectives.total_bytes:,}")
@@ -314,8 +364,12 @@ what = ["weight_bytes_per_device", "cache_bytes_per_device", "collective_bytes_p
 for i, name in enumerate(layouts):
     ax.bar(np.arange(3) + 0.38 * i, [max(layouts[name][w], 1) for w in what], 0.38, label=name)
 ax.set_xticks(np.arange(3) + 0.19, ["weights per device", "cache per device", "collective bytes per step"])
-ax.set_yscale("log"); ax.set_ylabel("bytes"); ax.set_title("tiny, batch 8, 8 devices: one decode step")
-ax.legend(); plt.tight_layout(); plt.show()
+ax.set_yscale("log")
+ax.set_ylabel("bytes")
+ax.set_title("tiny, batch 8, 8 devices: one decode step")
+ax.legend()
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # Reading the two programs:
@@ -354,12 +408,21 @@ from jaxpar.train.config import apply_overrides, default_config
 from jaxpar.train.loop import train
 
 run = pathlib.Path(tempfile.mkdtemp()) / "tiny"
-cfg = apply_overrides(default_config("tiny", mesh="dp", steps=60, batch=8, seq=64), [
-    "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=10", "log.eval_every=0", "log.progress=false",
-    "log.tensorboard=false"])
+cfg = apply_overrides(
+    default_config("tiny", mesh="dp", steps=60, batch=8, seq=64),
+    [
+        "optimizer.learning_rate=1e-2",
+        "optimizer.warmup_steps=10",
+        "log.eval_every=0",
+        "log.progress=false",
+        "log.tensorboard=false",
+    ],
+)
 result = train(cfg, run, devices=jax.devices()[:1])
-print(f"train loss {result.losses[1]:.3f} at step 1 -> {result.losses[60]:.3f} at step 60 "
-      f"(entropy rate of the source {result.entropy_rate:.3f}, ln 256 = {np.log(256):.3f})")
+print(
+    f"train loss {result.losses[1]:.3f} at step 1 -> {result.losses[60]:.3f} at step 60 "
+    f"(entropy rate of the source {result.entropy_rate:.3f}, ln 256 = {np.log(256):.3f})"
+)
 trained, _ = load_model(run, default_layout(cfg.model, "dp"))
 prompt = [int(t) for t in np.random.default_rng(5).integers(0, 256, 12)]
 out = Generator(trained).generate([prompt], max_new_tokens=16)
@@ -369,17 +432,29 @@ print("generated", out.tokens[0])
 print("first generated token == argmax of the forward pass:", out.tokens[0][0] == forward_argmax)
 
 # %%
-key_numbers = {"kv_bytes_per_token": kv_bytes, "kv_formula": formula, "total_65k_70b": total_65k,
-               "per_device_65k_70b": {str(t): v for t, v in per_device_65k.items()}, "mha_65k_tp8": mha_tp8,
-               "batch32_65k_tp8": batch32_tp8,
-               "params_8b": P8, "batches": batches, "prompt": PROMPT, "context": CONTEXT,
-               "scan_once_flops": float(scan_once),
-               "compiled_flops": {ph: [float(compiled[ph][b][0]) for b in batches] for ph in compiled},
-               "xla_bytes": {ph: [float(compiled[ph][b][1]) for b in batches] for ph in compiled},
-               "intensity": {ph: [intensity[ph][b] for b in batches] for ph in intensity},
-               "xla_intensity": {ph: [xla_intensity[ph][b] for b in batches] for ph in xla_intensity},
-               "ridge_h100": ridge, "layouts": layouts,
-               "prefill_tok_s": prefill_tok_s, "decode_tok_s": timing.decode_tokens_per_s,
-               "first_loss": result.losses[1], "final_loss": result.losses[60], "entropy_rate": result.entropy_rate,
-               "first_token_matches_forward": out.tokens[0][0] == forward_argmax}
+key_numbers = {
+    "kv_bytes_per_token": kv_bytes,
+    "kv_formula": formula,
+    "total_65k_70b": total_65k,
+    "per_device_65k_70b": {str(t): v for t, v in per_device_65k.items()},
+    "mha_65k_tp8": mha_tp8,
+    "batch32_65k_tp8": batch32_tp8,
+    "params_8b": P8,
+    "batches": batches,
+    "prompt": PROMPT,
+    "context": CONTEXT,
+    "scan_once_flops": float(scan_once),
+    "compiled_flops": {ph: [float(compiled[ph][b][0]) for b in batches] for ph in compiled},
+    "xla_bytes": {ph: [float(compiled[ph][b][1]) for b in batches] for ph in compiled},
+    "intensity": {ph: [intensity[ph][b] for b in batches] for ph in intensity},
+    "xla_intensity": {ph: [xla_intensity[ph][b] for b in batches] for ph in xla_intensity},
+    "ridge_h100": ridge,
+    "layouts": layouts,
+    "prefill_tok_s": prefill_tok_s,
+    "decode_tok_s": timing.decode_tokens_per_s,
+    "first_loss": result.losses[1],
+    "final_loss": result.losses[60],
+    "entropy_rate": result.entropy_rate,
+    "first_token_matches_forward": out.tokens[0][0] == forward_argmax,
+}
 key_numbers

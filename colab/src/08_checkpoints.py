@@ -49,10 +49,14 @@ for i, path in enumerate(texts):
 tok = Tokenizer(models.BPE())
 tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
 tok.decoder = decoders.ByteLevel()
-tok.train([str(p) for p in texts], trainers.BpeTrainer(vocab_size=320, special_tokens=["</s>"],
-                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-print(f"{sum(p.stat().st_size for p in texts)} bytes of text, vocabulary {tok.get_vocab_size()}:",
-      tok.encode(lines[0]).tokens)
+tok.train(
+    [str(p) for p in texts],
+    trainers.BpeTrainer(vocab_size=320, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+)
+print(
+    f"{sum(p.stat().st_size for p in texts)} bytes of text, vocabulary {tok.get_vocab_size()}:",
+    tok.encode(lines[0]).tokens,
+)
 
 # %% [markdown]
 # ## A Hugging Face checkpoint
@@ -65,9 +69,16 @@ import torch
 import transformers
 
 torch.manual_seed(0)
-hf_cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=256, eos_token_id=tok.token_to_id("</s>"))
+hf_cfg = transformers.LlamaConfig(
+    vocab_size=tok.get_vocab_size(),
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=tok.token_to_id("</s>"),
+)
 hf_dir = work / "hf-tiny-llama"
 transformers.LlamaForCausalLM(hf_cfg).eval().save_pretrained(hf_dir)
 tok.save(str(hf_dir / "tokenizer.json"))
@@ -82,8 +93,21 @@ print(sorted(p.name for p in hf_dir.iterdir()))
 # %%
 ckpt, tokens = work / "ckpt", work / "tokens.bin"
 assert jaxpar(["convert", "--from-hf", str(hf_dir), "--out", str(ckpt)]) == 0
-assert jaxpar(["prepare", *map(str, texts), "--out", str(tokens), "--tokenizer", str(hf_dir / "tokenizer.json"),
-               "--eval-fraction", "0.1"]) == 0
+assert (
+    jaxpar(
+        [
+            "prepare",
+            *map(str, texts),
+            "--out",
+            str(tokens),
+            "--tokenizer",
+            str(hf_dir / "tokenizer.json"),
+            "--eval-fraction",
+            "0.1",
+        ]
+    )
+    == 0
+)
 print(json.loads(tokens.with_suffix(".json").read_text()))
 
 # %% [markdown]
@@ -103,33 +127,67 @@ from jaxpar.train.command import build_config
 from jaxpar.train.loop import train
 
 run = work / "run"
-argv = ["train", "--init-from", str(ckpt), "--mesh", "3d", "--steps", "70", "--batch", "16", "--seq", "64",
-        "--out", str(run)]
-for setting in ("data.source=files", f"data.path={tokens}", f"data.eval_path={tokens.with_suffix('.eval.bin')}",
-                "optimizer.learning_rate=3e-3", "optimizer.warmup_steps=10", "checkpoint.every=20",
-                "log.eval_every=35", "log.progress=false", "log.tensorboard=false"):
+argv = [
+    "train",
+    "--init-from",
+    str(ckpt),
+    "--mesh",
+    "3d",
+    "--steps",
+    "70",
+    "--batch",
+    "16",
+    "--seq",
+    "64",
+    "--out",
+    str(run),
+]
+for setting in (
+    "data.source=files",
+    f"data.path={tokens}",
+    f"data.eval_path={tokens.with_suffix('.eval.bin')}",
+    "optimizer.learning_rate=3e-3",
+    "optimizer.warmup_steps=10",
+    "checkpoint.every=20",
+    "log.eval_every=35",
+    "log.progress=false",
+    "log.tensorboard=false",
+):
     argv += ["--set", setting]
 cfg = build_config(build_parser().parse_args(argv)).validate()
 print("jaxpar " + " ".join(argv[:13]) + "".join(f" \\\n    --set {x}" for x in argv[14::2]))
 first = train(cfg, run, stop_after=50)
-print(f"stopped after step {first.last_step}; checkpoints:", sorted(int(p.name) for p in (run / "checkpoints").iterdir()))
+print(
+    f"stopped after step {first.last_step}; checkpoints:", sorted(int(p.name) for p in (run / "checkpoints").iterdir())
+)
 second = train(cfg, run)
 same = all(first.losses[s] == second.losses[s] for s in range(41, 51))
 print(f"resumed from step {second.start_step}; steps 41-50 identical: {same}")
 eval_step = max(second.eval_losses)
-print(f"loss {first.losses[1]:.3f} at step 1 -> {second.losses[70]:.3f} at step 70; "
-      f"held-out loss {second.eval_losses[eval_step]:.3f} at step {eval_step} (ln {tok.get_vocab_size()} = "
-      f"{np.log(tok.get_vocab_size()):.3f})")
+print(
+    f"loss {first.losses[1]:.3f} at step 1 -> {second.losses[70]:.3f} at step 70; "
+    f"held-out loss {second.eval_losses[eval_step]:.3f} at step {eval_step} (ln {tok.get_vocab_size()} = "
+    f"{np.log(tok.get_vocab_size()):.3f})"
+)
 
 # %%
 import matplotlib.pyplot as plt
 
 steps = sorted(second.losses)
 plt.figure(figsize=(6, 3))
-plt.plot(sorted(first.losses), [first.losses[s] for s in sorted(first.losses)], lw=3, alpha=0.4,
-         label="first run (stopped at 50)")
+plt.plot(
+    sorted(first.losses),
+    [first.losses[s] for s in sorted(first.losses)],
+    lw=3,
+    alpha=0.4,
+    label="first run (stopped at 50)",
+)
 plt.plot(steps, [second.losses[s] for s in steps], label="resumed run")
-plt.xlabel("step"); plt.ylabel("train loss (nats/token)"); plt.legend(); plt.tight_layout(); plt.show()
+plt.xlabel("step")
+plt.ylabel("train loss (nats/token)")
+plt.legend()
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## Export, and let `transformers` check it
@@ -155,7 +213,7 @@ with torch.no_grad():
     theirs = reloaded(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
 max_diff = float(np.abs(ours - theirs).max())
 print(f"max |jaxpar - transformers| logit difference: {max_diff:.2e}")
-assert max_diff < 1e-4, max_diff          # float32: the two implementations round differently, no more
+assert max_diff < 1e-4, max_diff  # float32: the two implementations round differently, no more
 
 # %% [markdown]
 # ## Generate
@@ -170,15 +228,37 @@ import io
 
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
-    assert jaxpar(["generate", "--from", str(hf_out), "--prompt", "the old fox", "--prompt", "my sister paints",
-                   "--max-new-tokens", "12", "--json"]) == 0
+    assert (
+        jaxpar(
+            [
+                "generate",
+                "--from",
+                str(hf_out),
+                "--prompt",
+                "the old fox",
+                "--prompt",
+                "my sister paints",
+                "--max-new-tokens",
+                "12",
+                "--json",
+            ]
+        )
+        == 0
+    )
 generated = json.loads(out.getvalue())
 for prompt, text in zip(["the old fox", "my sister paints"], generated["text"]):
     print(f"{prompt!r} -> {text!r}")
 
 # %%
-key_numbers = {"vocab_size": tok.get_vocab_size(), "first_loss": first.losses[1], "last_loss": second.losses[70],
-               "eval_loss": second.eval_losses[eval_step], "resumed_from": second.start_step,
-               "stopped_at": first.last_step, "identical_after_resume": same, "max_logit_diff": max_diff,
-               "generated": generated["text"]}
+key_numbers = {
+    "vocab_size": tok.get_vocab_size(),
+    "first_loss": first.losses[1],
+    "last_loss": second.losses[70],
+    "eval_loss": second.eval_losses[eval_step],
+    "resumed_from": second.start_step,
+    "stopped_at": first.last_step,
+    "identical_after_resume": same,
+    "max_logit_diff": max_diff,
+    "generated": generated["text"],
+}
 key_numbers

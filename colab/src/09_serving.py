@@ -15,7 +15,6 @@ from jaxpar.mesh import simulate_cpu_devices
 simulate_cpu_devices(1)
 import dataclasses
 
-import jax
 import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
@@ -47,8 +46,9 @@ pages_needed = np.cumsum(-(-lengths // PAGE))
 paged_fit = int((pages_needed <= BUDGET // per_page).sum())
 print(f"one page of {PAGE} positions: {per_page / 2**20:.1f} MiB in all 32 layers")
 print(f"dense cache: {dense_fit} sequences of room for {MAX_LEN}; paged: {paged_fit} of these requests")
-key_numbers.update(bytes_per_page_8b=per_page, dense_fit=dense_fit, paged_fit=paged_fit,
-                   mean_length=float(lengths[:paged_fit].mean()))
+key_numbers.update(
+    bytes_per_page_8b=per_page, dense_fit=dense_fit, paged_fit=paged_fit, mean_length=float(lengths[:paged_fit].mean())
+)
 
 # %% [markdown]
 # The paged cache holds about MAX_LEN / mean length times as many sequences: the memory a dense cache
@@ -63,6 +63,7 @@ key_numbers.update(bytes_per_page_8b=per_page, dense_fit=dense_fit, paged_fit=pa
 # of all the tokens up to their end, so a request whose prompt begins like an earlier one **shares**
 # those pages instead of computing them again. Three requests below share a 40-token system prompt
 # (two full pages of 16); the first runs until its prompt is in the cache, then the other two arrive.
+
 
 # %%
 def small_engine(**kw):
@@ -118,7 +119,7 @@ def run(static: bool):
     done, timeline = list(todo), []
     while todo or not engine.idle:
         if not static or engine.idle:
-            for r in todo[:4 if static else None]:
+            for r in todo[: 4 if static else None]:
                 engine.submit(r)
             todo = todo[4:] if static else []
         engine.step()
@@ -140,10 +141,19 @@ for ax, (name, t) in zip(axes, timelines.items()):
 axes[-1].set_xlabel("step (colour = request)")
 plt.tight_layout()
 plt.show()
-key_numbers.update(want=want, steps_static=len(timelines["static"]), steps_continuous=len(timelines["continuous"]),
-                   same_tokens=outputs["static"] == outputs["continuous"])
-print(key_numbers["steps_static"], "steps static,", key_numbers["steps_continuous"], "continuous; same tokens:",
-      key_numbers["same_tokens"])
+key_numbers.update(
+    want=want,
+    steps_static=len(timelines["static"]),
+    steps_continuous=len(timelines["continuous"]),
+    same_tokens=outputs["static"] == outputs["continuous"],
+)
+print(
+    key_numbers["steps_static"],
+    "steps static,",
+    key_numbers["steps_continuous"],
+    "continuous; same tokens:",
+    key_numbers["same_tokens"],
+)
 
 # %% [markdown]
 # The white holes in the static timeline are slots idle while a batch waits for its longest request.
@@ -156,6 +166,7 @@ print(key_numbers["steps_static"], "steps static,", key_numbers["steps_continuou
 # Eight requests share a 48-token system prompt (three full pages), each with its own question. With
 # the prefix cache the first computes the system prompt and the other seven find its pages; without it,
 # each computes it again.
+
 
 # %%
 def prefix_run(cached: bool):

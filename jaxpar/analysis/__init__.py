@@ -1,4 +1,5 @@
 """Compiled-program accounting: collectives (bytes, mesh axes, executions per step), memory, flops."""
+
 from jaxpar.analysis.hlo import (
     KINDS,
     Collective,
@@ -13,7 +14,15 @@ from jaxpar.analysis.hlo import (
 from jaxpar.analysis.loops import Multiplicity, computation_multiplicity
 
 __all__ = [
-    'KINDS', 'Collective', 'CollectiveTotals', 'CompiledReport', 'Multiplicity', 'analyze',
-    'analyze_compiled', 'computation_multiplicity', 'expand_replica_groups', 'parse_collectives',
-    'summarize',
+    "KINDS",
+    "Collective",
+    "CollectiveTotals",
+    "CompiledReport",
+    "Multiplicity",
+    "analyze",
+    "analyze_compiled",
+    "computation_multiplicity",
+    "expand_replica_groups",
+    "parse_collectives",
+    "summarize",
 ]

@@ -18,6 +18,7 @@ takes numpy arrays), minimizing the mean squared log error. Leave-one-out: for e
 runs of its family and predict it; the error is predicted/measured speed − 1 (the MFU error). A run marked
 ``not_fitted`` (with the reason) is predicted like the others but enters no fit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,9 +36,14 @@ WORKLOAD_FIELDS = {f.name for f in dataclasses.fields(Workload)}
 RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json"
 # descending link efficiencies: among equally good points the fit keeps the fastest links (a run whose
 # collectives are all hidden says nothing about them)
-GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.round(np.arange(1.0, 0.1999, -0.05), 2),
-            dcn=np.round(np.arange(1.0, 0.0499, -0.05), 2), grouped=np.round(np.arange(1.0, 0.1999, -0.01), 2),
-            fp8=np.round(np.arange(0.20, 1.0001, 0.01), 2), grouped_fp8=np.round(np.arange(1.0, 0.1999, -0.01), 2))
+GRID = dict(
+    matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2),
+    collective=np.round(np.arange(1.0, 0.1999, -0.05), 2),
+    dcn=np.round(np.arange(1.0, 0.0499, -0.05), 2),
+    grouped=np.round(np.arange(1.0, 0.1999, -0.01), 2),
+    fp8=np.round(np.arange(0.20, 1.0001, 0.01), 2),
+    grouped_fp8=np.round(np.arange(1.0, 0.1999, -0.01), 2),
+)
 
 
 # ``calibrate()`` on benchmarks/published_runs.json (tests/test_steptime.py checks they agree). TPU v5e/v5p:
@@ -57,10 +63,14 @@ GRID = dict(matmul=np.round(np.arange(0.40, 1.0001, 0.01), 2), collective=np.rou
 # fp8_full: every weight matmul in FP8): dense ones at 0.55 of the FP8 peak (fitted on the three dense FP8
 # runs), grouped ones at 0.29 of that (fitted on the three dropless FP8 runs): FP8 speeds the grouped
 # kernels up far less than the dense ones.
-CALIBRATED = Calibration(matmul={"tpu": 0.78, "tpu-v6e": 0.58, "gpu": 0.56, "a100": 0.69, "tpu7x": 0.67},
-                         collective={"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5, "tpu7x": 1.0},
-                         dcn={"tpu": 0.8, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.65, "tpu7x": 1.0},
-                         grouped={"tpu7x": 0.42}, fp8={"gpu": 0.47, "tpu7x": 0.55}, grouped_fp8={"tpu7x": 0.29})
+CALIBRATED = Calibration(
+    matmul={"tpu": 0.78, "tpu-v6e": 0.58, "gpu": 0.56, "a100": 0.69, "tpu7x": 0.67},
+    collective={"tpu": 1.0, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.5, "tpu7x": 1.0},
+    dcn={"tpu": 0.8, "tpu-v6e": 1.0, "gpu": 1.0, "a100": 0.65, "tpu7x": 1.0},
+    grouped={"tpu7x": 0.42},
+    fp8={"gpu": 0.47, "tpu7x": 0.55},
+    grouped_fp8={"tpu7x": 0.29},
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,26 +92,39 @@ def load_runs(path: str | Path = RUNS) -> list[Run]:
         w = Workload(**r["shape"], **{k: v for k, v in r.items() if k in WORKLOAD_FIELDS})
         w.check()
         hw = get_hardware(r["hardware"])
-        runs.append(Run(r["name"], r["hardware"], w, measured_step(w, hw, r["published"]), r["source"],
-                        fitted="not_fitted" not in r))
+        runs.append(
+            Run(
+                r["name"],
+                r["hardware"],
+                w,
+                measured_step(w, hw, r["published"]),
+                r["source"],
+                fitted="not_fitted" not in r,
+            )
+        )
     return runs
 
 
 def measured_step(w: Workload, hw, published: dict) -> float:
     """The step time a publication implies: as logged, or its FLOPs per device (its convention) over its
     FLOP/s, or the tokens per device over its tokens/s."""
-    if "step_s" in published:                          # logged as such, with the tokens/s beside it
+    if "step_s" in published:  # logged as such, with the tokens/s beside it
         tokens = w.batch * w.seq / w.devices
         if abs(published["step_s"] * published["tokens_per_s_per_device"] / tokens - 1) > 1e-3:
-            raise ValueError(f"published step {published['step_s']} s at {published['tokens_per_s_per_device']} "
-                             f"tokens/s is not the configuration's {tokens:.0f} tokens per device")
+            raise ValueError(
+                f"published step {published['step_s']} s at {published['tokens_per_s_per_device']} "
+                f"tokens/s is not the configuration's {tokens:.0f} tokens per device"
+            )
         return published["step_s"]
     if "tokens_per_s_per_device" in published:
         return w.batch * w.seq / w.devices / published["tokens_per_s_per_device"]
     conv = published["convention"]
-    flops = model_flops(w, causal_attention=conv["attention"] == "causal",
-                        count_embedding=conv["embedding"] == "counted",
-                        recomputed_forward=conv.get("recompute") == "full")
+    flops = model_flops(
+        w,
+        causal_attention=conv["attention"] == "causal",
+        count_embedding=conv["embedding"] == "counted",
+        recomputed_forward=conv.get("recompute") == "full",
+    )
     rate = published["mfu"] * hw.peak_bf16_flops if "mfu" in published else published["tflops_per_device"] * 1e12
     return flops / rate
 
@@ -146,8 +169,10 @@ def fit_share(runs: list[Run], calibration, grid) -> float | None:
     """The value on ``grid`` whose ``calibration(value)`` predicts ``runs`` best (None without runs)."""
     if not runs:
         return None
-    loss = sum(np.log(step_seconds(r.workload, get_hardware(r.hardware), calibration(grid))["step_s"]
-                      / r.measured_step_s) ** 2 for r in runs)
+    loss = sum(
+        np.log(step_seconds(r.workload, get_hardware(r.hardware), calibration(grid))["step_s"] / r.measured_step_s) ** 2
+        for r in runs
+    )
     return float(grid[int(np.argmin(loss))])
 
 
@@ -158,8 +183,11 @@ def fit_family(runs: list[Run], point: tuple) -> Calibration:
     fam = get_hardware(runs[0].hardware).family if runs else None
     cal = Calibration(*({fam: float(x)} for x in point))
     for stage in STAGES:
-        value = fit_share([r for r in runs if kind(r) == stage],
-                          lambda x, stage=stage: dataclasses.replace(cal, **{stage: {fam: x}}), GRID[stage])
+        value = fit_share(
+            [r for r in runs if kind(r) == stage],
+            lambda x, stage=stage, cal=cal: dataclasses.replace(cal, **{stage: {fam: x}}),
+            GRID[stage],
+        )
         if value is not None:
             cal = dataclasses.replace(cal, **{stage: {fam: value}})
     return cal
@@ -176,7 +204,7 @@ def calibrate(runs: list[Run] | None = None) -> Calibration:
     """The constants fitted on all ``runs`` (default: the published ones), per family (``fit_family``)."""
     runs = load_runs() if runs is None else runs
     out = Calibration({}, {}, {})
-    for fam, idx in families(runs).items():
+    for idx in families(runs).values():
         fitted = [runs[i] for i in idx if runs[i].fitted]
         c = fit_family(fitted, fit([r for r in fitted if kind(r) == "base"]))
         out = Calibration(*({**getattr(out, f.name), **getattr(c, f.name)} for f in dataclasses.fields(Calibration)))
@@ -196,9 +224,18 @@ def leave_one_out(runs: list[Run] | None = None) -> list[dict]:
             cal = fit_family([runs[k] for k in idx if k != i and runs[k].fitted], point)
             fitted = dict(zip(("matmul", "collective", "dcn"), map(float, point)))
             fitted |= {f: getattr(cal, f)[fam] for f in USES[kind(runs[i])] if fam in getattr(cal, f)}
-            predicted = (float(preds[j, points.index(point)]) if kind(runs[i]) == "base" else
-                         float(step_seconds(runs[i].workload, get_hardware(runs[i].hardware), cal)["step_s"]))
-            rows[i] = dict(name=runs[i].name, hardware=runs[i].hardware, fitted=fitted,
-                           measured_step_s=runs[i].measured_step_s, predicted_step_s=predicted,
-                           error=runs[i].measured_step_s / predicted - 1, in_fit=runs[i].fitted)
+            predicted = (
+                float(preds[j, points.index(point)])
+                if kind(runs[i]) == "base"
+                else float(step_seconds(runs[i].workload, get_hardware(runs[i].hardware), cal)["step_s"])
+            )
+            rows[i] = dict(
+                name=runs[i].name,
+                hardware=runs[i].hardware,
+                fitted=fitted,
+                measured_step_s=runs[i].measured_step_s,
+                predicted_step_s=predicted,
+                error=runs[i].measured_step_s / predicted - 1,
+                in_fit=runs[i].fitted,
+            )
     return rows

@@ -31,6 +31,7 @@ Activations (b_a: compute dtype bytes; T_g = B·L / |A| tokens per device group)
 Remat recomputation, optimizer work and scalar reductions are not part of the minimum: a measured ratio
 above 1 names what the configuration adds (with full remat: 6 tensor all-reduces per layer, not 4).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from jaxpar.mesh import AXES as AXIS_ORDER      # outermost (slowest links) to innermost
+from jaxpar.mesh import AXES as AXIS_ORDER  # outermost (slowest links) to innermost
 
 
 def group_key(axes) -> str:
@@ -69,7 +70,7 @@ def weight_bytes(report, mesh: dict, token_axes: set[str], *, grad_bytes: int = 
         if reduce:
             n = size(reduce)
             out[group_key(reduce)] += 2 * (n - 1) / n * grad_bytes * p.size / size(held_by)
-        if stages > 1 and "stage" not in held_by:       # held whole by every stage: gradient all-reduced
+        if stages > 1 and "stage" not in held_by:  # held whole by every stage: gradient all-reduced
             out["stage"] += 2 * (stages - 1) / stages * grad_bytes * p.size / size(held_by)
     return dict(out)
 
@@ -77,6 +78,7 @@ def weight_bytes(report, mesh: dict, token_axes: set[str], *, grad_bytes: int = 
 @dataclasses.dataclass(frozen=True)
 class Activations:
     """What the activation formulas need of a model and a step."""
+
     batch: int
     seq: int
     embed_dim: int
@@ -88,10 +90,10 @@ class Activations:
     context_parallel: str = "none"
     moe_layers: int = 0
     top_k: int = 0
-    capacity_slots: int | None = None      # per sequence, all experts (None: dropless)
-    schedule: str | None = None            # the pipeline's (mesh stage > 1; jaxpar.pipeline.Schedule)
-    microbatches: int = 1                  # pipeline microbatches per step
-    virtual_stages: int = 1                # model chunks per stage
+    capacity_slots: int | None = None  # per sequence, all experts (None: dropless)
+    schedule: str | None = None  # the pipeline's (mesh stage > 1; jaxpar.pipeline.Schedule)
+    microbatches: int = 1  # pipeline microbatches per step
+    virtual_stages: int = 1  # model chunks per stage
 
 
 def activation_bytes(a: Activations, mesh: dict, rules) -> dict[str, float]:
@@ -100,8 +102,8 @@ def activation_bytes(a: Activations, mesh: dict, rules) -> dict[str, float]:
     seq_axes = [x for x in rules["inner_length"] if mesh[x] > 1]
     tokens_per_group = a.batch * a.seq / (size(batch_axes) * size(seq_axes))
     out = {}
-    t, p = mesh.get("tensor", 1), mesh.get("stage", 1)        # a device runs L/p layers (and 1/p of the
-    if t > 1:                                                  # embeddings and heads, on average)
+    t, p = mesh.get("tensor", 1), mesh.get("stage", 1)  # a device runs L/p layers (and 1/p of the
+    if t > 1:  # embeddings and heads, on average)
         out["tensor"] = (4 * a.num_layers + 2) / p * 2 * (t - 1) / t * tokens_per_group * a.embed_dim * a.act_bytes
     s = size(seq_axes)
     if s > 1:
@@ -183,9 +185,13 @@ def kept_bytes(cfg, b: int, t: int) -> float:
     if moe is not None:
         routed = moe.top_k * moe.mlp_dim + moe.num_shared_experts * moe.shared_mlp_dim
         f = (cfg.first_dense_layers * cfg.mlp_dim + cfg.num_moe_layers * routed) / cfg.num_layers
-    named = out if mla is not None else q + kv + out        # what remat=attn names (MLA: its context)
-    kept = {"full": d * b, "attn": (2 * d + named) * b, "dots": (2 * d + q + kv + 2 * f) * b,
-            "none": (2 * d + q + kv + out + 6 * f) * b + 6 * d * 4 + 16 + 8 * n}[str(cfg.remat)]
+    named = out if mla is not None else q + kv + out  # what remat=attn names (MLA: its context)
+    kept = {
+        "full": d * b,
+        "attn": (2 * d + named) * b,
+        "dots": (2 * d + q + kv + 2 * f) * b,
+        "none": (2 * d + q + kv + out + 6 * f) * b + 6 * d * 4 + 16 + 8 * n,
+    }[str(cfg.remat)]
     return kept / t
 
 
@@ -226,9 +232,10 @@ def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) ->
     width = max(cfg.embed_dim, cfg.mlp_dim / t)
     kept_scores, scores = score_bytes(cfg, acts, tokens, t)
     kept = layers * (tokens * kept_bytes(cfg, acts.act_bytes, t) + kept_scores)
-    if str(cfg.remat) == "none" and str(cfg.dtype) != str(cfg.param_dtype):     # the layers' weights, cast
-        kept += acts.act_bytes * sum(math.prod(p.shard_shape) for p in report.params
-                                      if p.names[:1] in (("layers",), ("prefix_layers",)))
+    if str(cfg.remat) == "none" and str(cfg.dtype) != str(cfg.param_dtype):  # the layers' weights, cast
+        kept += acts.act_bytes * sum(
+            math.prod(p.shard_shape) for p in report.params if p.names[:1] in (("layers",), ("prefix_layers",))
+        )
     working = 16 * tokens * width * acts.act_bytes + scores + 8 * tokens * cfg.padded_vocab / t
     return dict(state=16 * local, activations=buffers + kept + working, kept=kept, stage_buffers=buffers)
 
@@ -244,6 +251,7 @@ def memory_estimate(cfg, report, acts: Activations, mesh: dict, token_axes: set)
 def schedule_table(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1):
     """``jaxpar.pipeline.build``'s table (cached: the search asks for the same few many times)."""
     from jaxpar.pipeline.schedules import build
+
     return build(schedule, stages, microbatches, virtual_stages)
 
 
@@ -282,21 +290,29 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
 
     p, m, v, n = mesh["stage"], a.microbatches, a.virtual_stages, math.prod(mesh.values())
     table = schedule_table(a.schedule, p, m, v)
-    head = 2.0 * cfg.padded_vocab * cfg.embed_dim                          # forward FLOPs per token
+    head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # forward FLOPs per token
     chunk = (cfg.flops_per_token(a.seq) / 3 - head) / (p * v)
     t_f, t_b, t_w = executor_durations(table.split_backward, head / chunk, remat_full)
     busy = table.busy_time(t_f, t_b, t_w)
     fwd, bwd = table.fwd_recv_slot >= 0, table.bwd_recv_slot >= 0
-    return dict(schedule=str(table.schedule), stages=p, microbatches=m, virtual_stages=v, ticks=table.ticks,
-                durations=dict(F=t_f, B=t_b) | ({} if t_w is None else dict(W=t_w)),
-                bubble_fraction=table.bubble_fraction(t_f, t_b, t_w),
-                lockstep_bubble_fraction=table.lockstep_bubble_fraction(t_f, t_b, t_w),
-                executor_bubble_fraction=executor_bubble_fraction(table, t_f, t_b, t_w),
-                bubble_used="executor_bubble_fraction",
-                peak_in_flight=int(table.peak_in_flight.max()), act_slots=table.act_slots,
-                grad_slots=table.grad_slots, sends=int(fwd.sum() + bwd.sum()),
-                send_ticks=int(fwd.any(axis=1).sum() + bwd.any(axis=1).sum()),
-                flops_per_device=busy / p * chunk * a.batch * a.seq / m / (n / p))
+    return dict(
+        schedule=str(table.schedule),
+        stages=p,
+        microbatches=m,
+        virtual_stages=v,
+        ticks=table.ticks,
+        durations=dict(F=t_f, B=t_b) | ({} if t_w is None else dict(W=t_w)),
+        bubble_fraction=table.bubble_fraction(t_f, t_b, t_w),
+        lockstep_bubble_fraction=table.lockstep_bubble_fraction(t_f, t_b, t_w),
+        executor_bubble_fraction=executor_bubble_fraction(table, t_f, t_b, t_w),
+        bubble_used="executor_bubble_fraction",
+        peak_in_flight=int(table.peak_in_flight.max()),
+        act_slots=table.act_slots,
+        grad_slots=table.grad_slots,
+        sends=int(fwd.sum() + bwd.sum()),
+        send_ticks=int(fwd.any(axis=1).sum() + bwd.any(axis=1).sum()),
+        flops_per_device=busy / p * chunk * a.batch * a.seq / m / (n / p),
+    )
 
 
 ACTIVATION_AXES = {"tensor", "sequence", "expert"}

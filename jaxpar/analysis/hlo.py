@@ -26,6 +26,7 @@ Replica-group formats (all emitted by XLA:CPU in jax 0.10):
     braces (members ordered by the braced axes). ``'a':(p)s`` is the sub-axis of
     size ``s`` below a major part of size ``p`` of axis ``a``.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,22 +38,47 @@ import numpy as np
 
 from jaxpar.analysis.loops import computation_multiplicity, iter_computation_lines
 
-KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
-         'collective-permute', 'ragged-all-to-all')
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 
-_BITS = {'pred': 8, 's2': 2, 'u2': 2, 's4': 4, 'u4': 4, 'f4e2m1fn': 4,
-         's8': 8, 'u8': 8, 'f8e5m2': 8, 'f8e4m3fn': 8, 'f8e4m3': 8, 'f8e4m3fnuz': 8,
-         'f8e5m2fnuz': 8, 'f8e4m3b11fnuz': 8, 'f8e3m4': 8, 'f8e8m0fnu': 8,
-         's16': 16, 'u16': 16, 'f16': 16, 'bf16': 16, 's32': 32, 'u32': 32, 'f32': 32,
-         's64': 64, 'u64': 64, 'f64': 64, 'c64': 64, 'c128': 128, 'token': 0}
+_BITS = {
+    "pred": 8,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "f4e2m1fn": 4,
+    "s8": 8,
+    "u8": 8,
+    "f8e5m2": 8,
+    "f8e4m3fn": 8,
+    "f8e4m3": 8,
+    "f8e4m3fnuz": 8,
+    "f8e5m2fnuz": 8,
+    "f8e4m3b11fnuz": 8,
+    "f8e3m4": 8,
+    "f8e8m0fnu": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+}
 
-_HEAD = re.compile(r'\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*')
-_OPCODE = re.compile(r'\s*([a-z][a-z0-9\-]*)\(')
-_ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([^\]]*)\]')
-_IOTA = re.compile(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
+_HEAD = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_IOTA = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH = re.compile(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}")
-_COLL_OP = re.compile(r'\s(?:%s)(?:-start)?\(' % '|'.join(KINDS))
-_LISTS = re.compile(r'\{((?:\{[\d,\s]*\},?\s*)*)\}')
+_COLL_OP = re.compile(rf"\s(?:{'|'.join(KINDS)})(?:-start)?\(")
+_LISTS = re.compile(r"\{((?:\{[\d,\s]*\},?\s*)*)\}")
 
 
 @dataclass(frozen=True)
@@ -63,6 +89,7 @@ class Collective:
     counted as 1). ``group_size``: devices per replica group; for a collective-permute,
     the largest set of devices its pairs connect (ring length). ``shapes``: the result
     arrays' dimensions."""
+
     kind: str
     bytes: int
     group_size: int
@@ -83,38 +110,39 @@ class Collective:
         R = result bytes): all-reduce 2(n-1)/n R; all-gather and all-to-all (n-1)/n R;
         reduce-scatter (n-1) R (its result is 1/n of the input); collective-permute R."""
         n = self.group_size
-        factor = {'all-reduce': 2 * (n - 1) / n, 'reduce-scatter': n - 1,
-                  'collective-permute': 1}.get(self.kind, (n - 1) / n)
+        factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1, "collective-permute": 1}.get(
+            self.kind, (n - 1) / n
+        )
         return factor * self.bytes
 
 
 def _ints(text: str) -> list[int]:
-    return [int(t) for t in re.findall(r'\d+', text)]
+    return [int(t) for t in re.findall(r"\d+", text)]
 
 
 def _skip(s: str, i: int) -> int:
     """Index of the next character after separators and ``/*...*/`` comments."""
-    while s[i] in ', ' or s.startswith('/*', i):
-        i = s.index('*/', i) + 2 if s[i] == '/' else i + 1
+    while s[i] in ", " or s.startswith("/*", i):
+        i = s.index("*/", i) + 2 if s[i] == "/" else i + 1
     return i
 
 
 def _parse_shape(s: str, i: int):
     """Parse an HLO shape at ``s[i:]``; return ((bytes, dims) or nested lists of them, end)."""
-    if s[i] == '(':                     # a tuple; long ones carry /*index=5*/ comments
+    if s[i] == "(":  # a tuple; long ones carry /*index=5*/ comments
         items, i = [], _skip(s, i + 1)
-        while s[i] != ')':
+        while s[i] != ")":
             item, i = _parse_shape(s, i)
             items.append(item)
             i = _skip(s, i)
         return items, i + 1
     m = _ARRAY.match(s, i)
     if m is None or m.group(1) not in _BITS:
-        raise ValueError(f'cannot parse HLO shape at: {s[i:i + 40]!r}')
-    dims = tuple(int(d.lstrip('<=')) for d in m.group(2).split(',') if d)
+        raise ValueError(f"cannot parse HLO shape at: {s[i : i + 40]!r}")
+    dims = tuple(int(d.lstrip("<=")) for d in m.group(2).split(",") if d)
     i, depth = m.end(), 0
-    while i < len(s) and (s[i] == '{' or depth):        # skip the layout, e.g. {1,0:T(8,128)}
-        depth += {'{': 1, '}': -1}.get(s[i], 0)
+    while i < len(s) and (s[i] == "{" or depth):  # skip the layout, e.g. {1,0:T(8,128)}
+        depth += {"{": 1, "}": -1}.get(s[i], 0)
         i += 1
     return (-(-_BITS[m.group(1)] * math.prod(dims) // 8), dims), i
 
@@ -125,11 +153,11 @@ def _leaves(tree) -> list[tuple[int, tuple[int, ...]]]:
 
 def _result(op: str, tree) -> list[tuple[int, tuple[int, ...]]]:
     """Result bytes; async ``-start`` tuples (other than all-reduce's) also hold operands."""
-    if op.endswith('-start') and isinstance(tree, list) and not op.startswith('all-reduce'):
-        if isinstance(tree[0], list) or not op.startswith('all-gather'):
-            tree = tree[1]                 # ((operands), result, ctx...) | (in, out, u32[], u32[])
+    if op.endswith("-start") and isinstance(tree, list) and not op.startswith("all-reduce"):
+        if isinstance(tree[0], list) or not op.startswith("all-gather"):
+            tree = tree[1]  # ((operands), result, ctx...) | (in, out, u32[], u32[])
         else:
-            tree = tree[len(tree) // 2:]   # (operands..., results...)
+            tree = tree[len(tree) // 2 :]  # (operands..., results...)
     return _leaves(tree)
 
 
@@ -142,21 +170,22 @@ def _mesh_groups(m: re.Match) -> np.ndarray:
     """Expand the ``mesh[...] {axes}`` replica-group form into a [groups, size] array."""
     axes = re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", m.group(1))
     names, sizes = [a for a, _ in axes], [int(z) for _, z in axes]
-    ids_text = (m.group(2) or '').strip()
-    iota = re.fullmatch(r'(?:\[[\d,]+\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?', ids_text)
+    ids_text = (m.group(2) or "").strip()
+    iota = re.fullmatch(r"(?:\[[\d,]+\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?", ids_text)
     if not ids_text:
         ids = np.arange(math.prod(sizes))
     elif iota:
-        ids = _iota(_ints(iota.group(1)), _ints(iota.group(2) or ''), -1)
+        ids = _iota(_ints(iota.group(1)), _ints(iota.group(2) or ""), -1)
     else:
         ids = np.array(_ints(ids_text))
-    refs = [(names.index(a), int(p) if p else 1, int(z) if z else None) for a, p, z in
-            re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", m.group(3))]
+    refs = [
+        (names.index(a), int(p) if p else 1, int(z) if z else None)
+        for a, p, z in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", m.group(3))
+    ]
     factors, where = [], {}
-    for d, size in enumerate(sizes):      # split axes holding sub-axes into their factors
-        cuts = sorted({1, size} | {c for r in refs if r[0] == d
-                                   for c in (r[1], r[1] * (r[2] or size))})
-        for lo, hi in list(zip(cuts, cuts[1:])) or [(1, 1)]:    # a size-1 axis: factor 1
+    for d, size in enumerate(sizes):  # split axes holding sub-axes into their factors
+        cuts = sorted({1, size} | {c for r in refs if r[0] == d for c in (r[1], r[1] * (r[2] or size))})
+        for lo, hi in list(zip(cuts, cuts[1:])) or [(1, 1)]:  # a size-1 axis: factor 1
             where[d, lo] = len(factors)
             factors.append(hi // lo)
     grouped = [where[d, p] for d, p, _ in refs]
@@ -167,18 +196,18 @@ def _mesh_groups(m: re.Match) -> np.ndarray:
 
 def expand_replica_groups(attrs: str, /, *, num_devices: int) -> list[list[int]]:
     """Replica groups (lists of partition ids) of an instruction's attribute text."""
-    if 'replica_groups=' not in attrs:
+    if "replica_groups=" not in attrs:
         return [list(range(num_devices))]
-    tail = attrs[attrs.index('replica_groups=') + len('replica_groups='):]
+    tail = attrs[attrs.index("replica_groups=") + len("replica_groups=") :]
     if (m := _MESH.match(tail)) is not None:
         return _mesh_groups(m).tolist()
     if (m := _IOTA.match(tail)) is not None:
-        shape, reshape, perm = (_ints(g or '') for g in m.groups())
+        shape, reshape, perm = (_ints(g or "") for g in m.groups())
         return _iota(reshape, perm, shape).tolist()
     if (m := _LISTS.match(tail)) is not None:
-        groups = [_ints(g) for g in re.findall(r'\{([\d,\s]*)\}', m.group(1))]
+        groups = [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
         return groups or [list(range(num_devices))]
-    raise ValueError(f'unknown replica_groups format: {tail[:80]!r}')
+    raise ValueError(f"unknown replica_groups format: {tail[:80]!r}")
 
 
 def _partition_coords(mesh, device_order=None):
@@ -189,7 +218,7 @@ def _partition_coords(mesh, device_order=None):
     order = mesh.devices.flat if device_order is None else device_order
     try:
         return np.array([where[d.id] for d in order]).reshape(-1, mesh.devices.ndim)
-    except KeyError:                      # the program runs on devices outside this mesh
+    except KeyError:  # the program runs on devices outside this mesh
         return None
 
 
@@ -219,7 +248,7 @@ def parse_collectives(hlo_text: str, /, *, mesh=None, device_order=None) -> list
     executable's device assignment (partition id -> device), ``mesh.devices.flat``
     when omitted.
     """
-    m = re.search(r'num_partitions=(\d+)', hlo_text)
+    m = re.search(r"num_partitions=(\d+)", hlo_text)
     num_devices = int(m.group(1)) if m else (mesh.size if mesh is not None else 1)
     coords = _partition_coords(mesh, device_order)
     names = tuple(mesh.axis_names) if mesh is not None else ()
@@ -233,23 +262,32 @@ def parse_collectives(hlo_text: str, /, *, mesh=None, device_order=None) -> list
         except (ValueError, IndexError):
             if _COLL_OP.search(line):
                 raise
-            continue                      # not an instruction with a plain shape
+            continue  # not an instruction with a plain shape
         op = _OPCODE.match(line, end)
-        kind = op.group(1).removesuffix('-start') if op else None
-        if kind not in KINDS or op.group(1).endswith('-done'):
+        kind = op.group(1).removesuffix("-start") if op else None
+        if kind not in KINDS or op.group(1).endswith("-done"):
             continue
-        attrs = line[op.end():]
-        if kind == 'collective-permute':
-            pairs = re.search(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}', attrs)
-            groups = [_ints(p) for p in re.findall(r'\{(\d+,\d+)\}', pairs.group(1))]
+        attrs = line[op.end() :]
+        if kind == "collective-permute":
+            pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+            groups = [_ints(p) for p in re.findall(r"\{(\d+,\d+)\}", pairs.group(1))]
             size = _ring_size(groups)
         else:
             groups = expand_replica_groups(attrs, num_devices=num_devices)
             size = len(groups[0])
         result, run = _result(op.group(1), tree), runs.get(comp, runs[None])
-        out.append(Collective(kind, sum(b for b, _ in result), size,
-                              _varying_axes(groups, coords, names), head.group(1),
-                              run.executions, run.known, tuple(d for _, d in result)))
+        out.append(
+            Collective(
+                kind,
+                sum(b for b, _ in result),
+                size,
+                _varying_axes(groups, coords, names),
+                head.group(1),
+                run.executions,
+                run.known,
+                tuple(d for _, d in result),
+            )
+        )
     return out
 
 
@@ -259,28 +297,34 @@ class CollectiveTotals:
     per program call: ``count`` sums executions, ``bytes`` sums ``bytes * executions``.
     ``trip_counts_known``: False when some collective sits in a loop of unknown trip count
     (then counted once per enclosing execution, an underestimate)."""
+
     by_kind: dict
     by_kind_axes: dict
     total_bytes: int
     trip_counts_known: bool = True
 
     def _sum(self, field, kind, axes):
-        return sum(v[field] for (k, a), v in self.by_kind_axes.items()
-                   if kind in (None, k) and (axes is None or set(a) == set(axes)))
+        return sum(
+            v[field]
+            for (k, a), v in self.by_kind_axes.items()
+            if kind in (None, k) and (axes is None or set(a) == set(axes))
+        )
 
     def bytes(self, kind: str | None = None, *, axes: tuple[str, ...] | None = None) -> int:
         """Bytes of the collectives of ``kind`` spanning exactly ``axes`` (any order)."""
-        return self._sum('bytes', kind, axes)
+        return self._sum("bytes", kind, axes)
 
     def count(self, kind: str | None = None, *, axes: tuple[str, ...] | None = None) -> int:
-        return self._sum('count', kind, axes)  # executions, filtered like bytes()
+        return self._sum("count", kind, axes)  # executions, filtered like bytes()
 
     def to_json(self) -> dict:
         """JSON-ready dict; per-axes keys read ``"kind@axis1+axis2"`` (``"kind@"``: unknown)."""
-        return {'total_bytes': self.total_bytes, 'trip_counts_known': self.trip_counts_known,
-                'by_kind': self.by_kind,
-                'by_kind_axes': {f"{k}@{'+'.join(a)}": v
-                                 for (k, a), v in self.by_kind_axes.items()}}
+        return {
+            "total_bytes": self.total_bytes,
+            "trip_counts_known": self.trip_counts_known,
+            "by_kind": self.by_kind,
+            "by_kind_axes": {f"{k}@{'+'.join(a)}": v for (k, a), v in self.by_kind_axes.items()},
+        }
 
 
 def summarize(collectives: list[Collective]) -> CollectiveTotals:
@@ -288,16 +332,18 @@ def summarize(collectives: list[Collective]) -> CollectiveTotals:
     by_kind, by_kind_axes = {}, {}
     for c in collectives:
         for table, key in ((by_kind, c.kind), (by_kind_axes, (c.kind, c.axes))):
-            entry = table.setdefault(key, {'count': 0, 'bytes': 0})
-            entry['count'] += c.executions
-            entry['bytes'] += c.total_bytes
-    return CollectiveTotals(by_kind, by_kind_axes, sum(c.total_bytes for c in collectives),
-                            all(c.trip_count_known for c in collectives))
+            entry = table.setdefault(key, {"count": 0, "bytes": 0})
+            entry["count"] += c.executions
+            entry["bytes"] += c.total_bytes
+    return CollectiveTotals(
+        by_kind, by_kind_axes, sum(c.total_bytes for c in collectives), all(c.trip_count_known for c in collectives)
+    )
 
 
 @dataclass(frozen=True)
 class CompiledReport:
     """Collectives, memory_analysis and cost_analysis of one compiled program (per device)."""
+
     collectives: CollectiveTotals
     memory: dict
     flops: float
@@ -305,12 +351,22 @@ class CompiledReport:
     ops: tuple[Collective, ...] = ()
 
     def to_json(self) -> dict:
-        return {'collectives': self.collectives.to_json(), 'memory': dict(self.memory),
-                'flops': self.flops, 'bytes_accessed': self.bytes_accessed}
+        return {
+            "collectives": self.collectives.to_json(),
+            "memory": dict(self.memory),
+            "flops": self.flops,
+            "bytes_accessed": self.bytes_accessed,
+        }
 
 
-_MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
-                  'generated_code_size_in_bytes', 'alias_size_in_bytes', 'peak_memory_in_bytes')
+_MEMORY_FIELDS = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "temp_size_in_bytes",
+    "generated_code_size_in_bytes",
+    "alias_size_in_bytes",
+    "peak_memory_in_bytes",
+)
 
 
 def analyze_compiled(compiled, /, *, mesh=None) -> CompiledReport:
@@ -320,24 +376,30 @@ def analyze_compiled(compiled, /, *, mesh=None) -> CompiledReport:
     partition -> device order is that mesh's device order.
     """
     leaves = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
-    program_mesh = next((s.mesh for s in leaves if isinstance(s, jax.sharding.NamedSharding)
-                         and hasattr(s.mesh, 'devices') and s.mesh.axis_names), None)
+    program_mesh = next(
+        (
+            s.mesh
+            for s in leaves
+            if isinstance(s, jax.sharding.NamedSharding) and hasattr(s.mesh, "devices") and s.mesh.axis_names
+        ),
+        None,
+    )
     # a program partitioned over a mesh runs partition i on mesh.devices.flat[i]
     order = None if program_mesh is None else tuple(program_mesh.devices.flat)
     mesh = program_mesh if mesh is None else mesh
-    if mesh is not None and (not hasattr(mesh, 'devices') or not mesh.axis_names):
-        mesh = None                       # an AbstractMesh or empty mesh names no devices
+    if mesh is not None and (not hasattr(mesh, "devices") or not mesh.axis_names):
+        mesh = None  # an AbstractMesh or empty mesh names no devices
     ops = parse_collectives(compiled.as_text(), mesh=mesh, device_order=order)
     try:
         stats = compiled.memory_analysis()
-    except Exception:                     # noqa: BLE001 - some backends have none
+    except Exception:  # noqa: BLE001 - some backends have none
         stats = None
-    memory = {f: int(getattr(stats, f)) for f in _MEMORY_FIELDS
-              if getattr(stats, f, None) is not None}
+    memory = {f: int(getattr(stats, f)) for f in _MEMORY_FIELDS if getattr(stats, f, None) is not None}
     cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost   # older jax: [dict]
-    return CompiledReport(summarize(ops), memory, float(cost.get('flops', 0.0)),
-                          float(cost.get('bytes accessed', 0.0)), tuple(ops))
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: [dict]
+    return CompiledReport(
+        summarize(ops), memory, float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), tuple(ops)
+    )
 
 
 def analyze(fn, /, *args, mesh=None, **kwargs) -> CompiledReport:
@@ -345,5 +407,5 @@ def analyze(fn, /, *args, mesh=None, **kwargs) -> CompiledReport:
 
     ``args`` may be arrays or ``jax.ShapeDtypeStruct`` with ``sharding=``.
     """
-    lower = getattr(fn, 'lower', None) or jax.jit(fn).lower
+    lower = getattr(fn, "lower", None) or jax.jit(fn).lower
     return analyze_compiled(lower(*args, **kwargs).compile(), mesh=mesh)

@@ -30,6 +30,7 @@ read as the training lab reads its step:
 Not modelled: the KV cache's growth during generation (the step is priced at the full context), kernel
 launch overheads, and overlap of anything with anything.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,11 +49,11 @@ class InferencePlan:
     context: int
     hardware: str
     weight_bytes_per_device: float
-    kv_bytes_per_token: float               # every layer, the whole model
+    kv_bytes_per_token: float  # every layer, the whole model
     kv_bytes_per_token_per_device: float
-    kv_bytes_per_device: float              # batch × context positions
+    kv_bytes_per_device: float  # batch × context positions
     fits: bool
-    max_batch: int                          # at ``context``, weights + KV within HBM
+    max_batch: int  # at ``context``, weights + KV within HBM
     prefill_flops_per_device: float
     prefill_s: float
     prefill_bytes_by_axis: dict
@@ -73,6 +74,7 @@ class InferencePlan:
 def _per_device(tree) -> float:
     """Bytes one device holds of a tree of ``jax.ShapeDtypeStruct`` with shardings (the largest shard)."""
     import jax
+
     return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
@@ -82,6 +84,7 @@ def _abstract(cfg, layout):
     from flax import nnx
 
     from jaxpar.models import build_model
+
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     with layout.phase("decode").activate():
         state = nnx.state(model)
@@ -89,19 +92,27 @@ def _abstract(cfg, layout):
     return model, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
 
-def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware: str, devices: int | None = None,
-                   efficiency: float | None = None, **model_overrides) -> InferencePlan:
+def plan_inference(
+    model: str,
+    mesh: str,
+    *,
+    batch: int,
+    context: int,
+    hardware: str,
+    devices: int | None = None,
+    efficiency: float | None = None,
+    **model_overrides,
+) -> InferencePlan:
     """Compile and read ``model``'s prefill and decode under ``mesh`` (module doc) and predict them;
     ``efficiency`` defaults to the chip family's calibrated matmul share (``calibration.CALIBRATED``)."""
     import jax
 
     from jaxpar.analysis import analyze_compiled
+    from jaxpar.analysis.calibration import CALIBRATED
     from jaxpar.analysis.hardware import get_hardware
     from jaxpar.inference.generate import abstract_cache, compile_programs, generation_config
     from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout
     from jaxpar.models import get_model_preset
-
-    from jaxpar.analysis.calibration import CALIBRATED
 
     hw = get_hardware(hardware)
     efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
@@ -112,7 +123,7 @@ def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware:
     abstract, state = _abstract(cpu_compilable(cfg), layout)
     prefill, decode = compile_programs(abstract, state, layout, batch, context, context)
     shape = {a: int(n) for a, n in built.shape.items()}
-    scale = jax.numpy.dtype(cfg.dtype).itemsize / 4             # XLA:CPU's f32 collectives at bf16 width
+    scale = jax.numpy.dtype(cfg.dtype).itemsize / 4  # XLA:CPU's f32 collectives at bf16 width
     pre_ops, dec_ops = analyze_compiled(prefill, mesh=built).ops, analyze_compiled(decode, mesh=built).ops
     pre_bytes = measured_bytes(pre_ops, activation_scale=scale)
     dec_bytes = measured_bytes(dec_ops, activation_scale=scale)
@@ -120,67 +131,137 @@ def plan_inference(model: str, mesh: str, *, batch: int, context: int, hardware:
     cache = abstract_cache(abstract, layout, batch, context)
     weights, kv_device = _per_device(state), _per_device(cache)
     kv_total = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
-    leaf = jax.tree.leaves(cache)[0]                             # [layers, batch, positions, ...]
+    leaf = jax.tree.leaves(cache)[0]  # [layers, batch, positions, ...]
     rows_per_device = leaf.sharding.shard_shape(leaf.shape)[1]
     per_sequence = kv_device / rows_per_device
     room = hw.hbm_bytes - weights
     max_batch = int(room // per_sequence) * (batch // rows_per_device) if room > 0 else 0
-    return _predict(model, shape, batch, context, hw, cfg, weights, kv_total, kv_device, max_batch, pre_bytes,
-                    dec_bytes, latency, efficiency, name)
+    return _predict(
+        model,
+        shape,
+        batch,
+        context,
+        hw,
+        cfg,
+        weights,
+        kv_total,
+        kv_device,
+        max_batch,
+        pre_bytes,
+        dec_bytes,
+        latency,
+        efficiency,
+        name,
+    )
 
 
-def _predict(model, shape, batch, context, hw, cfg, weights, kv_total, kv_device, max_batch, pre_bytes, dec_bytes,
-             latency, efficiency, name) -> InferencePlan:
+def _predict(
+    model,
+    shape,
+    batch,
+    context,
+    hw,
+    cfg,
+    weights,
+    kv_total,
+    kv_device,
+    max_batch,
+    pre_bytes,
+    dec_bytes,
+    latency,
+    efficiency,
+    name,
+) -> InferencePlan:
     devices = math.prod(shape.values())
-    head = 2.0 * cfg.padded_vocab * cfg.embed_dim               # the LM head runs at each row's last position only
-    forward = cfg.flops_per_token(context) / 3 - head            # per prompt token, causal attention halved
+    head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # the LM head runs at each row's last position only
+    forward = cfg.flops_per_token(context) / 3 - head  # per prompt token, causal attention halved
     prefill_flops = (forward * context + head) * batch / devices
     comm = lambda measured: {k: v / link_of(k, shape, hw)[1] for k, v in measured.items()}
-    prefill_s = (prefill_flops / (hw.peak_bf16_flops * efficiency) + sum(comm(pre_bytes).values())
-                 + sum(latency[0].values()))
-    decode_flops = cfg.flops_per_token(2 * context) / 3 * batch / devices   # attention over all context positions
+    prefill_s = (
+        prefill_flops / (hw.peak_bf16_flops * efficiency) + sum(comm(pre_bytes).values()) + sum(latency[0].values())
+    )
+    decode_flops = cfg.flops_per_token(2 * context) / 3 * batch / devices  # attention over all context positions
     read = weights + kv_device
-    times = dict(memory_s=read / hw.hbm_bandwidth, compute_s=decode_flops / (hw.peak_bf16_flops * efficiency),
-                 communication_s=comm(dec_bytes), latency_s=latency[1])
-    step = (max(times["memory_s"], times["compute_s"]) + sum(times["communication_s"].values())
-            + sum(times["latency_s"].values()))
+    times = dict(
+        memory_s=read / hw.hbm_bandwidth,
+        compute_s=decode_flops / (hw.peak_bf16_flops * efficiency),
+        communication_s=comm(dec_bytes),
+        latency_s=latency[1],
+    )
+    step = (
+        max(times["memory_s"], times["compute_s"])
+        + sum(times["communication_s"].values())
+        + sum(times["latency_s"].values())
+    )
     return InferencePlan(
-        model=model, mesh={a: n for a, n in shape.items() if n > 1}, batch=batch, context=context, hardware=hw.name,
-        weight_bytes_per_device=weights, kv_bytes_per_token=kv_total / (batch * context),
-        kv_bytes_per_token_per_device=kv_device / (batch * context), kv_bytes_per_device=kv_device,
-        fits=weights + kv_device <= hw.hbm_bytes, max_batch=max_batch, prefill_flops_per_device=prefill_flops,
-        prefill_s=prefill_s, prefill_bytes_by_axis=pre_bytes, decode_bytes_read_per_device=read,
-        decode_flops_per_device=decode_flops, decode_bytes_by_axis=dec_bytes, decode_times=times,
-        decode_step_s=step, tokens_per_s=batch / step, time_to_first_token_s=prefill_s,
+        model=model,
+        mesh={a: n for a, n in shape.items() if n > 1},
+        batch=batch,
+        context=context,
+        hardware=hw.name,
+        weight_bytes_per_device=weights,
+        kv_bytes_per_token=kv_total / (batch * context),
+        kv_bytes_per_token_per_device=kv_device / (batch * context),
+        kv_bytes_per_device=kv_device,
+        fits=weights + kv_device <= hw.hbm_bytes,
+        max_batch=max_batch,
+        prefill_flops_per_device=prefill_flops,
+        prefill_s=prefill_s,
+        prefill_bytes_by_axis=pre_bytes,
+        decode_bytes_read_per_device=read,
+        decode_flops_per_device=decode_flops,
+        decode_bytes_by_axis=dec_bytes,
+        decode_times=times,
+        decode_step_s=step,
+        tokens_per_s=batch / step,
+        time_to_first_token_s=prefill_s,
         link_by_axis={k: link_of(k, shape, hw)[0] for k in {**pre_bytes, **dec_bytes}},
-        assumptions=dict(efficiency=efficiency, compute_dtype=cfg.dtype, param_dtype=cfg.param_dtype, layout=name))
+        assumptions=dict(efficiency=efficiency, compute_dtype=cfg.dtype, param_dtype=cfg.param_dtype, layout=name),
+    )
 
 
 def format_inference_plan(p: InferencePlan) -> str:
     gb = 1e9
     mesh = ",".join(f"{a}={n}" for a, n in p.mesh.items()) or "one device"
-    lines = [f"{p.model} serving on {mesh} ({p.hardware}), batch {p.batch} × context {p.context}",
-             f"per device: weights {p.weight_bytes_per_device / gb:.2f} GB, KV cache {p.kv_bytes_per_device / gb:.2f} GB "
-             f"({'fits' if p.fits else 'DOES NOT FIT'}); largest batch at this context: {p.max_batch}",
-             f"KV per token: {p.kv_bytes_per_token / 1e3:.1f} kB (model), {p.kv_bytes_per_token_per_device / 1e3:.1f} kB "
-             f"per device; {65536 * p.kv_bytes_per_token_per_device / gb:.2f} GB per device per 65k tokens",
-             "", f"{'axis group':<22}{'link':<6}{'prefill MB':>12}{'decode MB/step':>16}"]
+    lines = [
+        f"{p.model} serving on {mesh} ({p.hardware}), batch {p.batch} × context {p.context}",
+        f"per device: weights {p.weight_bytes_per_device / gb:.2f} GB, KV cache {p.kv_bytes_per_device / gb:.2f} GB "
+        f"({'fits' if p.fits else 'DOES NOT FIT'}); largest batch at this context: {p.max_batch}",
+        f"KV per token: {p.kv_bytes_per_token / 1e3:.1f} kB (model), {p.kv_bytes_per_token_per_device / 1e3:.1f} kB "
+        f"per device; {65536 * p.kv_bytes_per_token_per_device / gb:.2f} GB per device per 65k tokens",
+        "",
+        f"{'axis group':<22}{'link':<6}{'prefill MB':>12}{'decode MB/step':>16}",
+    ]
     for key in sorted(p.link_by_axis):
-        lines.append(f"{key:<22}{p.link_by_axis[key]:<6}{p.prefill_bytes_by_axis.get(key, 0) / 1e6:>12.2f}"
-                     f"{p.decode_bytes_by_axis.get(key, 0) / 1e6:>16.3f}")
+        lines.append(
+            f"{key:<22}{p.link_by_axis[key]:<6}{p.prefill_bytes_by_axis.get(key, 0) / 1e6:>12.2f}"
+            f"{p.decode_bytes_by_axis.get(key, 0) / 1e6:>16.3f}"
+        )
     t = p.decode_times
-    lines += ["", f"prefill {p.prefill_s * 1e3:.1f} ms ({p.prefill_flops_per_device:.3e} FLOPs per device at "
-              f"{p.assumptions['efficiency']} of peak): time to first token",
-              f"decode step {p.decode_step_s * 1e3:.2f} ms = max(HBM {t['memory_s'] * 1e3:.2f} ms for "
-              f"{p.decode_bytes_read_per_device / gb:.2f} GB, compute {t['compute_s'] * 1e3:.2f} ms) + collectives "
-              f"{sum(t['communication_s'].values()) * 1e3:.2f} ms + their latency "
-              f"{sum(t['latency_s'].values()) * 1e3:.2f} ms: {p.tokens_per_s:,.0f} tokens/s "
-              f"({p.tokens_per_s / p.batch:,.1f} per sequence)"]
+    lines += [
+        "",
+        f"prefill {p.prefill_s * 1e3:.1f} ms ({p.prefill_flops_per_device:.3e} FLOPs per device at "
+        f"{p.assumptions['efficiency']} of peak): time to first token",
+        f"decode step {p.decode_step_s * 1e3:.2f} ms = max(HBM {t['memory_s'] * 1e3:.2f} ms for "
+        f"{p.decode_bytes_read_per_device / gb:.2f} GB, compute {t['compute_s'] * 1e3:.2f} ms) + collectives "
+        f"{sum(t['communication_s'].values()) * 1e3:.2f} ms + their latency "
+        f"{sum(t['latency_s'].values()) * 1e3:.2f} ms: {p.tokens_per_s:,.0f} tokens/s "
+        f"({p.tokens_per_s / p.batch:,.1f} per sequence)",
+    ]
     return "\n".join(lines)
 
 
-def search_inference(model: str, devices: int, *, batch: int, context: int, hardware: str,
-                     max_step_s: float | None = None, efficiency: float | None = None, **model_overrides):
+def search_inference(
+    model: str,
+    devices: int,
+    *,
+    batch: int,
+    context: int,
+    hardware: str,
+    max_step_s: float | None = None,
+    efficiency: float | None = None,
+    **model_overrides,
+):
     """Every split of ``devices`` over data × tensor (× expert for a MoE model), each compiled and read
     by ``plan_inference``. Returns (ranked plans, refused (mesh, reason) pairs): first the layouts that fit
     and meet ``max_step_s`` (the decode step, i.e. the inter-token latency), by tokens/s, best first; then
@@ -195,8 +276,18 @@ def search_inference(model: str, devices: int, *, batch: int, context: int, hard
         for expert in [e for e in range(1, rest + 1) if rest % e == 0] if moe else [1]:
             spec = f"data={rest // expert},expert={expert},tensor={tensor}"
             try:
-                plans.append(plan_inference(model, spec, batch=batch, context=context, hardware=hardware,
-                                            devices=devices, efficiency=efficiency, **model_overrides))
+                plans.append(
+                    plan_inference(
+                        model,
+                        spec,
+                        batch=batch,
+                        context=context,
+                        hardware=hardware,
+                        devices=devices,
+                        efficiency=efficiency,
+                        **model_overrides,
+                    )
+                )
             except JaxparError as err:
                 refused.append((spec, str(err)))
     ok = lambda p: p.fits and (max_step_s is None or p.decode_step_s <= max_step_s)
@@ -205,16 +296,20 @@ def search_inference(model: str, devices: int, *, batch: int, context: int, hard
 
 def format_search(ranked, refused, *, max_step_s: float | None) -> str:
     bound = f", decode step ≤ {max_step_s * 1e3:g} ms" if max_step_s else ""
-    lines = [f"{len(ranked)} serving layouts ({len(refused)} cannot divide the model); fitting{bound} first, "
-             f"most tokens/s first",
-             f"{'rank':>4}  {'mesh':<28}{'weights GB':>11}{'KV GB':>8}{'fits':>6}{'step ms':>9}{'TTFT ms':>10}"
-             f"{'tokens/s':>11}{'max batch':>10}"]
+    lines = [
+        f"{len(ranked)} serving layouts ({len(refused)} cannot divide the model); fitting{bound} first, "
+        f"most tokens/s first",
+        f"{'rank':>4}  {'mesh':<28}{'weights GB':>11}{'KV GB':>8}{'fits':>6}{'step ms':>9}{'TTFT ms':>10}"
+        f"{'tokens/s':>11}{'max batch':>10}",
+    ]
     for i, p in enumerate(ranked, 1):
         mesh = ",".join(f"{a}={n}" for a, n in p.mesh.items()) or "one device"
         meets = max_step_s is None or p.decode_step_s <= max_step_s
-        lines.append(f"{i:>4}  {mesh:<28}{p.weight_bytes_per_device / 1e9:>11.2f}{p.kv_bytes_per_device / 1e9:>8.2f}"
-                     f"{'yes' if p.fits else 'no':>6}{p.decode_step_s * 1e3:>9.2f}{p.time_to_first_token_s * 1e3:>10.1f}"
-                     f"{p.tokens_per_s:>11,.0f}{p.max_batch:>10}{'' if meets else '  (too slow)'}")
+        lines.append(
+            f"{i:>4}  {mesh:<28}{p.weight_bytes_per_device / 1e9:>11.2f}{p.kv_bytes_per_device / 1e9:>8.2f}"
+            f"{'yes' if p.fits else 'no':>6}{p.decode_step_s * 1e3:>9.2f}{p.time_to_first_token_s * 1e3:>10.1f}"
+            f"{p.tokens_per_s:>11,.0f}{p.max_batch:>10}{'' if meets else '  (too slow)'}"
+        )
     lines += [f"refused {m}: {r}" for m, r in refused]
     return "\n".join(lines)
 
@@ -222,6 +317,7 @@ def format_search(ranked, refused, *, max_step_s: float | None) -> str:
 def plot_search(ranked, path: str, *, title: str) -> None:
     """Tokens/s and decode step of each ranked layout, side by side (saved to ``path``)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

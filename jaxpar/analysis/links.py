@@ -6,6 +6,7 @@ side it spans (``axis_links``; tests/test_steptime.py checks the rule against ja
 assignment). On a GPU an axis whose group, with every axis inside it, fits one NVLink/PCIe domain uses the
 fast link, else the NIC.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,7 +50,7 @@ def _take_sides(n: int, sides: list[int]) -> int:
     spanned = 0
     while n > 1 and sides:
         take = math.gcd(sides[0], n)
-        if take == 1:                   # not a power-of-two split of this side: priced as spanning it
+        if take == 1:  # not a power-of-two split of this side: priced as spanning it
             return spanned + 1
         spanned += 1
         n //= take
@@ -61,8 +62,9 @@ def _take_sides(n: int, sides: list[int]) -> int:
 # ring steps of one collective over n devices (NCCL's counts): an all-reduce is a reduce-scatter and an
 # all-gather; an all-to-all sends to each peer; a permute (a ring's shift) is one step
 def _steps(kind: str, n: int) -> int:
-    return {"all-reduce": 2 * (n - 1), "all-gather": n - 1, "reduce-scatter": n - 1,
-            "collective-permute": 1}.get(kind, n)
+    return {"all-reduce": 2 * (n - 1), "all-gather": n - 1, "reduce-scatter": n - 1, "collective-permute": 1}.get(
+        kind, n
+    )
 
 
 def collective_latency(kind: str, n: int, domains: int, chip) -> float:

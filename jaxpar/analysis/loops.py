@@ -18,24 +18,28 @@ A computation called from several places runs the sum over its call sites. The c
 module is acyclic, so the counts are finite. Text without computation headers (a bare list of
 instructions, as in unit tests) is one anonymous computation that runs once (name ``None``).
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
-_HEADER = re.compile(r'(ENTRY\s+)?%?([\w.\-]+)\s*[({]')
-_INSTR = re.compile(r'\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(')
-_ONE = re.compile(r'\b(body|condition|calls|to_apply|true_computation|false_computation|select|scatter)'
-                  r'=%?([\w.\-]+)')
-_MANY = re.compile(r'\b(branch_computations|called_computations)=\{([^}]*)\}')
+_HEADER = re.compile(r"(ENTRY\s+)?%?([\w.\-]+)\s*[({]")
+_INSTR = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+_ONE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation|select|scatter)"
+    r"=%?([\w.\-]+)"
+)
+_MANY = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_NOT_A_CALL = ('async-update', 'async-done')     # they name the computation their async-start runs
+_NOT_A_CALL = ("async-update", "async-done")  # they name the computation their async-start runs
 
 
 @dataclass(frozen=True)
 class Multiplicity:
     """Executions of a computation per program call; ``known``: every enclosing loop count is known."""
+
     executions: int
     known: bool = True
 
@@ -44,10 +48,14 @@ def iter_computation_lines(hlo_text: str, /) -> Iterator[tuple[str | None, str]]
     """``(computation name, line)`` for every line but computation headers and closing braces."""
     current = None
     for line in hlo_text.splitlines():
-        if line.startswith('}'):
+        if line.startswith("}"):
             current = None
-        elif (line[:1].isspace() or not line.rstrip().endswith('{')
-              or line.startswith('HloModule') or (m := _HEADER.match(line)) is None):
+        elif (
+            line[:1].isspace()
+            or not line.rstrip().endswith("{")
+            or line.startswith("HloModule")
+            or (m := _HEADER.match(line)) is None
+        ):
             yield current, line
         else:
             current = m.group(2)
@@ -57,16 +65,16 @@ def _callees(line: str, opcode: str):
     """``(callee, factor, known)`` for each computation an instruction line calls."""
     if opcode in _NOT_A_CALL:
         return []
-    trip = _TRIP.search(line) if opcode == 'while' else None
+    trip = _TRIP.search(line) if opcode == "while" else None
     n = int(trip.group(1)) if trip else 1
     out = []
     for attr, name in _ONE.findall(line):
-        if opcode == 'while' and attr in ('body', 'condition'):
-            out.append((name, n + (attr == 'condition' and trip is not None), trip is not None))
+        if opcode == "while" and attr in ("body", "condition"):
+            out.append((name, n + (attr == "condition" and trip is not None), trip is not None))
         else:
             out.append((name, 1, True))
     for _, names in _MANY.findall(line):
-        out.extend((n.strip().lstrip('%'), 1, True) for n in names.split(',') if n.strip())
+        out.extend((n.strip().lstrip("%"), 1, True) for n in names.split(",") if n.strip())
     return out
 
 
@@ -87,7 +95,7 @@ def computation_multiplicity(hlo_text: str, /) -> dict[str | None, Multiplicity]
     def resolve(comp, stack=()):
         if comp not in memo:
             if comp in stack:
-                raise ValueError(f'HLO call graph has a cycle through {comp!r}')
+                raise ValueError(f"HLO call graph has a cycle through {comp!r}")
             total, known = 0, True
             for caller, factor, edge_known in callers[comp]:
                 up = resolve(caller, stack + (comp,))

@@ -48,14 +48,24 @@ from the compiled collective-permutes on ``stage``; how many run per step comes 
 the executor picks each tick's sends by a conditional whose branches the HLO reading counts once per tick
 each (``jaxpar.analysis.loops``). Measured per device = sends over the ring × send size / p.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
 
-from jaxpar.analysis.costmodel import (Activations, flash_attention, hbm_bytes, measured_bytes,
-                                      memory_parts, minimum_bytes, pipeline_costs, schedule_table, stage_input_bytes)
+from jaxpar.analysis.costmodel import (
+    Activations,
+    flash_attention,
+    hbm_bytes,
+    measured_bytes,
+    memory_parts,
+    minimum_bytes,
+    pipeline_costs,
+    schedule_table,
+    stage_input_bytes,
+)
 from jaxpar.analysis.hardware import Hardware
 
 WEIGHT_AXES = {"data", "fsdp"}
@@ -71,7 +81,7 @@ class Plan:
     hardware: str
     per_device_memory_bytes: int
     estimated_memory_bytes: float
-    memory_parts: dict                # the estimate's parts: state, kept (for the backward), activations
+    memory_parts: dict  # the estimate's parts: state, kept (for the backward), activations
     fits: bool
     fits_compiled: bool
     flops_per_device: float
@@ -88,7 +98,7 @@ class Plan:
     predicted_mfu: float
     times: dict
     assumptions: dict
-    pipeline: dict | None = None      # mesh stage > 1: the schedule, its bubbles, stage sends and memory
+    pipeline: dict | None = None  # mesh stage > 1: the schedule, its bubbles, stage sends and memory
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,10 +121,14 @@ def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
     from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
 
     cfg = cpu_compilable(cfg)
-    program = init_program(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()),
-                           layout)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         jax.eval_shape(program.create), program.shardings)
+    program = init_program(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        jax.eval_shape(program.create),
+        program.shardings,
+    )
     step = make_train_step(TrainState(program.graphdef, state, program.shardings), layout, pipeline=pipeline)
     data = {k: jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     return step.lower(state, data).compile()
@@ -128,35 +142,48 @@ def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) 
     slots = None
     if moe is not None and moe.capacity_factor is not None:
         slots = moe.num_experts * max(1, math.ceil(moe.capacity_factor * seq * moe.top_k / moe.num_experts))
-    return Activations(batch=batch, seq=seq, embed_dim=cfg.embed_dim, num_layers=cfg.num_layers,
-                       kv_heads=cfg.num_heads if mla else cfg.num_kv_heads,
-                       head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) if mla else cfg.head_dim,
-                       num_heads=cfg.num_heads, act_bytes=np.dtype(cfg.dtype).itemsize,
-                       context_parallel=cfg.context_parallel, moe_layers=getattr(cfg, "num_moe_layers", 0),
-                       top_k=moe.top_k if moe else 0, capacity_slots=slots,
-                       **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}))
+    return Activations(
+        batch=batch,
+        seq=seq,
+        embed_dim=cfg.embed_dim,
+        num_layers=cfg.num_layers,
+        kv_heads=cfg.num_heads if mla else cfg.num_kv_heads,
+        head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) if mla else cfg.head_dim,
+        num_heads=cfg.num_heads,
+        act_bytes=np.dtype(cfg.dtype).itemsize,
+        context_parallel=cfg.context_parallel,
+        moe_layers=getattr(cfg, "num_moe_layers", 0),
+        top_k=moe.top_k if moe else 0,
+        capacity_slots=slots,
+        **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}),
+    )
 
 
 def check_microbatches(batch: int, microbatches: int, ways: int, split: str) -> None:
     """Refuses a batch the pipeline's microbatches, split ``ways`` ways (``split`` names the axes), cannot cut."""
     from jaxpar.errors import ConfigError
+
     if batch % microbatches or batch // microbatches % ways:
-        raise ConfigError(f"batch={batch} / pipeline.microbatches={microbatches} = {batch / microbatches:g} rows "
-                          f"per microbatch: must be a whole number divisible by the {ways} devices the batch is "
-                          f"split over ({split or 'none'})")
+        raise ConfigError(
+            f"batch={batch} / pipeline.microbatches={microbatches} = {batch / microbatches:g} rows "
+            f"per microbatch: must be a whole number divisible by the {ways} devices the batch is "
+            f"split over ({split or 'none'})"
+        )
 
 
 def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatches: int, virtual_stages: int):
     """The table a mesh with ``stage`` > 1 runs (None without), refused as the train loop refuses it."""
     from jaxpar.pipeline.executor import check_stack
+
     p = mesh.get("stage", 1)
     if p == 1:
         return None
     table = schedule_table(str(schedule), p, microbatches, virtual_stages)
     check_stack(cfg, p, virtual_stages, microbatches)
     axes = [a for a in rules["batch"] if mesh[a] > 1]
-    check_microbatches(batch, microbatches, math.prod(mesh[a] for a in axes),
-                       " × ".join(f"{a}={mesh[a]}" for a in axes))
+    check_microbatches(
+        batch, microbatches, math.prod(mesh[a] for a in axes), " × ".join(f"{a}={mesh[a]}" for a in axes)
+    )
     return table
 
 
@@ -169,9 +196,18 @@ def link_of(key: str, mesh: dict, hw: Hardware) -> tuple[str, float]:
     return ("fast", hw.fast_link) if fits else ("slow", hw.slow_link)
 
 
-def predict(measured: dict, *, flops: float, bytes_accessed: float, mesh: dict, hw: Hardware,
-            efficiency: float = 0.6, overlap: float = 0.8, bubble: float = 0.0,
-            stage_bytes: float | None = None) -> dict:
+def predict(
+    measured: dict,
+    *,
+    flops: float,
+    bytes_accessed: float,
+    mesh: dict,
+    hw: Hardware,
+    efficiency: float = 0.6,
+    overlap: float = 0.8,
+    bubble: float = 0.0,
+    stage_bytes: float | None = None,
+) -> dict:
     """The step time (module docstring). ``bubble``: the pipeline's idle share of stage time;
     ``stage_bytes``: the stage traffic on the step's critical path (default ``measured["stage"]``)."""
     compute = flops / (hw.peak_bf16_flops * efficiency)
@@ -181,9 +217,17 @@ def predict(measured: dict, *, flops: float, bytes_accessed: float, mesh: dict, 
     comm = {key: value / link_of(key, mesh, hw)[1] for key, value in traffic.items()}
     hidden = sum(t for k, t in comm.items() if set(k.split("+")) <= WEIGHT_AXES)
     exposed = max(0.0, hidden - overlap * compute / (1 - bubble)) + sum(
-        t for k, t in comm.items() if not set(k.split("+")) <= WEIGHT_AXES)
-    return dict(compute_s=compute, memory_s=memory, bubble_fraction=bubble, pipelined_s=busy, communication_s=comm,
-                exposed_communication_s=exposed, step_s=busy + exposed)
+        t for k, t in comm.items() if not set(k.split("+")) <= WEIGHT_AXES
+    )
+    return dict(
+        compute_s=compute,
+        memory_s=memory,
+        bubble_fraction=bubble,
+        pipelined_s=busy,
+        communication_s=comm,
+        exposed_communication_s=exposed,
+        step_s=busy + exposed,
+    )
 
 
 def stage_sends_measured(ops, costs: dict, *, act_bytes: int) -> tuple[list, dict]:
@@ -194,7 +238,8 @@ def stage_sends_measured(ops, costs: dict, *, act_bytes: int) -> tuple[list, dic
     sends = [op for op in ops if op.kind == "collective-permute" and op.axes == ("stage",)]
     size = float(max((min(op.bytes, act_bytes * math.prod(op.shapes[0])) for op in sends), default=0))
     return [op for op in ops if op not in sends], dict(
-        send_bytes=size, per_device=costs["sends"] * size / costs["stages"], critical_path=costs["send_ticks"] * size)
+        send_bytes=size, per_device=costs["sends"] * size / costs["stages"], critical_path=costs["send_ticks"] * size
+    )
 
 
 def _pipeline_traffic(report, costs, acts, shape, rules, act_scale):
@@ -206,14 +251,31 @@ def _pipeline_traffic(report, costs, acts, shape, rules, act_scale):
     measured = measured_bytes(ops, activation_scale=act_scale)
     others = measured.get("stage", 0.0)
     measured["stage"] = others + sends["per_device"]
-    costs.update(stage_send_bytes=sends["send_bytes"], stage_send_bytes_analytic=stage_input_bytes(acts, shape, rules),
-                 stage_bytes_per_device=sends["per_device"], stage_critical_path_bytes=sends["critical_path"])
+    costs.update(
+        stage_send_bytes=sends["send_bytes"],
+        stage_send_bytes_analytic=stage_input_bytes(acts, shape, rules),
+        stage_bytes_per_device=sends["per_device"],
+        stage_critical_path_bytes=sends["critical_path"],
+    )
     return measured, others + sends["critical_path"]
 
 
-def step_times(cfg, shape: dict, dcn: dict, measured: dict, *, batch: int, seq: int, hw: Hardware, flops: float,
-               bytes_accessed: float, efficiency: float | None, overlap: float | None,
-               stage_bytes: float | None = None, pipeline: dict | None = None) -> tuple[dict, dict]:
+def step_times(
+    cfg,
+    shape: dict,
+    dcn: dict,
+    measured: dict,
+    *,
+    batch: int,
+    seq: int,
+    hw: Hardware,
+    flops: float,
+    bytes_accessed: float,
+    efficiency: float | None,
+    overlap: float | None,
+    stage_bytes: float | None = None,
+    pipeline: dict | None = None,
+) -> tuple[dict, dict]:
     """(times, assumptions): the mechanism model (``jaxpar.analysis.steptime``) where it describes the model
     and layout and neither ``efficiency`` nor ``overlap`` is given; otherwise the roofline ``predict`` with
     the calibrated matmul share of the chip's family (or ``efficiency``) and ``overlap`` (default 0.8).
@@ -226,23 +288,51 @@ def step_times(cfg, shape: dict, dcn: dict, measured: dict, *, batch: int, seq: 
     base = dict(compute_dtype=cfg.dtype, remat=cfg.remat.value)
     ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}
     bubble = pipeline["executor_bubble_fraction"] if pipeline else 0.0
-    pipe = pipeline and dict(microbatches=pipeline["microbatches"], virtual_stages=pipeline["virtual_stages"],
-                             bubble=bubble, stage_bytes=stage_bytes)
-    work = (workload_of(cfg, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe)
-            if efficiency is None and overlap is None else None)
+    pipe = pipeline and dict(
+        microbatches=pipeline["microbatches"],
+        virtual_stages=pipeline["virtual_stages"],
+        bubble=bubble,
+        stage_bytes=stage_bytes,
+    )
+    work = (
+        workload_of(cfg, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe)
+        if efficiency is None and overlap is None
+        else None
+    )
     if work is not None:
         times = mechanism_times(work, hw)
         return times, base | dict(model="mechanisms", calibration=times["calibration"])
     efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
     overlap = 0.8 if overlap is None else overlap
-    times = predict(measured, flops=flops, bytes_accessed=bytes_accessed, mesh=shape, hw=hw, efficiency=efficiency,
-                    overlap=overlap, bubble=bubble, stage_bytes=stage_bytes)
+    times = predict(
+        measured,
+        flops=flops,
+        bytes_accessed=bytes_accessed,
+        mesh=shape,
+        hw=hw,
+        efficiency=efficiency,
+        overlap=overlap,
+        bubble=bubble,
+        stage_bytes=stage_bytes,
+    )
     return times, base | dict(model="roofline", efficiency=efficiency, overlap=overlap)
 
 
-def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices: int | None = None,
-         efficiency: float | None = None, overlap: float | None = None, schedule: str | None = None,
-         microbatches: int | None = None, virtual_stages: int | None = None, **model_overrides) -> Plan:
+def plan(
+    model: str,
+    mesh: str,
+    *,
+    batch: int,
+    seq: int,
+    hardware: str,
+    devices: int | None = None,
+    efficiency: float | None = None,
+    overlap: float | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    virtual_stages: int | None = None,
+    **model_overrides,
+) -> Plan:
     """Compile and analyse ``model`` under ``mesh`` on the simulated devices JAX has (or the first
     ``devices``) and predict it on ``hardware`` (see the module docstring). With ``stage`` > 1 the step
     runs ``schedule`` over ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s).
@@ -260,14 +350,19 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
     hw = get_hardware(hardware)
     cfg = get_model_preset(model, **({"dtype": "bfloat16"} | model_overrides))
     preset = resolve_mesh_arg(mesh)
-    layout = make_layout(cfg, preset, batch=batch, seq=seq,
-                         devices=None if devices is None else jax.devices()[:devices])
+    layout = make_layout(
+        cfg, preset, batch=batch, seq=seq, devices=None if devices is None else jax.devices()[:devices]
+    )
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
     default = PipelineConfig()
-    pipe = (schedule or str(default.schedule), microbatches or default.microbatches,
-            virtual_stages or default.virtual_stages)
-    table = pipeline_for(cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1],
-                         virtual_stages=pipe[2])
+    pipe = (
+        schedule or str(default.schedule),
+        microbatches or default.microbatches,
+        virtual_stages or default.virtual_stages,
+    )
+    table = pipeline_for(
+        cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2]
+    )
     acts = activations_of(cfg, batch=batch, seq=seq, pipeline=pipe if table else None)
     report = analyze_compiled(compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table), mesh=layout.mesh)
     remat_full = cfg.remat.value == "full"
@@ -277,34 +372,98 @@ def plan(model: str, mesh: str, *, batch: int, seq: int, hardware: str, devices:
     minimum = minimum_bytes(shardings, acts, shape, layout.rules)
     token_axes = {x for x in (*layout.rules["batch"], *layout.rules["inner_length"]) if shape[x] > 1}
     mem = report.memory
-    per_device = mem.get("argument_size_in_bytes", 0) + mem.get("temp_size_in_bytes", 0) + mem.get(
-        "output_size_in_bytes", 0) - mem.get("alias_size_in_bytes", 0)
+    per_device = (
+        mem.get("argument_size_in_bytes", 0)
+        + mem.get("temp_size_in_bytes", 0)
+        + mem.get("output_size_in_bytes", 0)
+        - mem.get("alias_size_in_bytes", 0)
+    )
     model_flops = cfg.flops_per_token(seq) * batch * seq / layout.mesh.size
     train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if remat_full else 1.0)
     hbm = hbm_bytes(shardings, acts, shape, token_axes)
     memory = memory_parts(cfg, shardings, acts, shape, token_axes)
     if costs:
         costs["memory"] = memory
-    times, assumptions = step_times(cfg, shape, preset.mesh.dcn_sizes(), measured, batch=batch, seq=seq, hw=hw,
-                                    flops=train_flops, bytes_accessed=hbm, efficiency=efficiency, overlap=overlap,
-                                    stage_bytes=stage_path, pipeline=costs)
+    times, assumptions = step_times(
+        cfg,
+        shape,
+        preset.mesh.dcn_sizes(),
+        measured,
+        batch=batch,
+        seq=seq,
+        hw=hw,
+        flops=train_flops,
+        bytes_accessed=hbm,
+        efficiency=efficiency,
+        overlap=overlap,
+        stage_bytes=stage_path,
+        pipeline=costs,
+    )
     assumptions["attention"] = "flash" if flash_attention(cfg) else "xla: every score in HBM"
-    return _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, per_device, train_flops,
-                      model_flops, hbm, times, costs, assumptions)
+    return _make_plan(
+        model,
+        batch,
+        seq,
+        hw,
+        shape,
+        report,
+        measured,
+        minimum,
+        memory,
+        per_device,
+        train_flops,
+        model_flops,
+        hbm,
+        times,
+        costs,
+        assumptions,
+    )
 
 
-def _make_plan(model, batch, seq, hw, shape, report, measured, minimum, memory, per_device, train_flops, model_flops,
-               hbm, times, costs, assumptions) -> Plan:
+def _make_plan(
+    model,
+    batch,
+    seq,
+    hw,
+    shape,
+    report,
+    measured,
+    minimum,
+    memory,
+    per_device,
+    train_flops,
+    model_flops,
+    hbm,
+    times,
+    costs,
+    assumptions,
+) -> Plan:
     ratio = {k: measured.get(k, 0.0) / v for k, v in minimum.items() if v}
     estimate = memory["state"] + memory["activations"]
-    return Plan(model=model, mesh={a: v for a, v in shape.items() if v > 1}, batch=batch, seq=seq, hardware=hw.name,
-                per_device_memory_bytes=int(per_device), estimated_memory_bytes=estimate, memory_parts=memory,
-                fits=estimate <= hw.hbm_bytes, fits_compiled=per_device <= hw.hbm_bytes,
-                flops_per_device=train_flops, model_flops_per_device=model_flops,
-                bytes_accessed_per_device=hbm, collectives=report.collectives.to_json()["by_kind"],
-                bytes_by_axis=measured, analytic_min_bytes_by_axis=minimum, ratio_by_axis=ratio,
-                flagged=sorted(k for k, r in ratio.items() if r > FLAG_RATIO),
-                link_by_axis={k: link_of(k, shape, hw)[0] for k in measured},
-                predicted_step_s=times["step_s"], predicted_tokens_per_s=batch * seq / times["step_s"],
-                predicted_mfu=model_flops / (times["step_s"] * hw.peak_bf16_flops), times=times,
-                assumptions=assumptions, pipeline=costs)
+    return Plan(
+        model=model,
+        mesh={a: v for a, v in shape.items() if v > 1},
+        batch=batch,
+        seq=seq,
+        hardware=hw.name,
+        per_device_memory_bytes=int(per_device),
+        estimated_memory_bytes=estimate,
+        memory_parts=memory,
+        fits=estimate <= hw.hbm_bytes,
+        fits_compiled=per_device <= hw.hbm_bytes,
+        flops_per_device=train_flops,
+        model_flops_per_device=model_flops,
+        bytes_accessed_per_device=hbm,
+        collectives=report.collectives.to_json()["by_kind"],
+        bytes_by_axis=measured,
+        analytic_min_bytes_by_axis=minimum,
+        ratio_by_axis=ratio,
+        flagged=sorted(k for k, r in ratio.items() if r > FLAG_RATIO),
+        link_by_axis={k: link_of(k, shape, hw)[0] for k in measured},
+        predicted_step_s=times["step_s"],
+        predicted_tokens_per_s=batch * seq / times["step_s"],
+        predicted_mfu=model_flops / (times["step_s"] * hw.peak_bf16_flops),
+        times=times,
+        assumptions=assumptions,
+        pipeline=costs,
+    )

@@ -8,53 +8,105 @@
 The train step is compiled on ``--devices`` simulated CPU devices from abstract inputs; nothing the size
 of the model is allocated.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 
 HELP = "compile a model's train step for a layout and predict it on named hardware"
-MAX_DEVICES = 2048         # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 compiles in 49 s, 1.35 GB;
-                           # at 4096 XLA:CPU refuses ("Multiprocess computations aren't implemented")
+MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 compiles in 49 s, 1.35 GB;
+# at 4096 XLA:CPU refuses ("Multiprocess computations aren't implemented")
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     from jaxpar.analysis.hardware import HARDWARE
+
     parser.add_argument("--model", required=True, help="model preset")
     parser.add_argument("--mesh", default=None, help="mesh preset or axis spec, e.g. fsdp=32,tensor=8")
-    parser.add_argument("--search", action="store_true", help="rank every factorization of --devices over the "
-                        "axes the model can use (estimated, not compiled)")
-    parser.add_argument("--plot", default=None, metavar="FILE", help="--search: plot memory and traffic per axis "
-                        "of the candidates (needs matplotlib)")
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="rank every factorization of --devices over the axes the model can use (estimated, not compiled)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="--search: plot memory and traffic per axis of the candidates (needs matplotlib)",
+    )
     parser.add_argument("--batch", type=int, required=True, help="global batch in sequences")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (training; required without --inference)")
-    parser.add_argument("--inference", action="store_true", help="plan serving instead: the decode layout --mesh "
-                        "holding --batch sequences of --context positions (prefill, decode step, largest batch)")
-    parser.add_argument("--context", type=int, default=None, help="--inference: positions per sequence "
-                        "(prompt + generated)")
-    parser.add_argument("--max-step-ms", type=float, default=None, help="--inference --search: rank first the "
-                        "layouts whose decode step (inter-token latency) is within this bound")
+    parser.add_argument(
+        "--seq", type=int, default=None, help="sequence length (training; required without --inference)"
+    )
+    parser.add_argument(
+        "--inference",
+        action="store_true",
+        help="plan serving instead: the decode layout --mesh "
+        "holding --batch sequences of --context positions (prefill, decode step, largest batch)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=None, help="--inference: positions per sequence (prompt + generated)"
+    )
+    parser.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=None,
+        help="--inference --search: rank first the "
+        "layouts whose decode step (inter-token latency) is within this bound",
+    )
     parser.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE)}")
     parser.add_argument("--devices", type=int, default=8, help="simulated devices (default 8)")
-    parser.add_argument("--efficiency", type=float, default=None, help="force the roofline: share of peak FLOP/s "
-                        "reached (default: the step-time model from mechanisms, calibrated on published runs; "
-                        "the roofline with the calibrated matmul share where that model does not apply)")
-    parser.add_argument("--overlap", type=float, default=None, help="force the roofline: share of compute time "
-                        "that hides weight/gradient traffic (default 0.8 in the roofline)")
-    parser.add_argument("--schedule", default=None, help="pipeline schedule when the mesh has stage > 1: gpipe, "
-                        "1f1b, interleaved or zero_bubble (default 1f1b, as pipeline.schedule; --search: each of them)")
-    parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default 8, as "
-                        "pipeline.microbatches; --search: the largest m ≤ 4 × stages giving every device "
-                        "whole rows)")
-    parser.add_argument("--virtual-stages", type=int, default=None, help="model chunks per stage (interleaved; "
-                        "default 1, as pipeline.virtual_stages; --search with interleaved: 2)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="model config field, e.g. remat=dots or context_parallel=ring")
+    parser.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="force the roofline: share of peak FLOP/s "
+        "reached (default: the step-time model from mechanisms, calibrated on published runs; "
+        "the roofline with the calibrated matmul share where that model does not apply)",
+    )
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=None,
+        help="force the roofline: share of compute time "
+        "that hides weight/gradient traffic (default 0.8 in the roofline)",
+    )
+    parser.add_argument(
+        "--schedule",
+        default=None,
+        help="pipeline schedule when the mesh has stage > 1: gpipe, "
+        "1f1b, interleaved or zero_bubble (default 1f1b, as pipeline.schedule; --search: each of them)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline microbatches per step (default 8, as "
+        "pipeline.microbatches; --search: the largest m ≤ 4 × stages giving every device "
+        "whole rows)",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="model chunks per stage (interleaved; "
+        "default 1, as pipeline.virtual_stages; --search with interleaved: 2)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="model config field, e.g. remat=dots or context_parallel=ring",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _overrides(items: list[str]) -> dict:
     from jaxpar.rules import LayoutError
+
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -68,12 +120,14 @@ def run(args: argparse.Namespace, /) -> int:
     from jaxpar.analysis.hardware import get_hardware
     from jaxpar.mesh import MeshError, simulate_cpu_devices
 
-    get_hardware(args.hardware)                                      # unknown names fail before any work
+    get_hardware(args.hardware)  # unknown names fail before any work
     if args.search == bool(args.mesh):
         raise MeshError("give either --mesh (compile and analyse one layout) or --search (rank them all)")
     if not 1 <= args.devices <= MAX_DEVICES:
-        raise MeshError(f"--devices={args.devices}: this machine simulates 1..{MAX_DEVICES} devices "
-                        f"(measured here: llama3-405b on 2048 compiles in 49 s and 1.35 GB)")
+        raise MeshError(
+            f"--devices={args.devices}: this machine simulates 1..{MAX_DEVICES} devices "
+            f"(measured here: llama3-405b on 2048 compiles in 49 s and 1.35 GB)"
+        )
     _check_mode(args)
     simulate_cpu_devices(args.devices)
     if args.inference:
@@ -81,9 +135,20 @@ def run(args: argparse.Namespace, /) -> int:
     if args.search:
         return _search(args)
     from jaxpar.analysis.plan import plan
-    result = plan(args.model, args.mesh, batch=args.batch, seq=args.seq, hardware=args.hardware,
-                  efficiency=args.efficiency, overlap=args.overlap, schedule=args.schedule,
-                  microbatches=args.microbatches, virtual_stages=args.virtual_stages, **_overrides(args.overrides))
+
+    result = plan(
+        args.model,
+        args.mesh,
+        batch=args.batch,
+        seq=args.seq,
+        hardware=args.hardware,
+        efficiency=args.efficiency,
+        overlap=args.overlap,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+        **_overrides(args.overrides),
+    )
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
@@ -93,56 +158,115 @@ def run(args: argparse.Namespace, /) -> int:
 
 def _check_mode(args) -> None:
     from jaxpar.mesh import MeshError
+
     if args.inference:
         if not args.context or args.context < 1 or args.batch < 1:
             raise MeshError(f"--inference needs --context ≥ 1 (got {args.context}) and --batch ≥ 1 (got {args.batch})")
     elif not args.seq or args.seq < 1:
-        raise MeshError(f"--seq ≥ 1 is required to plan a training step (got {args.seq}); for serving give "
-                        f"--inference --context L")
+        raise MeshError(
+            f"--seq ≥ 1 is required to plan a training step (got {args.seq}); for serving give --inference --context L"
+        )
 
 
 def _inference(args) -> int:
-    from jaxpar.analysis.inference_plan import format_inference_plan, format_search, plan_inference, plot_search, \
-        search_inference
+    from jaxpar.analysis.inference_plan import (
+        format_inference_plan,
+        format_search,
+        plan_inference,
+        plot_search,
+        search_inference,
+    )
+
     bound = args.max_step_ms / 1e3 if args.max_step_ms else None
     if args.search:
-        ranked, refused = search_inference(args.model, args.devices, batch=args.batch, context=args.context,
-                                           hardware=args.hardware, max_step_s=bound, efficiency=args.efficiency,
-                                           **_overrides(args.overrides))
-        print(json.dumps({"candidates": [p.to_json() for p in ranked], "refused": [
-            {"mesh": m, "reason": r} for m, r in refused]}, indent=1) if args.json else
-              format_search(ranked, refused, max_step_s=bound))
+        ranked, refused = search_inference(
+            args.model,
+            args.devices,
+            batch=args.batch,
+            context=args.context,
+            hardware=args.hardware,
+            max_step_s=bound,
+            efficiency=args.efficiency,
+            **_overrides(args.overrides),
+        )
+        print(
+            json.dumps(
+                {
+                    "candidates": [p.to_json() for p in ranked],
+                    "refused": [{"mesh": m, "reason": r} for m, r in refused],
+                },
+                indent=1,
+            )
+            if args.json
+            else format_search(ranked, refused, max_step_s=bound)
+        )
         if args.plot:
-            plot_search(ranked, args.plot, title=f"{args.model} serving, {args.devices} × {args.hardware}, batch "
-                        f"{args.batch} × context {args.context}")
+            plot_search(
+                ranked,
+                args.plot,
+                title=f"{args.model} serving, {args.devices} × {args.hardware}, batch "
+                f"{args.batch} × context {args.context}",
+            )
         return 0
-    result = plan_inference(args.model, args.mesh, batch=args.batch, context=args.context, hardware=args.hardware,
-                            devices=args.devices, efficiency=args.efficiency, **_overrides(args.overrides))
+    result = plan_inference(
+        args.model,
+        args.mesh,
+        batch=args.batch,
+        context=args.context,
+        hardware=args.hardware,
+        devices=args.devices,
+        efficiency=args.efficiency,
+        **_overrides(args.overrides),
+    )
     print(json.dumps(result.to_json(), indent=1) if args.json else format_inference_plan(result))
     return 0
 
 
 def _search(args) -> int:
     from jaxpar.analysis.search import search
-    ranked, refused = search(args.model, args.devices, batch=args.batch, seq=args.seq, hardware=args.hardware,
-                             efficiency=args.efficiency, overlap=args.overlap, schedule=args.schedule,
-                             microbatches=args.microbatches, virtual_stages=args.virtual_stages,
-                             **_overrides(args.overrides))
+
+    ranked, refused = search(
+        args.model,
+        args.devices,
+        batch=args.batch,
+        seq=args.seq,
+        hardware=args.hardware,
+        efficiency=args.efficiency,
+        overlap=args.overlap,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+        **_overrides(args.overrides),
+    )
     if args.json:
-        print(json.dumps({"candidates": [c.__dict__ for c in ranked],
-                          "refused": [{"mesh": m, "reason": r} for m, r in refused]}, indent=1))
+        print(
+            json.dumps(
+                {"candidates": [c.__dict__ for c in ranked], "refused": [{"mesh": m, "reason": r} for m, r in refused]},
+                indent=1,
+            )
+        )
     else:
-        print(f"{args.model}: {len(ranked)} layouts of {args.devices} devices ({len(refused)} cannot divide the "
-              f"model), batch {args.batch} × seq {args.seq} on {args.hardware}; fitting ones first, fastest first")
+        print(
+            f"{args.model}: {len(ranked)} layouts of {args.devices} devices ({len(refused)} cannot divide the "
+            f"model), batch {args.batch} × seq {args.seq} on {args.hardware}; fitting ones first, fastest first"
+        )
         print(_attention_line(args))
         print(f"{'rank':>4}  {'mesh':<40}{'memory GB':>10}{'fits':>6}{'step ms':>10}{'MFU':>7}  pipeline")
         for i, c in enumerate(ranked, 1):
             mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items()) or "one device"
-            pipe = "" if c.pipeline is None else (f"{c.pipeline['schedule']} m={c.pipeline['microbatches']}"
-                                                 f"{f' v={v}' if (v := c.pipeline['virtual_stages']) > 1 else ''}"
-                                                 f", bubble {c.pipeline['executor_bubble_fraction']:.0%}")
-            print(f"{i:>4}  {mesh:<40}{c.memory_bytes / 1e9:>10.1f}{'yes' if c.fits else 'no':>6}"
-                  f"{c.predicted_step_s * 1e3:>10.1f}{c.predicted_mfu:>7.1%}  {pipe}".rstrip())
+            pipe = (
+                ""
+                if c.pipeline is None
+                else (
+                    f"{c.pipeline['schedule']} m={c.pipeline['microbatches']}"
+                    f"{f' v={v}' if (v := c.pipeline['virtual_stages']) > 1 else ''}"
+                    f", bubble {c.pipeline['executor_bubble_fraction']:.0%}"
+                )
+            )
+            print(
+                f"{i:>4}  {mesh:<40}{c.memory_bytes / 1e9:>10.1f}{'yes' if c.fits else 'no':>6}"
+                f"{c.predicted_step_s * 1e3:>10.1f}{c.predicted_mfu:>7.1%}  {pipe}".rstrip()
+            )
     if args.plot:
         plot_candidates(ranked, args.plot, title=f"{args.model}, {args.devices} × {args.hardware}")
     return 0
@@ -155,13 +279,16 @@ def _attention_line(args) -> str:
 
     if flash_attention(get_model_preset(args.model, **_overrides(args.overrides))):
         return "attention: a flash kernel (cuDNN or ring)"
-    return ("attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set attention_impl=cudnn "
-            "prices cuDNN's flash kernel")
+    return (
+        "attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set attention_impl=cudnn "
+        "prices cuDNN's flash kernel"
+    )
 
 
 def plot_candidates(ranked, path: str, *, title: str) -> None:
     """``candidates_figure`` saved to ``path`` (the CLI's ``--plot``; no display needed)."""
     import matplotlib
+
     matplotlib.use("Agg")
 
     candidates_figure(ranked, title=title).savefig(path)
@@ -172,21 +299,23 @@ def candidates_figure(ranked, *, title: str):
     Figure, drawn with the current backend: a notebook shows it inline)."""
     import matplotlib.pyplot as plt
 
-    short = {"stage": "p"}                                    # s is sequence
+    short = {"stage": "p"}  # s is sequence
     labels = [",".join(f"{short.get(a, a[0])}{n}" for a, n in c.mesh.items()) or "1" for c in ranked]
     groups = sorted({k for c in ranked for k in c.bytes_by_axis})
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, len(ranked) * 0.45), 7), sharex=True)
-    top.bar(labels, [c.memory_bytes / 1e9 for c in ranked], color=["tab:green" if c.fits else "tab:red" for c in ranked])
+    top.bar(
+        labels, [c.memory_bytes / 1e9 for c in ranked], color=["tab:green" if c.fits else "tab:red" for c in ranked]
+    )
     top.set_ylabel("memory per device (GB)")
     top.set_title(title)
     base = [0.0] * len(ranked)
-    colors = plt.get_cmap("tab20").colors                      # one colour per group for up to 20 groups
+    colors = plt.get_cmap("tab20").colors  # one colour per group for up to 20 groups
     for i, g in enumerate(groups):
         values = [c.bytes_by_axis.get(g, 0.0) / 1e9 for c in ranked]
         bottom.bar(labels, values, bottom=base, label=g, color=colors[i % len(colors)])
         base = [b + v for b, v in zip(base, values)]
     bottom.set_ylabel("minimum bytes sent per device per step (GB)")
-    bottom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # beside the bars, not over them
+    bottom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not over them
     bottom.tick_params(axis="x", rotation=90)
     fig.tight_layout()
     return fig
@@ -194,31 +323,42 @@ def candidates_figure(ranked, *, title: str):
 
 def format_plan(p) -> str:
     gb = 1e9
-    lines = [f"{p.model} on {p.mesh} ({p.hardware}), batch {p.batch} × seq {p.seq}",
-             f"memory per device: estimated {p.estimated_memory_bytes / gb:.2f} GB "
-             f"({'fits' if p.fits else 'DOES NOT FIT'}): state {p.memory_parts['state'] / gb:.2f}, activations "
-             f"{p.memory_parts['activations'] / gb:.2f} ({p.memory_parts['kept'] / gb:.2f} kept for the backward); "
-             f"XLA:CPU compiled {p.per_device_memory_bytes / gb:.2f} GB",
-             f"FLOPs per device {p.flops_per_device:.3e} (model FLOPs {p.model_flops_per_device:.3e})",
-             "", f"{'axis group':<22}{'link':<6}{'measured GB':>13}{'minimum GB':>12}{'ratio':>8}"]
+    lines = [
+        f"{p.model} on {p.mesh} ({p.hardware}), batch {p.batch} × seq {p.seq}",
+        f"memory per device: estimated {p.estimated_memory_bytes / gb:.2f} GB "
+        f"({'fits' if p.fits else 'DOES NOT FIT'}): state {p.memory_parts['state'] / gb:.2f}, activations "
+        f"{p.memory_parts['activations'] / gb:.2f} ({p.memory_parts['kept'] / gb:.2f} kept for the backward); "
+        f"XLA:CPU compiled {p.per_device_memory_bytes / gb:.2f} GB",
+        f"FLOPs per device {p.flops_per_device:.3e} (model FLOPs {p.model_flops_per_device:.3e})",
+        "",
+        f"{'axis group':<22}{'link':<6}{'measured GB':>13}{'minimum GB':>12}{'ratio':>8}",
+    ]
     for key in sorted(set(p.bytes_by_axis) | set(p.analytic_min_bytes_by_axis)):
         got, want = p.bytes_by_axis.get(key, 0.0), p.analytic_min_bytes_by_axis.get(key, 0.0)
         ratio = f"{got / want:.2f}" if want else "—"
         flag = "  !" if key in p.flagged or not want else ""
         lines.append(f"{key:<22}{p.link_by_axis.get(key, ''):<6}{got / gb:>13.3f}{want / gb:>12.3f}{ratio:>8}{flag}")
     t = p.times
-    lines += ["", f"compute {t['compute_s'] * 1e3:.1f} ms, memory {t['memory_s'] * 1e3:.1f} ms, exposed "
-              f"communication {t['exposed_communication_s'] * 1e3:.1f} ms", *_pipeline_lines(p.pipeline, t)]
-    lines += [f"predicted step {p.predicted_step_s * 1e3:.1f} ms: {p.predicted_tokens_per_s:,.0f} tokens/s, "
-              f"MFU {p.predicted_mfu:.1%} ({_model_line(p.assumptions)})"]
+    lines += [
+        "",
+        f"compute {t['compute_s'] * 1e3:.1f} ms, memory {t['memory_s'] * 1e3:.1f} ms, exposed "
+        f"communication {t['exposed_communication_s'] * 1e3:.1f} ms",
+        *_pipeline_lines(p.pipeline, t),
+    ]
+    lines += [
+        f"predicted step {p.predicted_step_s * 1e3:.1f} ms: {p.predicted_tokens_per_s:,.0f} tokens/s, "
+        f"MFU {p.predicted_mfu:.1%} ({_model_line(p.assumptions)})"
+    ]
     return "\n".join(lines)
 
 
 def _model_line(a: dict) -> str:
     if a["model"] == "mechanisms":
         c = a["calibration"]
-        return (f"step-time model from mechanisms; calibrated matmul share {c['matmul']}, link efficiency "
-                f"{c['collective']}, DCN {c['dcn']}; attention {a['attention']}")
+        return (
+            f"step-time model from mechanisms; calibrated matmul share {c['matmul']}, link efficiency "
+            f"{c['collective']}, DCN {c['dcn']}; attention {a['attention']}"
+        )
     return f"roofline: efficiency {a['efficiency']}, overlap {a['overlap']}"
 
 
@@ -226,14 +366,16 @@ def _pipeline_lines(pipe, t) -> list[str]:
     if pipe is None:
         return []
     d, mem = pipe["durations"], pipe["memory"]
-    return [f"pipeline {pipe['schedule']}: {pipe['stages']} stages × {pipe['microbatches']} microbatches"
-            f"{f' × {v} virtual stages' if (v := pipe['virtual_stages']) > 1 else ''}, {pipe['ticks']} ticks "
-            f"(F {d['F']:.2f}, B {d['B']:.2f}{f', W {w:.2f}' if (w := d.get('W')) else ''} chunk forwards)",
-            f"  bubble: executor {pipe['executor_bubble_fraction']:.1%} (used: stretches compute to "
-            f"{t['pipelined_s'] * 1e3:.1f} ms), lockstep {pipe['lockstep_bubble_fraction']:.1%}, ideal "
-            f"{pipe['bubble_fraction']:.1%}; peak in flight {pipe['peak_in_flight']}",
-            f"  stage sends: {pipe['sends']} per step of {pipe['stage_send_bytes'] / 1e6:.3f} MB "
-            f"(analytic {pipe['stage_send_bytes_analytic'] / 1e6:.3f} MB), {pipe['send_ticks']} ticks on the "
-            f"critical path: {pipe['stage_critical_path_bytes'] / 1e9:.3f} GB, exposed",
-            f"  memory per device: state {mem['state'] / 1e9:.2f} GB, activations {mem['activations'] / 1e9:.2f} GB "
-            f"(stage buffers {mem['stage_buffers'] / 1e9:.2f} GB)"]
+    return [
+        f"pipeline {pipe['schedule']}: {pipe['stages']} stages × {pipe['microbatches']} microbatches"
+        f"{f' × {v} virtual stages' if (v := pipe['virtual_stages']) > 1 else ''}, {pipe['ticks']} ticks "
+        f"(F {d['F']:.2f}, B {d['B']:.2f}{f', W {w:.2f}' if (w := d.get('W')) else ''} chunk forwards)",
+        f"  bubble: executor {pipe['executor_bubble_fraction']:.1%} (used: stretches compute to "
+        f"{t['pipelined_s'] * 1e3:.1f} ms), lockstep {pipe['lockstep_bubble_fraction']:.1%}, ideal "
+        f"{pipe['bubble_fraction']:.1%}; peak in flight {pipe['peak_in_flight']}",
+        f"  stage sends: {pipe['sends']} per step of {pipe['stage_send_bytes'] / 1e6:.3f} MB "
+        f"(analytic {pipe['stage_send_bytes_analytic'] / 1e6:.3f} MB), {pipe['send_ticks']} ticks on the "
+        f"critical path: {pipe['stage_critical_path_bytes'] / 1e9:.3f} GB, exposed",
+        f"  memory per device: state {mem['state'] / 1e9:.2f} GB, activations {mem['activations'] / 1e9:.2f} GB "
+        f"(stage buffers {mem['stage_buffers'] / 1e9:.2f} GB)",
+    ]

@@ -20,6 +20,7 @@ mechanisms where they describe the model and layout, else the roofline):
              section rather than once per step (``jaxpar plan`` measures it and flags those groups), so
              pipelines combined with fsdp or data rank optimistically here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,14 @@ import types
 
 import numpy as np
 
-from jaxpar.analysis.costmodel import (hbm_bytes, memory_estimate, minimum_bytes, pipeline_costs, stage_input_bytes,
-                                      stage_sends)
+from jaxpar.analysis.costmodel import (
+    hbm_bytes,
+    memory_estimate,
+    minimum_bytes,
+    pipeline_costs,
+    stage_input_bytes,
+    stage_sends,
+)
 from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.plan import activations_of, pipeline_for, step_times
 from jaxpar.errors import JaxparError
@@ -46,7 +53,7 @@ class Candidate:
     predicted_step_s: float
     predicted_mfu: float
     bytes_by_axis: dict
-    pipeline: dict | None = None          # stage > 1: schedule, microbatches, virtual stages, bubbles
+    pipeline: dict | None = None  # stage > 1: schedule, microbatches, virtual stages, bubbles
     # the step's parts (``jaxpar.analysis.plan.predict``): compute_s, memory_s, communication_s (seconds per
     # axis group), exposed_communication_s, bubble_fraction, pipelined_s, step_s
     times: dict | None = None
@@ -66,8 +73,20 @@ def default_microbatches(stages: int, rows: int, schedule: str) -> int:
     return max(fits) if rows >= 1 and fits else 4 * stages
 
 
-def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency=None, overlap=None,
-             schedule: str = "1f1b", microbatches: int | None = None, virtual_stages: int | None = None, base=None):
+def estimate(
+    cfg,
+    mesh: dict,
+    *,
+    batch: int,
+    seq: int,
+    hardware: str,
+    efficiency=None,
+    overlap=None,
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    virtual_stages: int | None = None,
+    base=None,
+):
     """One candidate's ``Candidate`` (raises ``LayoutError``/``ConfigError`` when the layout cannot divide
     the model, or the pipeline the batch). ``base``: ``base_report(cfg)``, built once for many candidates."""
     from jaxpar.meshes import compose_rules
@@ -80,8 +99,16 @@ def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency
     dims = dict(cfg.logical_dims())
     dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
     rules = check_layout(dims, rules, full)
-    acts, costs = _pipeline(cfg, full, rules, batch=batch, seq=seq, schedule=schedule, microbatches=microbatches,
-                            virtual_stages=virtual_stages)
+    acts, costs = _pipeline(
+        cfg,
+        full,
+        rules,
+        batch=batch,
+        seq=seq,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+    )
     report = resharded(base or base_report(cfg), rules, full)
     token_axes = {a for a in (*rules["batch"], *rules["inner_length"]) if full[a] > 1}
     traffic = minimum_bytes(report, acts, full, rules)
@@ -89,20 +116,50 @@ def estimate(cfg, mesh: dict, *, batch: int, seq: int, hardware: str, efficiency
     model_flops = cfg.flops_per_token(seq) * batch * seq / n
     train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if cfg.remat.value == "full" else 1.0)
     stage_path = None
-    if costs:                             # the sends on the critical path, not their mean per device
+    if costs:  # the sends on the critical path, not their mean per device
         send = stage_input_bytes(acts, full, rules)
         mean = stage_sends(acts, full["stage"]) / full["stage"] * send
         stage_path = traffic["stage"] - mean + costs["send_ticks"] * send
-    times, _ = step_times(cfg, full, {}, traffic, batch=batch, seq=seq, hw=hw, flops=train_flops,
-                          bytes_accessed=hbm_bytes(report, acts, full, token_axes), efficiency=efficiency,
-                          overlap=overlap, stage_bytes=stage_path, pipeline=costs)
+    times, _ = step_times(
+        cfg,
+        full,
+        {},
+        traffic,
+        batch=batch,
+        seq=seq,
+        hw=hw,
+        flops=train_flops,
+        bytes_accessed=hbm_bytes(report, acts, full, token_axes),
+        efficiency=efficiency,
+        overlap=overlap,
+        stage_bytes=stage_path,
+        pipeline=costs,
+    )
     memory = memory_estimate(cfg, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
-    return Candidate({a: n for a, n in mesh.items() if n > 1}, memory <= hw.hbm_bytes, memory, times["step_s"], mfu,
-                     traffic, costs and {k: costs[k] for k in ("schedule", "microbatches", "virtual_stages", "ticks",
-                                                               "executor_bubble_fraction", "lockstep_bubble_fraction",
-                                                               "bubble_fraction", "peak_in_flight")},
-                     times)
+    return Candidate(
+        {a: n for a, n in mesh.items() if n > 1},
+        memory <= hw.hbm_bytes,
+        memory,
+        times["step_s"],
+        mfu,
+        traffic,
+        costs
+        and {
+            k: costs[k]
+            for k in (
+                "schedule",
+                "microbatches",
+                "virtual_stages",
+                "ticks",
+                "executor_bubble_fraction",
+                "lockstep_bubble_fraction",
+                "bubble_fraction",
+                "peak_in_flight",
+            )
+        },
+        times,
+    )
 
 
 def _pipeline(cfg, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages):
@@ -123,6 +180,7 @@ def base_report(cfg):
     from jaxpar.layout import Layout
     from jaxpar.meshes import compose_rules
     from jaxpar.shardings import param_shardings
+
     return param_shardings(cfg, Layout(_abstract_mesh({}), compose_rules("data=1", set())))
 
 
@@ -137,8 +195,11 @@ def resharded(base, rules, mesh: dict) -> types.SimpleNamespace:
         spec = tuple(normalize_spec(rules.spec(p.names), len(p.shape)))
         ways = [math.prod(mesh[a] for a in ((e,) if isinstance(e, str) else e or ())) for e in spec]
         shard = tuple(n // w for n, w in zip(p.shape, ways))
-        params.append(dataclasses.replace(p, spec=spec, shard_shape=shard,
-                                          bytes_per_device=math.prod(shard) * np.dtype(p.dtype).itemsize))
+        params.append(
+            dataclasses.replace(
+                p, spec=spec, shard_shape=shard, bytes_per_device=math.prod(shard) * np.dtype(p.dtype).itemsize
+            )
+        )
     return types.SimpleNamespace(params=tuple(params))
 
 
@@ -148,17 +209,30 @@ def _abstract_mesh(shape: dict):
     import jax
 
     from jaxpar.mesh import AXES
+
     sizes = tuple(shape.get(a, 1) for a in AXES)
     n = math.prod(sizes)
     if n <= jax.device_count():
         from jax.sharding import AxisType
+
         return jax.make_mesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=jax.devices()[:n])
     return jax.sharding.AbstractMesh(sizes, AXES)
 
 
-def search(model: str, devices: int, *, batch: int, seq: int, hardware: str, efficiency: float | None = None,
-           overlap: float | None = None, schedule: str | None = None, microbatches: int | None = None,
-           virtual_stages: int | None = None, **overrides) -> tuple[list, list]:
+def search(
+    model: str,
+    devices: int,
+    *,
+    batch: int,
+    seq: int,
+    hardware: str,
+    efficiency: float | None = None,
+    overlap: float | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    virtual_stages: int | None = None,
+    **overrides,
+) -> tuple[list, list]:
     """(ranked candidates: fitting ones by predicted step time, then the rest by memory; refused
     factorizations with their reasons). ``schedule``, ``microbatches``, ``virtual_stages``: the pipeline of
     candidates with ``stage`` > 1 (defaults: every schedule, each a candidate of its own,
@@ -174,9 +248,21 @@ def search(model: str, devices: int, *, batch: int, seq: int, hardware: str, eff
         piped = mesh.get("stage", 1) > 1
         for sched in schedules if piped else schedules[:1]:
             try:
-                ranked.append(estimate(cfg, mesh, batch=batch, seq=seq, hardware=hardware, efficiency=efficiency,
-                                       overlap=overlap, schedule=str(sched), microbatches=microbatches,
-                                       virtual_stages=virtual_stages, base=base))
+                ranked.append(
+                    estimate(
+                        cfg,
+                        mesh,
+                        batch=batch,
+                        seq=seq,
+                        hardware=hardware,
+                        efficiency=efficiency,
+                        overlap=overlap,
+                        schedule=str(sched),
+                        microbatches=microbatches,
+                        virtual_stages=virtual_stages,
+                        base=base,
+                    )
+                )
             except JaxparError as err:
                 refused.append((mesh | ({"schedule": str(sched)} if piped else {}), str(err)))
     ranked.sort(key=lambda c: (not c.fits, c.predicted_step_s if c.fits else c.memory_bytes))

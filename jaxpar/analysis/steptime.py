@@ -62,6 +62,7 @@ dimension it spans; a GPU axis inside a node its NVLink/PCIe per direction, acro
 Collective efficiency (achieved share of a link) and the matmul peak share are the calibrated constants
 (``Calibration``); everything else is a spec sheet or a count (``jaxpar.analysis.hardware``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,6 +88,7 @@ class Calibration:
     share of the matmul share that dropless experts' grouped matmuls reach, where runs measure it (else 1);
     ``fp8``: the share of the chip's FP8 peak that FP8 matmuls reach, where runs measure it (else ``matmul``);
     ``grouped_fp8``: ``grouped`` for FP8 grouped matmuls (else ``grouped``)."""
+
     matmul: dict
     collective: dict
     dcn: dict
@@ -135,32 +137,39 @@ def layer_forward(w: Workload, chip, eta, tokens: float, moe: bool = False, grou
     t, D = w.size("tensor"), w.embed_dim
     share = eta_fp8 if w.fp8 and eta_fp8 is not None else eta
 
-    def weights(m, k, n, scale=1.0):                  # a weight matmul, in FP8 under ``Workload.fp8``
+    def weights(m, k, n, scale=1.0):  # a weight matmul, in FP8 under ``Workload.fp8``
         return matmul_seconds(m, k, n, chip, share * scale, fp8=w.fp8)
 
     mm = {name: sum(weights(tokens, k, n) for k, n in shapes) for name, shapes in w.attention_shapes(t).items()}
     if not moe:
-        mm |= dict(mlp_in=weights(tokens, D, (w.mlp_matrices - 1) * w.mlp_dim // t),
-                   mlp_out=weights(tokens, w.mlp_dim // t, D))
+        mm |= dict(
+            mlp_in=weights(tokens, D, (w.mlp_matrices - 1) * w.mlp_dim // t), mlp_out=weights(tokens, w.mlp_dim // t, D)
+        )
     else:
         local, slots = w.experts // w.size("expert"), w.slots_per_token * tokens
-        each = slots / local                              # slots of one local expert
+        each = slots / local  # slots of one local expert
         g = grouped if w.dropless else 1.0
-        mm |= dict(router=matmul_seconds(tokens, D, w.experts, chip, eta),
-                   experts_in=local * weights(each, D, (w.mlp_matrices - 1) * w.expert_mlp_dim // t, g),
-                   experts_out=local * weights(each, w.expert_mlp_dim // t, D, g))
+        mm |= dict(
+            router=matmul_seconds(tokens, D, w.experts, chip, eta),
+            experts_in=local * weights(each, D, (w.mlp_matrices - 1) * w.expert_mlp_dim // t, g),
+            experts_out=local * weights(each, w.expert_mlp_dim // t, D, g),
+        )
         if not w.dropless:
             mm["dispatch"] = mm["combine"] = matmul_seconds(slots, w.seq, D // t, chip, eta)
         if w.shared_mlp_dim:
-            mm |= dict(shared_in=weights(tokens, D, (w.mlp_matrices - 1) * w.shared_mlp_dim // t),
-                       shared_out=weights(tokens, w.shared_mlp_dim // t, D))
+            mm |= dict(
+                shared_in=weights(tokens, D, (w.mlp_matrices - 1) * w.shared_mlp_dim // t),
+                shared_out=weights(tokens, w.shared_mlp_dim // t, D),
+            )
     att_flops = 2.0 * tokens * w.seq * w.num_heads / t * (w.qk_dim + w.v_dim)
     if w.flash:
         kernel = FA2_ATTENTION if w.attention_kernel == "fa2" else chip.attention_efficiency
         att = att_flops * w.attention_share / (chip.peak_bf16_flops * eta * kernel)
     else:
-        att = (att_flops / (chip.peak_bf16_flops * eta)
-               + tokens * w.seq * w.num_heads / t * SCORE_BYTES / chip.hbm_bandwidth)
+        att = (
+            att_flops / (chip.peak_bf16_flops * eta)
+            + tokens * w.seq * w.num_heads / t * SCORE_BYTES / chip.hbm_bandwidth
+        )
     return mm, att, elementwise_values(w, moe) * tokens * w.act_bytes / chip.hbm_bandwidth
 
 
@@ -177,23 +186,25 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     collective reaches."""
     t, f, d, e = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("expert")
     fam = chip.family
-    by_name, att, ew = layer_forward(w, chip, cal.matmul[fam], tokens, moe, cal.grouped_share(fam, w.fp8), cal.fp8.get(fam))
+    by_name, att, ew = layer_forward(
+        w, chip, cal.matmul[fam], tokens, moe, cal.grouped_share(fam, w.fp8), cal.fp8.get(fam)
+    )
     mm = sum(by_name.values())
     r_mm, r_att, r_ew = RECOMPUTE[w.remat]
-    if r_att is None:                                  # the scores' half, or a flash kernel's whole forward
+    if r_att is None:  # the scores' half, or a flash kernel's whole forward
         r_att = 1.0 if w.flash else 0.5
-    r_x = r_mm                                         # the experts' share (their all-to-all runs again too)
+    r_x = r_mm  # the experts' share (their all-to-all runs again too)
     unread = UNREAD if w.remat_dce else ()
-    if isinstance(r_mm, tuple):                        # the named matmuls kept, the others recomputed
+    if isinstance(r_mm, tuple):  # the named matmuls kept, the others recomputed
         r_x = float("experts_in" not in r_mm)
         r_mm = sum(v for name, v in by_name.items() if name not in r_mm + unread) / mm
     else:
         r_mm = r_mm * sum(v for name, v in by_name.items() if name not in unread) / mm
-    if w.executor and w.size("stage") > 1:             # each backward recomputes its chunk's forward
+    if w.executor and w.size("stage") > 1:  # each backward recomputes its chunk's forward
         r_mm, r_att, r_ew, r_x = r_mm + 1, r_att + 1, r_ew + 1, r_x + 1
     fwd = mm + att + ew
     recompute = r_mm * mm + r_att * att + r_ew * ew
-    mm_bwd = 2 * mm - by_name.get("dispatch", 0.0)   # input and weight gradients; the dispatch mask has none
+    mm_bwd = 2 * mm - by_name.get("dispatch", 0.0)  # input and weight gradients; the dispatch mask has none
     bwd = mm_bwd + 2.5 * att + 2 * ew
 
     # weights per tensor shard: the experts split over expert and fsdp, the rest over fsdp (and expert)
@@ -204,26 +215,36 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     gather, scatter = gathered * w.weight_bytes / bw["fsdp"], gathered * w.grad_bytes / bw["fsdp"]
     held = rest / g + experts / (e * f)
     reduce = 2 * (d - 1) / d * held * w.grad_bytes / bw["data"]
-    if e > 1 and not w.expert_fsdp:                    # the rest's replicas over expert reduce their gradients
+    if e > 1 and not w.expert_fsdp:  # the rest's replicas over expert reduce their gradients
         reduce = reduce + 2 * (e - 1) / e * rest / f * w.grad_bytes / bw["expert"]
     n = w.size("sequence")
-    if n > 1:                                          # every weight is replicated over sequence
+    if n > 1:  # every weight is replicated over sequence
         reduce = reduce + 2 * (n - 1) / n * held * w.grad_bytes / bw["sequence"]
     tp = 2 * 2 * (t - 1) / t * tokens * w.embed_dim * w.act_bytes / bw["tensor"] if t > 1 else 0.0
-    tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp      # beside the weight-gradient matmuls
+    tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp  # beside the weight-gradient matmuls
     # a layer's gather behind the previous forward; the backward's gather, scatter and reduce behind it
     fsdp = np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)
     # expert all-to-all: the slots out to their experts and back (dispatch, combine); in the forward between
     # dependent matmuls, in the backward beside the experts' weight-gradient matmuls where the platform
     # overlaps them, as tensor's
-    a2a = (2 * (e - 1) / e * w.slots_per_token * tokens * w.embed_dim / t * w.act_bytes / bw["expert"]
-           if moe and e > 1 else 0.0)
+    a2a = (
+        2 * (e - 1) / e * w.slots_per_token * tokens * w.embed_dim / t * w.act_bytes / bw["expert"]
+        if moe and e > 1
+        else 0.0
+    )
     experts_mm = by_name.get("experts_in", 0.0) + by_name.get("experts_out", 0.0)
     a2a_bwd = np.maximum(0.0, a2a - experts_mm) if chip.tensor_overlap else a2a
     cp = context_seconds(w, chip, bw, tokens, att) if n > 1 else (0.0, 0.0)
-    return dict(matmul_s=(1 + r_mm) * mm + mm_bwd, attention_s=(3.5 + r_att) * att, elementwise_s=(3 + r_ew) * ew,
-                tensor_exposed_s=(1 + r_mm) * tp + tp_bwd, fsdp_exposed_s=fsdp, expert_exposed_s=(1 + r_x) * a2a + a2a_bwd,
-                sequence_exposed_s=(1 + r_att) * cp[0] + cp[1], hides_s=bwd + recompute)
+    return dict(
+        matmul_s=(1 + r_mm) * mm + mm_bwd,
+        attention_s=(3.5 + r_att) * att,
+        elementwise_s=(3 + r_ew) * ew,
+        tensor_exposed_s=(1 + r_mm) * tp + tp_bwd,
+        fsdp_exposed_s=fsdp,
+        expert_exposed_s=(1 + r_x) * a2a + a2a_bwd,
+        sequence_exposed_s=(1 + r_att) * cp[0] + cp[1],
+        hides_s=bwd + recompute,
+    )
 
 
 def context_seconds(w: Workload, chip, bw: dict, tokens: float, att: float) -> tuple:
@@ -253,18 +274,20 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     eps, eps_dcn = cal.collective[chip.family], cal.dcn[chip.family]
     t, d, p = w.size("tensor"), int(w.mesh.get("data", 1)), w.size("stage")
     m, v = w.microbatches, w.virtual_stages
-    tokens = w.batch * w.seq / (w.replicas * w.size("sequence") * m)   # per tensor group and microbatch
+    tokens = w.batch * w.seq / (w.replicas * w.size("sequence") * m)  # per tensor group and microbatch
     bw = {a: b * (eps_dcn if slow else eps) for a, (b, slow) in axis_links(w, chip, with_class=True).items()}
-    layers = {}                                        # a stage's layers; the last stage's LM head on top
+    layers = {}  # a stage's layers; the last stage's LM head on top
     for moe, n in ((False, w.num_layers - w.moe_layers), (True, w.moe_layers)):
-        for k, x in (layer_seconds(w, chip, cal, bw, tokens, moe).items() if n else ()):
+        for k, x in layer_seconds(w, chip, cal, bw, tokens, moe).items() if n else ():
             layers[k] = layers.get(k, 0.0) + n * w.stage_layers / w.num_layers * x
     hides = layers.pop("hides_s")
     stage_bw = bw["stage"] if int(w.mesh.get("stage", 1)) > 1 else chip.slow_link * eps_dcn
     send = 2 * v * tokens * w.embed_dim * w.act_bytes / t / stage_bw if p > 1 and w.stage_bytes is None else 0.0
-    head = (3 * matmul_seconds(tokens, w.embed_dim, w.vocab // t, chip, cal.matmul[chip.family])
-            + 16 * tokens * w.vocab / t / chip.hbm_bandwidth)
-    if w.executor and p > 1:                           # and runs the head (masked) on every stage
+    head = (
+        3 * matmul_seconds(tokens, w.embed_dim, w.vocab // t, chip, cal.matmul[chip.family])
+        + 16 * tokens * w.vocab / t / chip.hbm_bandwidth
+    )
+    if w.executor and p > 1:  # and runs the head (masked) on every stage
         head = head * v
     parts = {k: m * x for k, x in dict(layers, head_s=head, stage_exposed_s=send).items()}
     busy = sum(parts.values())
@@ -272,16 +295,17 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     local = w.local_params()
     n_dcn = math.prod(int(w.dcn.get(a, 1)) for a in ("data", "fsdp"))
     dcn = 2 * (n_dcn - 1) / n_dcn * local / d * w.grad_bytes / (chip.slow_link * eps_dcn) if n_dcn > 1 else 0.0
-    if w.dcn_overlap:                                  # buckets reduced behind the last microbatch's backward
+    if w.dcn_overlap:  # buckets reduced behind the last microbatch's backward
         dcn = np.maximum(0.0, dcn - hides)
-    if w.stage_bytes is not None:                      # counted over every tick already: not stretched
+    if w.stage_bytes is not None:  # counted over every tick already: not stretched
         parts["stage_exposed_s"] = w.stage_bytes / stage_bw
     parts |= dict(bubble_s=busy * bubble / (1 - bubble), optimizer_s=28 * local / chip.hbm_bandwidth, dcn_exposed_s=dcn)
     return parts | dict(step_s=sum(parts.values()))
 
 
-def model_flops(w: Workload, *, causal_attention: bool = True, count_embedding: bool = False,
-                recomputed_forward: bool = False) -> float:
+def model_flops(
+    w: Workload, *, causal_attention: bool = True, count_embedding: bool = False, recomputed_forward: bool = False
+) -> float:
     """Per device per step, as MFU counts them: 6 per weight per token plus attention, 12·L·H·D_h·S per
     token, halved when ``causal_attention``. The vocabulary matrix of the logits is a weight; an untied
     input embedding is a lookup and counts only with ``count_embedding`` (MaxText counts every parameter).
@@ -304,11 +328,20 @@ def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
     parts = {k: float(v) for k, v in step_seconds(w, chip, cal).items()}
     exposed = {k.removesuffix("_exposed_s"): v for k, v in parts.items() if k.endswith("_exposed_s")}
     after = parts["optimizer_s"] + parts["dcn_exposed_s"] + (exposed["stage"] if w.stage_bytes is not None else 0.0)
-    return dict(compute_s=parts["matmul_s"] + parts["attention_s"] + parts["head_s"],
-                memory_s=parts["elementwise_s"] + parts["optimizer_s"],
-                bubble_fraction=bubble_of(w), pipelined_s=parts["step_s"] - after,   # the stages, bubble in
-                communication_s=exposed, exposed_communication_s=sum(exposed.values()), step_s=parts["step_s"],
-                parts=parts, calibration=dict(matmul=cal.matmul[chip.family], collective=cal.collective[chip.family],
-                                              grouped=cal.grouped_share(chip.family, w.fp8),
-                                              fp8=cal.fp8.get(chip.family, cal.matmul[chip.family]),
-                                              dcn=cal.dcn[chip.family]))
+    return dict(
+        compute_s=parts["matmul_s"] + parts["attention_s"] + parts["head_s"],
+        memory_s=parts["elementwise_s"] + parts["optimizer_s"],
+        bubble_fraction=bubble_of(w),
+        pipelined_s=parts["step_s"] - after,  # the stages, bubble in
+        communication_s=exposed,
+        exposed_communication_s=sum(exposed.values()),
+        step_s=parts["step_s"],
+        parts=parts,
+        calibration=dict(
+            matmul=cal.matmul[chip.family],
+            collective=cal.collective[chip.family],
+            grouped=cal.grouped_share(chip.family, w.fp8),
+            fp8=cal.fp8.get(chip.family, cal.matmul[chip.family]),
+            dcn=cal.dcn[chip.family],
+        ),
+    )

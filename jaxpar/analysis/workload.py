@@ -3,6 +3,7 @@ shape, the batch, the layout over data, fsdp, tensor, stage, expert and sequence
 slow links), the remat policy and what each policy recomputes, the experts, MLA and context parallelism;
 and ``workload_of``, a jaxpar model config's workload. The module docstring of ``steptime`` says how each
 field is priced."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,11 +20,11 @@ CONTEXT = ("ring", "ulysses", "allgather")
 # rest recomputed; attention; elementwise work). Matmul names: ``layer_forward``.
 RECOMPUTE = {
     "none": (0.0, 0.0, 0.0),
-    "dots": (0.0, 1.0, 1.0),         # matmul outputs kept (MaxText "minimal", jaxpar remat=dots)
-    "full": (1.0, 1.0, 1.0),         # every layer recomputed from its input
-    "dots_flash": (0.0, 0.0, 1.0),   # matmul and flash-attention outputs kept (MaxText "minimal_flash")
-    "op_sac": (0.5, 0.0, 1.0),       # torchtitan selective op AC: every other matmul output and attention kept
-    "half": (0.5, 0.5, 0.5),         # torchtitan selective layer AC (every second layer recomputed)
+    "dots": (0.0, 1.0, 1.0),  # matmul outputs kept (MaxText "minimal", jaxpar remat=dots)
+    "full": (1.0, 1.0, 1.0),  # every layer recomputed from its input
+    "dots_flash": (0.0, 0.0, 1.0),  # matmul and flash-attention outputs kept (MaxText "minimal_flash")
+    "op_sac": (0.5, 0.0, 1.0),  # torchtitan selective op AC: every other matmul output and attention kept
+    "half": (0.5, 0.5, 0.5),  # torchtitan selective layer AC (every second layer recomputed)
     # jaxpar remat=attn: q/k/v, the attention context and output kept, the MLP recomputed; attention
     # (None) reruns its scores' half for the probabilities its gradient reads (XLA's: QKᵀ and the
     # softmax; the context's AV product is kept), a flash kernel its whole forward for its statistics
@@ -47,33 +48,34 @@ UNREAD = ("mlp_out", "combine", "shared_out")
 class Workload:
     """A dense decoder-only transformer's step: the model's shape, the batch, the layout, the remat policy.
     ``mesh``: ICI sizes of data, fsdp, tensor (1 when absent); ``dcn``: across-slice (or across-node) sizes."""
+
     embed_dim: int
     num_heads: int
     kv_heads: int
     head_dim: int
     mlp_dim: int
-    mlp_matrices: int                # 3 gated (SwiGLU), 2 plain (relu/gelu)
+    mlp_matrices: int  # 3 gated (SwiGLU), 2 plain (relu/gelu)
     num_layers: int
     vocab: int
-    batch: int                       # sequences per step, all devices
+    batch: int  # sequences per step, all devices
     seq: int
     mesh: dict
     dcn: dict = dataclasses.field(default_factory=dict)
     remat: str = "full"
-    weight_bytes: int = 4            # as the FSDP gather moves weights (f32 params: 4; FSDP2 bf16: 2)
+    weight_bytes: int = 4  # as the FSDP gather moves weights (f32 params: 4; FSDP2 bf16: 2)
     grad_bytes: int = 4
     act_bytes: int = 2
     causal: bool = True
-    window: int = 0                  # a sliding window of this many keys (0: every earlier key) …
-    window_layers: int = 0           # … on this many of the layers (0: all of them; gpt-oss alternates)
-    tied: bool = True                # logits through the input embedding
-    microbatch: int = 0              # sequences a microbatch holds (0: a replica's whole batch at once)
-    virtual_stages: int = 1          # layer chunks per stage device (v > 1: the interleaved schedule)
-    bubble: float | None = None      # the schedule's idle share where a table gives it (default 1F1B's)
-    flash: bool = True               # attention in a flash kernel (False: scores materialized in HBM)
-    attention_kernel: str = ""       # "fa2": FlashAttention-2 (a GPU's own profile prices FA3/cuDNN's kernel)
-    dcn_overlap: bool = False        # DCN gradient reduction behind the backward (torch DDP's buckets)
-    executor: bool = False           # jaxpar's pipeline executor (stage recompute, the head in every chunk)
+    window: int = 0  # a sliding window of this many keys (0: every earlier key) …
+    window_layers: int = 0  # … on this many of the layers (0: all of them; gpt-oss alternates)
+    tied: bool = True  # logits through the input embedding
+    microbatch: int = 0  # sequences a microbatch holds (0: a replica's whole batch at once)
+    virtual_stages: int = 1  # layer chunks per stage device (v > 1: the interleaved schedule)
+    bubble: float | None = None  # the schedule's idle share where a table gives it (default 1F1B's)
+    flash: bool = True  # attention in a flash kernel (False: scores materialized in HBM)
+    attention_kernel: str = ""  # "fa2": FlashAttention-2 (a GPU's own profile prices FA3/cuDNN's kernel)
+    dcn_overlap: bool = False  # DCN gradient reduction behind the backward (torch DDP's buckets)
+    executor: bool = False  # jaxpar's pipeline executor (stage recompute, the head in every chunk)
     stage_bytes: float | None = None  # stage sends on the step's critical path, where a program gives them
     # mixture of experts (``experts`` > 0): the last num_layers − dense_layers layers route each token to
     # top_k of ``experts`` gated MLPs of width expert_mlp_dim, beside an always-on one of shared_mlp_dim
@@ -83,16 +85,16 @@ class Workload:
     capacity_factor: float | None = None  # slots per expert per sequence (one-hot dispatch); None: dropless
     shared_mlp_dim: int = 0
     dense_layers: int = 0
-    expert_fsdp: bool = False        # ``expert`` shards the other weights like fsdp (MaxText), not replicas
+    expert_fsdp: bool = False  # ``expert`` shards the other weights like fsdp (MaxText), not replicas
     # context parallelism (``sequence`` > 1): ring (K/V blocks around the ring, the sequence stored in
     # ``cp_order``), ulysses (all-to-all from positions to heads and back) or allgather (every device
     # gathers the full K/V, the sequence in its natural order: what GSPMD does for jaxpar's ``none``)
     context_parallel: str = "ring"
     cp_order: str = "zigzag"
-    remat_dce: bool = True           # the recomputed forward skips ``UNREAD`` (JAX; torch checkpointing reruns all)
+    remat_dce: bool = True  # the recomputed forward skips ``UNREAD`` (JAX; torch checkpointing reruns all)
     # Multi-head Latent Attention (``kv_lora`` > 0, DeepSeek): head_dim is the no-RoPE query/key width,
     # qk_rope the RoPE one, v_head the value width; q through a q_lora latent (0: directly)
-    fp8: bool = False                # the layers' weight matmuls in FP8, forward and backward (MaxText's fp8_full)
+    fp8: bool = False  # the layers' weight matmuls in FP8, forward and backward (MaxText's fp8_full)
     kv_lora: int = 0
     q_lora: int = 0
     qk_rope: int = 0
@@ -135,10 +137,11 @@ class Workload:
             return W / S * (1 - W / (2 * S))
         if n == 1 or self.context_parallel == "ulysses":
             return 0.5
-        if self.context_parallel == "allgather":            # zigzag: load-balanced as a ring's
+        if self.context_parallel == "allgather":  # zigzag: load-balanced as a ring's
             return (n - 0.5) / n if self.cp_order == "contiguous" else 0.5
         from jaxpar.parallel.ring import ring_work
-        if W and W < S:                                     # the tiles that meet the window, at the real length
+
+        if W and W < S:  # the tiles that meet the window, at the real length
             return float(ring_work(S, n, self.cp_order, window=W).max()) / (4 * n)
         return float(ring_work(4 * n, n, self.cp_order).max()) / (4 * n)
 
@@ -171,8 +174,11 @@ class Workload:
         ``active``: a MoE layer's top_k experts only (what one token meets, as MFU counts)."""
         vocab_matrices = (1 if self.tied else 2) if vocab_matrices is None else vocab_matrices
         moe = self.layer_params(True, active=active) if self.moe_layers else 0
-        return ((self.num_layers - self.moe_layers) * self.layer_params() + self.moe_layers * moe
-                + vocab_matrices * self.vocab * self.embed_dim)
+        return (
+            (self.num_layers - self.moe_layers) * self.layer_params()
+            + self.moe_layers * moe
+            + vocab_matrices * self.vocab * self.embed_dim
+        )
 
     @property
     def qk_dim(self) -> int:
@@ -192,7 +198,9 @@ class Workload:
         latent down-projections are not split over tensor; their up-projections are."""
         D, H = self.embed_dim, self.num_heads
         if not self.kv_lora:
-            return dict(q=[(D, H * self.head_dim // t)], kv=[(D, self.kv_width // t)], out=[(H * self.head_dim // t, D)])
+            return dict(
+                q=[(D, H * self.head_dim // t)], kv=[(D, self.kv_width // t)], out=[(H * self.head_dim // t, D)]
+            )
         q_out = H * self.qk_dim // t
         q = [(D, self.q_lora), (self.q_lora, q_out)] if self.q_lora else [(D, q_out)]
         kv = [(D, self.kv_lora + self.qk_rope), (self.kv_lora, H * (self.head_dim + self.v_dim) // t)]
@@ -221,6 +229,7 @@ class Workload:
 
     def check(self) -> None:
         from jaxpar.errors import ConfigError
+
         for axis, n in {**self.mesh, **{f"dcn.{a}": v for a, v in self.dcn.items()}}.items():
             if axis.removeprefix("dcn.") not in AXES or int(n) < 1:
                 raise ConfigError(f"mesh: {axis}={n}: the step-time model takes {', '.join(AXES)} sizes ≥ 1")
@@ -228,14 +237,18 @@ class Workload:
             raise ConfigError(f"remat={self.remat!r}: known policies are {', '.join(RECOMPUTE)}")
         split = self.replicas * max(self.microbatch, 1)
         if self.batch % split:
-            raise ConfigError(f"batch={self.batch}: not divisible by the {split} sequences of data × fsdp × "
-                              f"expert × microbatch={self.microbatch}")
+            raise ConfigError(
+                f"batch={self.batch}: not divisible by the {split} sequences of data × fsdp × "
+                f"expert × microbatch={self.microbatch}"
+            )
         e = self.size("expert")
         if self.experts % e or (e > 1 and not self.experts):
             raise ConfigError(f"experts={self.experts}: not divisible by expert={e}")
         if self.experts and not (1 <= self.top_k <= self.experts and 0 <= self.dense_layers < self.num_layers):
-            raise ConfigError(f"top_k={self.top_k}, dense_layers={self.dense_layers}: need 1 ≤ top_k ≤ "
-                              f"experts={self.experts} and 0 ≤ dense_layers < num_layers={self.num_layers}")
+            raise ConfigError(
+                f"top_k={self.top_k}, dense_layers={self.dense_layers}: need 1 ≤ top_k ≤ "
+                f"experts={self.experts} and 0 ≤ dense_layers < num_layers={self.num_layers}"
+            )
         if self.attention_kernel not in ("", "fa2"):
             raise ConfigError(f"attention_kernel={self.attention_kernel!r}: '' (the chip's own flash kernel) or 'fa2'")
         chunks = self.size("stage") * self.virtual_stages
@@ -243,11 +256,15 @@ class Workload:
             raise ConfigError(f"num_layers={self.num_layers}: fewer than stage × virtual_stages = {chunks} chunks")
         n = self.size("sequence")
         if n > 1 and (self.context_parallel not in CONTEXT or self.cp_order not in ("zigzag", "contiguous")):
-            raise ConfigError(f"context_parallel={self.context_parallel!r}, cp_order={self.cp_order!r}: sequence={n} "
-                              f"takes {', '.join(CONTEXT)} (cp_order zigzag or contiguous)")
+            raise ConfigError(
+                f"context_parallel={self.context_parallel!r}, cp_order={self.cp_order!r}: sequence={n} "
+                f"takes {', '.join(CONTEXT)} (cp_order zigzag or contiguous)"
+            )
         if n > 1 and self.context_parallel == "ulysses" and self.num_heads % (n * self.size("tensor")):
-            raise ConfigError(f"num_heads={self.num_heads}: ulysses needs them divisible by sequence × tensor = "
-                              f"{n * self.size('tensor')}")
+            raise ConfigError(
+                f"num_heads={self.num_heads}: ulysses needs them divisible by sequence × tensor = "
+                f"{n * self.size('tensor')}"
+            )
         if self.seq % (2 * n if n > 1 and self.context_parallel == "ring" and self.cp_order == "zigzag" else n):
             raise ConfigError(f"seq={self.seq}: not divisible by the sequence={n} blocks (2 each, zigzag)")
         t = self.size("tensor")
@@ -256,8 +273,9 @@ class Workload:
                 raise ConfigError(f"{name}={getattr(self, name)}: not divisible by tensor={t}")
 
 
-def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None,
-                pipeline: dict | None = None) -> Workload | None:
+def workload_of(
+    cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None, pipeline: dict | None = None
+) -> Workload | None:
     """The ``Workload`` of a jaxpar model under ``mesh`` (ICI axis sizes), or None where the model does not
     describe it: expert-choice routing. A split sequence without ring or Ulysses attention
     is GSPMD's: the full K/V gathered on every device (``allgather``).
@@ -272,22 +290,48 @@ def workload_of(cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = Non
         return None
     experts, mla = {}, {}
     if moe is not None:
-        experts = dict(experts=moe.num_experts, top_k=moe.top_k, expert_mlp_dim=moe.mlp_dim,
-                       capacity_factor=moe.capacity_factor, shared_mlp_dim=moe.num_shared_experts * moe.shared_mlp_dim,
-                       dense_layers=cfg.first_dense_layers)
+        experts = dict(
+            experts=moe.num_experts,
+            top_k=moe.top_k,
+            expert_mlp_dim=moe.mlp_dim,
+            capacity_factor=moe.capacity_factor,
+            shared_mlp_dim=moe.num_shared_experts * moe.shared_mlp_dim,
+            dense_layers=cfg.first_dense_layers,
+        )
     if getattr(cfg, "mla", None) is not None:
         m = cfg.mla
         mla = dict(kv_lora=m.kv_lora_rank, q_lora=m.q_lora_rank or 0, qk_rope=m.qk_rope_head_dim, v_head=m.v_head_dim)
     head_dim = cfg.mla.qk_nope_head_dim if mla else cfg.head_dim
-    w = Workload(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=head_dim,
-                    mlp_dim=cfg.mlp_dim, mlp_matrices=3, num_layers=cfg.num_layers, vocab=cfg.padded_vocab, batch=batch,
-                    seq=seq, mesh=sizes, dcn=dcn, remat=cfg.remat.value,
-                    weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize, grad_bytes=4,
-                    act_bytes=np.dtype(str(cfg.dtype)).itemsize, tied=cfg.tie_embeddings,
-                    window=cfg.sliding_window or 0, context_parallel="allgather" if cp == "none" else cp,
-                    flash=flash_attention(cfg),
-                    cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")), **experts, **mla)
+    w = Workload(
+        embed_dim=cfg.embed_dim,
+        num_heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=head_dim,
+        mlp_dim=cfg.mlp_dim,
+        mlp_matrices=3,
+        num_layers=cfg.num_layers,
+        vocab=cfg.padded_vocab,
+        batch=batch,
+        seq=seq,
+        mesh=sizes,
+        dcn=dcn,
+        remat=cfg.remat.value,
+        weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize,
+        grad_bytes=4,
+        act_bytes=np.dtype(str(cfg.dtype)).itemsize,
+        tied=cfg.tie_embeddings,
+        window=cfg.sliding_window or 0,
+        context_parallel="allgather" if cp == "none" else cp,
+        flash=flash_attention(cfg),
+        cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")),
+        **experts,
+        **mla,
+    )
     if pipeline and w.size("stage") > 1:
-        w = dataclasses.replace(w, microbatch=batch // (w.replicas * pipeline["microbatches"]), executor=True,
-                                **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")})
+        w = dataclasses.replace(
+            w,
+            microbatch=batch // (w.replicas * pipeline["microbatches"]),
+            executor=True,
+            **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")},
+        )
     return w

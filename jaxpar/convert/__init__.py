@@ -11,6 +11,7 @@ plus the pages of the safetensors files mapped while it is read; files are close
 Export gathers one HF tensor at a time (one layer's, one expert's) from the devices and writes
 safetensors files of at most ``max_shard_bytes``, into a temporary folder renamed into place at the end.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +46,7 @@ def hf_config(folder: str | os.PathLike, *, param_dtype: str = "float32", **over
     except KeyError as err:
         raise ConvertError(f"{where}: the field {err.args[0]!r} is missing ({fam.model_type} needs it)") from None
     except (TypeError, ValueError) as err:
-        if isinstance(err, JaxparError):        # already names the field (e.g. model.num_kv_heads=0)
+        if isinstance(err, JaxparError):  # already names the field (e.g. model.num_kv_heads=0)
             raise
         raise ConvertError(f"{where}: a field has a value of the wrong type ({err})") from None
     return dataclasses.replace(cfg, param_dtype=param_dtype, **overrides), fam, hf
@@ -59,12 +60,12 @@ def _plan(cfg, fam: Family, hf: HFFolder, state) -> dict:
     """Our flat state's paths -> Source, every HF tensor checked for presence and shape; HF tensors
     nobody reads are refused."""
     table = sources(cfg, fam)
-    plan, used, available = {}, set(), hf.names()          # names() builds a set: once, not per tensor
+    plan, used, available = {}, set(), hf.names()  # names() builds a set: once, not per tensor
     hf_sizes = {"v": cfg.vocab_size}
     for keys, var in nnx.to_flat_state(state):
         path = _path(keys)
         if path not in table:
-            if path[-1] == "router_bias":             # families without a selection bias: it stays zero
+            if path[-1] == "router_bias":  # families without a selection bias: it stays zero
                 plan[path] = None
                 continue
             raise ConvertError(f"no Hugging Face source for parameter {'/'.join(path)} in family {fam.model_type}")
@@ -75,14 +76,18 @@ def _plan(cfg, fam: Family, hf: HFFolder, state) -> dict:
                 raise ConvertError(f"{hf.folder}: tensor {name} is missing (needed for {'/'.join(path)})")
             want = src.hf_shape(shape, hf_sizes)
             if hf.shape(name) != want:
-                raise ConvertError(f"{hf.where[name].name}: tensor {name} has shape {list(hf.shape(name))}, "
-                                   f"the config says {list(want)}")
+                raise ConvertError(
+                    f"{hf.where[name].name}: tensor {name} has shape {list(hf.shape(name))}, "
+                    f"the config says {list(want)}"
+                )
             used.add(name)
         plan[path] = src
     extra = sorted(available - used - _skipped(hf, cfg))
     if extra:
-        raise ConvertError(f"{hf.where[extra[0]].name}: tensor {extra[0]} is not part of a {fam.model_type} model "
-                           f"this config describes ({len(extra)} such tensors)")
+        raise ConvertError(
+            f"{hf.where[extra[0]].name}: tensor {extra[0]} is not part of a {fam.model_type} model "
+            f"this config describes ({len(extra)} such tensors)"
+        )
     return plan
 
 
@@ -113,9 +118,10 @@ def from_hf(folder: str | os.PathLike, mesh=None, *, param_dtype: str = "float32
         for keys, var in flat:
             path = _path(keys)
             value = var.get_value()
-            var.set_value(_place(plan[path], tuple(value.shape), np.dtype(value.dtype), by_path[path], hf,
-                                 {"v": cfg.vocab_size}))
-            hf.close()                                    # unmap what this parameter read
+            var.set_value(
+                _place(plan[path], tuple(value.shape), np.dtype(value.dtype), by_path[path], hf, {"v": cfg.vocab_size})
+            )
+            hf.close()  # unmap what this parameter read
         model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     finally:
         hf.close()
@@ -130,17 +136,24 @@ def _place(src, shape, dtype, sharding, hf: HFFolder, hf_sizes) -> jax.Array:
     shard_bytes = np.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize
     if src is not None and src.ours[0] == "L" and spec[0] is None and shard_bytes > LAYERWISE_BYTES:
         layer = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
-        put = jax.jit(lambda x, piece, l: jax.lax.dynamic_update_index_in_dim(x, piece, l, 0),
-                      donate_argnums=0, out_shardings=sharding)
+        put = jax.jit(
+            lambda x, piece, l: jax.lax.dynamic_update_index_in_dim(x, piece, l, 0),
+            donate_argnums=0,
+            out_shardings=sharding,
+        )
         x = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()
         for l in range(shape[0]):
-            piece = _from_reads(lambda index, l=l: read_shard(src, shape, (slice(l, l + 1), *index), hf.read,
-                                                              hf_sizes, dtype)[0], shape[1:], layer)
+            piece = _from_reads(
+                lambda index, l=l: read_shard(src, shape, (slice(l, l + 1), *index), hf.read, hf_sizes, dtype)[0],
+                shape[1:],
+                layer,
+            )
             x = put(x, piece, l)
         return x
     if src is None:
-        return _from_reads(lambda index: np.zeros([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype),
-                           shape, sharding)
+        return _from_reads(
+            lambda index: np.zeros([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype), shape, sharding
+        )
     return _from_reads(lambda index: read_shard(src, shape, index, hf.read, hf_sizes, dtype), shape, sharding)
 
 
@@ -153,11 +166,18 @@ def _from_reads(read, shape, sharding) -> jax.Array:
         if key not in cache:
             cache[key] = read(index)
         return cache[key]
+
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
-def to_hf(model, folder: str | os.PathLike, *, family: str | None = None, max_shard_bytes: int = 2 << 30,
-          dtype: str | None = None) -> Path:
+def to_hf(
+    model,
+    folder: str | os.PathLike,
+    *,
+    family: str | None = None,
+    max_shard_bytes: int = 2 << 30,
+    dtype: str | None = None,
+) -> Path:
     """Write ``model`` as a Hugging Face folder (config.json, safetensors, index when sharded) that
     ``transformers`` loads. ``family``: a model_type of ``FAMILIES`` (default: inferred from the config);
     ``dtype``: the tensors' dtype (default: the parameters'). ``folder`` must not exist."""
@@ -173,10 +193,11 @@ def to_hf(model, folder: str | os.PathLike, *, family: str | None = None, max_sh
             array = var.get_value()
             if path not in table:
                 if path[-1] == "router_bias" and not np.any(np.asarray(array)):
-                    continue                                  # all-zero selection bias: no HF tensor needed
+                    continue  # all-zero selection bias: no HF tensor needed
                 raise ConvertError(f"{'/'.join(path)}: {fam.model_type} has no tensor for it")
-            for name, x in write_pieces(table[path], lambda at, a=array: np.asarray(a[at]), array.shape,
-                                        {"v": cfg.vocab_size}):
+            for name, x in write_pieces(
+                table[path], lambda at, a=array: np.asarray(a[at]), array.shape, {"v": cfg.vocab_size}
+            ):
                 writer.add(name, x.astype(jax.numpy.dtype(dtype or x.dtype)))
         config["torch_dtype"] = str(jax.numpy.dtype(dtype or cfg.param_dtype))
         return writer.commit(config)

@@ -7,6 +7,7 @@
 Nothing existing is overwritten: ``--out`` must be a new path, and outputs are written under a
 temporary name and renamed when complete.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,18 +23,24 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     way.add_argument("--from-hf", metavar="DIR", help="a Hugging Face folder (config.json + *.safetensors)")
     way.add_argument("--to-hf", metavar="CKPT", help="a model checkpoint or a training run's folder")
     parser.add_argument("--out", required=True, help="the new folder to write")
-    parser.add_argument("--mesh", default=None, help="mesh preset or axis spec to place the model on "
-                        "(default: one device)")
+    parser.add_argument(
+        "--mesh", default=None, help="mesh preset or axis spec to place the model on (default: one device)"
+    )
     parser.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
-    parser.add_argument("--dtype", default=None, help="--from-hf: parameter dtype (default float32); "
-                        "--to-hf: tensor dtype (default: the parameters')")
-    parser.add_argument("--family", default=None, help="--to-hf: the HF model_type to write (default: "
-                        "inferred from the config)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="--from-hf: parameter dtype (default float32); --to-hf: tensor dtype (default: the parameters')",
+    )
+    parser.add_argument(
+        "--family", default=None, help="--to-hf: the HF model_type to write (default: inferred from the config)"
+    )
     parser.add_argument("--max-shard-mb", type=int, default=2048, help="--to-hf: safetensors file size limit")
 
 
 def run(args: argparse.Namespace, /) -> int:
     from jaxpar.mesh import simulate_cpu_devices
+
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     import jax
@@ -44,13 +51,15 @@ def run(args: argparse.Namespace, /) -> int:
 
     if args.family and args.family not in FAMILIES:
         raise ConvertError(f"--family={args.family!r}: not one of {', '.join(sorted(FAMILIES))}")
-    if Path(args.out).exists():                   # before any tensor is read
+    if Path(args.out).exists():  # before any tensor is read
         raise ConvertError(f"{Path(args.out).resolve()}: exists; conversion writes a new folder and never overwrites")
     if args.from_hf:
         model = from_hf(args.from_hf, mesh=args.mesh, param_dtype=args.dtype or "float32")
         out = save_model(model, args.out, source={"hf": str(args.from_hf)})
-        print(f"{args.from_hf} -> {out}: {type(model.cfg).__name__}, {model.cfg.num_params():,} parameters, "
-              f"mesh {dict((a, n) for a, n in model.layout.mesh.shape.items() if n > 1) or 'one device'}")
+        print(
+            f"{args.from_hf} -> {out}: {type(model.cfg).__name__}, {model.cfg.num_params():,} parameters, "
+            f"mesh {dict((a, n) for a, n in model.layout.mesh.shape.items() if n > 1) or 'one device'}"
+        )
         return 0
     cfg, step, is_run = model_config(args.to_hf)
     layout = default_layout(cfg, args.mesh or "dp", devices=None if args.mesh else jax.devices()[:1])

@@ -5,6 +5,7 @@ Safetensors only: nothing here unpickles, so a folder holding only ``*.bin``/``*
 file's header is checked against its size before anything is read (a truncated download names its
 file), and every tensor a conversion needs is checked for presence and shape before the first read.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def read_config(folder: Path) -> dict:
 def _json(path: Path):
     try:
         return json.loads(path.read_text())
-    except ValueError as e:                     # JSONDecodeError, UnicodeDecodeError
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ConvertError(f"{path}: not valid JSON ({e})") from None
 
 
@@ -59,13 +60,16 @@ def _header(path: Path) -> dict:
     if not isinstance(header, dict):
         raise ConvertError(f"{path}: not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
-    if not all(isinstance(info, dict) and isinstance(info.get("data_offsets"), list)
-               and len(info["data_offsets"]) == 2 for info in header.values()):
+    if not all(
+        isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+        for info in header.values()
+    ):
         raise ConvertError(f"{path}: not a safetensors file (a header entry has no data_offsets pair)")
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + n + end > size:
-        raise ConvertError(f"{path}: truncated safetensors file: its tensors need {8 + n + end} bytes, "
-                           f"the file has {size}")
+        raise ConvertError(
+            f"{path}: truncated safetensors file: its tensors need {8 + n + end} bytes, the file has {size}"
+        )
     return header
 
 
@@ -78,9 +82,14 @@ class HFFolder:
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             others = sorted(p.name for p in self.folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-            raise ConvertError(f"{self.folder}: no *.safetensors files" + (
-                f" (found {', '.join(others)}: pickle formats are never loaded; convert them to safetensors)"
-                if others else ""))
+            raise ConvertError(
+                f"{self.folder}: no *.safetensors files"
+                + (
+                    f" (found {', '.join(others)}: pickle formats are never loaded; convert them to safetensors)"
+                    if others
+                    else ""
+                )
+            )
         index = self.folder / INDEX
         self.where: dict[str, Path] = {}
         self.info: dict[str, dict] = {}
@@ -159,8 +168,11 @@ class ShardWriter:
             os.rename(self.tmp / f"part-{i}.safetensors", self.tmp / final)
             weight_map |= {t: final for t in tensors}
         if n > 1:
-            (self.tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total},
-                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            (self.tmp / INDEX).write_text(
+                json.dumps(
+                    {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+                )
+            )
         (self.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (self.tmp / name).write_text(text)

@@ -13,12 +13,13 @@ reshaped, and sliced on the rest; a dimension where ours is longer than HF's (th
 reads what exists and is zero-filled. So a shard reads at most its own bytes plus whole rows of the
 merged dimension it cuts through.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -30,6 +31,7 @@ class Source:
     """Our parameter = HF tensors ``names`` (a template per part, formatted with ``l`` and ``e``),
     with our dimensions labelled ``ours`` and the HF tensor's dimensions ``hf`` (a str, or a tuple of
     labels merged row-major). ``layer_offset`` shifts ``{l}`` (our stacks split the HF layer list)."""
+
     names: tuple[str, ...]
     ours: tuple[str, ...]
     hf: tuple[str | tuple[str, ...], ...]
@@ -59,8 +61,9 @@ def _group(g) -> tuple[str, ...]:
     return (g,) if isinstance(g, str) else tuple(g)
 
 
-def read_shard(src: Source, shape: Sequence[int], index: Sequence[slice], read: Callable, hf_sizes: dict,
-               dtype) -> np.ndarray:
+def read_shard(
+    src: Source, shape: Sequence[int], index: Sequence[slice], read: Callable, hf_sizes: dict, dtype
+) -> np.ndarray:
     """Our array's ``index`` (a tuple of slices over ``shape``), read from HF tensors.
     ``read(name, slices) -> np.ndarray`` reads a box of one HF tensor."""
     index = tuple(s if isinstance(s, slice) else slice(s, s + 1) for s in index)
@@ -69,7 +72,7 @@ def read_shard(src: Source, shape: Sequence[int], index: Sequence[slice], read: 
     out = np.zeros([len(r) for r in want.values()], dtype)
     tensor_labels = [lab for lab in src.ours if lab not in STACKING]
     for key in src._keys(shape, index):
-        piece = _read_piece(src, key, want, size, read, hf_sizes)           # labelled as flat HF groups
+        piece = _read_piece(src, key, want, size, read, hf_sizes)  # labelled as flat HF groups
         at = tuple(key[lab.lower()] - want[lab].start if lab in STACKING else slice(None) for lab in src.ours)
         out[at] = piece.transpose([_flat_labels(src.hf).index(lab) for lab in tensor_labels])
     return out
@@ -87,7 +90,7 @@ def _read_piece(src: Source, key: dict, want: dict, size: dict, read: Callable, 
         first, rest = labels[0], labels[1:]
         inner = math.prod(size[x] for x in rest)
         r = want[first]
-        stop = min(r.stop, hf_sizes.get(first, size[first]))                    # beyond HF's size: zeros
+        stop = min(r.stop, hf_sizes.get(first, size[first]))  # beyond HF's size: zeros
         boxes.append(slice(r.start * inner, max(r.start, stop) * inner))
         split += [max(stop - r.start, 0)] + [size[x] for x in rest]
         after += [slice(None)] + [slice(want[x].start, want[x].stop) for x in rest]
@@ -103,7 +106,7 @@ def write_pieces(src: Source, array_at: Callable, shape: Sequence[int], hf_sizes
     flat = _flat_labels(src.hf)
     for key in src._keys(shape, [slice(None)] * len(shape)):
         at = tuple(key[lab.lower()] if lab in STACKING else slice(None) for lab in src.ours)
-        x = np.asarray(array_at(at))                                            # [our tensor dims]
+        x = np.asarray(array_at(at))  # [our tensor dims]
         x = x.transpose([tensor_labels.index(lab) for lab in flat])
-        x = x[tuple(slice(0, hf_sizes.get(lab, n)) for lab, n in zip(flat, x.shape))]   # drop vocab padding
+        x = x[tuple(slice(0, hf_sizes.get(lab, n)) for lab, n in zip(flat, x.shape))]  # drop vocab padding
         yield src.hf_name(**key), x.reshape(src.hf_shape(shape, hf_sizes))

@@ -5,6 +5,7 @@ A model checkpoint is a folder with ``model.json`` (the jaxpar model config and 
 ``checkpoints/0``, an orbax checkpoint of the same kind a training run writes (items state, data,
 config) whose state is the model's alone. Restores place each array straight into its shards.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,7 @@ def model_config(ckpt: str | Path):
     if not isinstance(model, dict):
         raise ConvertError(f"{ckpt}: its checkpoint config has no model section")
     try:
-        cfg = config_from_dict(model)           # the family's own class (read by its fields if untagged)
+        cfg = config_from_dict(model)  # the family's own class (read by its fields if untagged)
     except ConfigError as err:
         raise ConvertError(f"{ckpt}: its model config cannot be read by this version of jaxpar ({err})") from None
     return cfg, saved.step, saved.config.get("format") != "jaxpar-model"
@@ -68,19 +69,26 @@ def load_model(ckpt: str | Path, layout, /):
     with layout.activate():
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
         target = abstract_like(abstract, nnx.get_named_sharding(abstract, layout.mesh))
-    check_fits(Entry.LOAD, saved_config=None, step=step, where=Path(ckpt).resolve(),
-               checkpoints=Path(ckpt).resolve() / "checkpoints", abstract=abstract, prefix="0/" if is_run else "")
-    item = {"0": target} if is_run else target                    # a run saved (model, optimizer)
-    manager = ocp.CheckpointManager(Path(ckpt).resolve() / "checkpoints",
-                                    options=ocp.CheckpointManagerOptions(read_only=True),
-                                    item_names=("state", "data", "config"))
+    check_fits(
+        Entry.LOAD,
+        saved_config=None,
+        step=step,
+        where=Path(ckpt).resolve(),
+        checkpoints=Path(ckpt).resolve() / "checkpoints",
+        abstract=abstract,
+        prefix="0/" if is_run else "",
+    )
+    item = {"0": target} if is_run else target  # a run saved (model, optimizer)
+    manager = ocp.CheckpointManager(
+        Path(ckpt).resolve() / "checkpoints",
+        options=ocp.CheckpointManagerOptions(read_only=True),
+        item_names=("state", "data", "config"),
+    )
     try:
-        restore_args = ocp.checkpoint_utils.construct_restore_args(item)        # the target shardings
-        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item, restore_args=restore_args,
-                                                                partial_restore=True))
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)  # the target shardings
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item, restore_args=restore_args, partial_restore=True))
         state = manager.restore(step, args=args)["state"]
     finally:
         manager.close()
     model = nnx.merge(graphdef, state["0"] if is_run else state)
     return model, step
-

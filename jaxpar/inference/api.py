@@ -15,6 +15,7 @@ object with status 400 (the engine never sees a bad request). Refused, each with
 Chat messages are rendered with the tokenizer's chat template (Hugging Face's Jinja format, rendered in
 a sandbox), as ``apply_chat_template`` does with ``add_generation_prompt``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,20 +24,39 @@ import secrets
 import time
 from pathlib import Path
 
-DEFAULT_MAX_TOKENS = 16                       # OpenAI's default for completions
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_N = 16
 MAX_STOPS = 4
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-          "stream", "stream_options", "n", "user"}
-FIELDS = {"completions": COMMON | {"prompt"},
-          "chat": COMMON | {"messages", "max_completion_tokens"}}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+}
+FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
 
 
 class APIError(Exception):
     """A request refused: OpenAI's error object, sent with ``status``."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
 
@@ -47,10 +67,11 @@ class APIError(Exception):
 @dataclasses.dataclass
 class Job:
     """One parsed request: a choice per (prompt, n)."""
-    kind: str                                 # "completions" or "chat"
+
+    kind: str  # "completions" or "chat"
     prompts: list[list[int]]
     max_tokens: int | list[int]
-    sampling: dict                            # temperature, top_k, top_p, min_p, seed
+    sampling: dict  # temperature, top_k, top_p, min_p, seed
     stop_text: list[str]
     stop_ids: frozenset
     stream: bool
@@ -63,8 +84,11 @@ class Job:
     def choices(self) -> list[tuple[int, list[int], int, dict]]:
         """(index, prompt, max_tokens, sampling) per choice; choice i of n samples with seed + i."""
         limits = self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens] * len(self.prompts)
-        return [(p * self.n + i, prompt, limits[p], {**self.sampling, "seed": self.sampling["seed"] + i})
-                for p, prompt in enumerate(self.prompts) for i in range(self.n)]
+        return [
+            (p * self.n + i, prompt, limits[p], {**self.sampling, "seed": self.sampling["seed"] + i})
+            for p, prompt in enumerate(self.prompts)
+            for i in range(self.n)
+        ]
 
 
 def _number(body: dict, name: str, default, low, high, *, low_open: bool = False, integer: bool = False):
@@ -99,7 +123,7 @@ def load_chat_template(tokenizer_file: str | Path | None, explicit: str | Path |
     if folder is not None and (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text(), special
     template = config.get("chat_template")
-    if isinstance(template, list):                         # [{"name": "default", "template": ...}, ...]
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template, special
 
@@ -107,13 +131,22 @@ def load_chat_template(tokenizer_file: str | Path | None, explicit: str | Path |
 class Parser:
     """Validates requests for one served model (see the module doc)."""
 
-    def __init__(self, *, model_name: str, vocab_size: int, max_length: int, tokenizer=None,
-                 chat_template: str | None = None, special_tokens: dict | None = None):
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        vocab_size: int,
+        max_length: int,
+        tokenizer=None,
+        chat_template: str | None = None,
+        special_tokens: dict | None = None,
+    ):
         self.model_name, self.vocab_size, self.max_length = model_name, vocab_size, max_length
         self.tokenizer, self.special = tokenizer, special_tokens or {}
         self.template = None
         if chat_template is not None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
+
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = self._template_error
             self.template = env.from_string(chat_template)
@@ -126,17 +159,22 @@ class Parser:
     def parse(self, kind: str, raw: bytes) -> Job:
         body = self._body(raw, kind)
         if body.get("model") != self.model_name:
-            raise APIError(f"model {json.dumps(body.get('model'))} is not served here; this server serves "
-                           f"'{self.model_name}'", param="model", code="model_not_found")
+            raise APIError(
+                f"model {json.dumps(body.get('model'))} is not served here; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
         prompts = [self._chat(body)] if kind == "chat" else self._prompts(body.get("prompt"))
         limit_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         limits = [self._max_tokens(body, limit_field, p, kind) for p in prompts]
-        seed = _number(body, "seed", None, -2**31, 2**31 - 1, integer=True)
-        sampling = dict(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-                        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
-                        top_k=int(_number(body, "top_k", 0, 0, self.vocab_size, integer=True)),
-                        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
-                        seed=secrets.randbelow(2**31 - MAX_N) if seed is None else seed)
+        seed = _number(body, "seed", None, -(2**31), 2**31 - 1, integer=True)
+        sampling = dict(
+            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+            top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
+            top_k=int(_number(body, "top_k", 0, 0, self.vocab_size, integer=True)),
+            min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+            seed=secrets.randbelow(2**31 - MAX_N) if seed is None else seed,
+        )
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise APIError("'stream_options' must be an object with at most 'include_usage'", param="stream_options")
@@ -146,8 +184,18 @@ class Parser:
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise APIError("'user' must be a string", param="user")
-        return Job(kind, prompts, limits, sampling, self._stops(body.get("stop")), self._stop_ids(body), stream,
-                   bool(options.get("include_usage")), _number(body, "n", 1, 1, MAX_N, integer=True), user)
+        return Job(
+            kind,
+            prompts,
+            limits,
+            sampling,
+            self._stops(body.get("stop")),
+            self._stop_ids(body),
+            stream,
+            bool(options.get("include_usage")),
+            _number(body, "n", 1, 1, MAX_N, integer=True),
+            user,
+        )
 
     def _body(self, raw: bytes, kind: str) -> dict:
         try:
@@ -162,16 +210,20 @@ class Parser:
             raise APIError("the request body must be a JSON object")
         unknown = sorted(set(body) - FIELDS[kind])
         if unknown:
-            raise APIError(f"unknown or unsupported field '{unknown[0]}'; this endpoint accepts "
-                           f"{', '.join(sorted(FIELDS[kind]))}", param=unknown[0], code="unknown_field")
+            raise APIError(
+                f"unknown or unsupported field '{unknown[0]}'; this endpoint accepts {', '.join(sorted(FIELDS[kind]))}",
+                param=unknown[0],
+                code="unknown_field",
+            )
         return body
 
     def _text(self, text: str, field: str, *, special: bool = True) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise APIError(f"'{field}' is not valid UTF-8 (it holds a lone surrogate)", param=field,
-                           code="invalid_encoding") from None
+            raise APIError(
+                f"'{field}' is not valid UTF-8 (it holds a lone surrogate)", param=field, code="invalid_encoding"
+            ) from None
         if self.tokenizer is None:
             raise APIError(f"'{field}': this server has no tokenizer; send token ids", param=field)
         return self.tokenizer.encode(text, add_special_tokens=special).ids
@@ -186,8 +238,9 @@ class Parser:
                 raise APIError(f"'{where}' must be text, a list of token ids, or a list of either", param="prompt")
             bad = [t for t in out if not 0 <= t < self.vocab_size]
             if bad:
-                raise APIError(f"'{where}': token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                               param="prompt")
+                raise APIError(
+                    f"'{where}': token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
+                )
             if not out:
                 raise APIError(f"'{where}' is empty; a prompt needs at least one token", param="prompt")
             return out
@@ -202,14 +255,23 @@ class Parser:
 
     def _chat(self, body: dict) -> list[int]:
         if self.template is None:
-            raise APIError("this model's tokenizer has no chat template; use /v1/completions", param="messages",
-                           code="no_chat_template")
+            raise APIError(
+                "this model's tokenizer has no chat template; use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise APIError("'messages' must be a non-empty list of {role, content} objects with text content",
-                           param="messages")
+                for m in messages
+            )
+        ):
+            raise APIError(
+                "'messages' must be a non-empty list of {role, content} objects with text content", param="messages"
+            )
         text = self.template.render(messages=messages, add_generation_prompt=True, **self.special)
         out = self._text(text, "messages", special=False)
         if not out:
@@ -219,13 +281,20 @@ class Parser:
     def _max_tokens(self, body: dict, field: str, prompt: list[int], kind: str) -> int:
         room = self.max_length - len(prompt)
         if room < 1:
-            raise APIError(f"the prompt has {len(prompt)} tokens; this server's cache holds {self.max_length} "
-                           f"positions per sequence (prompt + completion)", param="prompt",
-                           code="context_length_exceeded")
+            raise APIError(
+                f"the prompt has {len(prompt)} tokens; this server's cache holds {self.max_length} "
+                f"positions per sequence (prompt + completion)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         value = _number(body, field, DEFAULT_MAX_TOKENS if kind == "completions" else room, 1, None, integer=True)
         if value > room:
-            raise APIError(f"'{field}' = {value}: the prompt's {len(prompt)} tokens leave room for {room} in the "
-                           f"cache of {self.max_length} positions", param=field, code="context_length_exceeded")
+            raise APIError(
+                f"'{field}' = {value}: the prompt's {len(prompt)} tokens leave room for {room} in the "
+                f"cache of {self.max_length} positions",
+                param=field,
+                code="context_length_exceeded",
+            )
         return value
 
     def _stops(self, stop) -> list[str]:
@@ -238,10 +307,12 @@ class Parser:
 
     def _stop_ids(self, body: dict) -> frozenset:
         ids = body.get("stop_token_ids") or []
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                and 0 <= t < self.vocab_size for t in ids):
-            raise APIError(f"'stop_token_ids' must be a list of token ids in [0, {self.vocab_size})",
-                           param="stop_token_ids")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids
+        ):
+            raise APIError(
+                f"'stop_token_ids' must be a list of token ids in [0, {self.vocab_size})", param="stop_token_ids"
+            )
         return frozenset(ids)
 
 
@@ -262,10 +333,10 @@ class TextStream:
             at = text.find(s)
             if at >= 0:
                 text, self.stopped, final = text[:at], True, True
-        if not final:                                    # a stop string may be starting: hold it back
+        if not final:  # a stop string may be starting: hold it back
             hold = max([k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
-            text = text[:len(text) - hold]
+            text = text[: len(text) - hold]
         if (not final and text.endswith("\ufffd")) or not text.startswith(self.sent):
-            return ""                                    # wait for the rest of the character
-        new, self.sent = text[len(self.sent):], text
+            return ""  # wait for the rest of the character
+        new, self.sent = text[len(self.sent) :], text
         return new

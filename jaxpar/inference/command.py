@@ -18,6 +18,7 @@ Output: one prompt streams its text (or its ids) as tokens arrive; several print
 each row finishes; a one-line summary (time to first token, decode tokens/s) goes to stderr. --json
 prints one object instead: tokens, text, times, inter-token latency percentiles and the mesh.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,29 +34,57 @@ PICKLES = (".bin", ".pt", ".pth")
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n")[1]
-    parser.add_argument("--from", dest="source", required=True, metavar="DIR",
-                        help="a training run folder, a model checkpoint or a Hugging Face folder")
-    parser.add_argument("--tokenizer", default=None, metavar="FILE",
-                        help="a tokenizers JSON file (default: tokenizer.json in --from, when there)")
+    parser.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="DIR",
+        help="a training run folder, a model checkpoint or a Hugging Face folder",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="a tokenizers JSON file (default: tokenizer.json in --from, when there)",
+    )
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable: one batch)")
-    prompts.add_argument("--prompt-ids", action="append", metavar="IDS",
-                         help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)")
-    parser.add_argument("--max-new-tokens", type=_positive, required=True, metavar="N",
-                        help="tokens to generate per prompt")
+    prompts.add_argument(
+        "--prompt-ids",
+        action="append",
+        metavar="IDS",
+        help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=_positive, required=True, metavar="N", help="tokens to generate per prompt"
+    )
     sampler = parser.add_argument_group("sampling (default: greedy)")
     sampler.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     sampler.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the k most likely tokens (0 = off)")
     sampler.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus: in (0, 1], 1 = off")
-    sampler.add_argument("--min-p", type=float, default=0.0, metavar="M",
-                         help="keep tokens with probability >= M x the largest (0 = off)")
+    sampler.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="M",
+        help="keep tokens with probability >= M x the largest (0 = off)",
+    )
     sampler.add_argument("--seed", type=int, default=0, metavar="S", help="the requests' seed (default 0)")
-    parser.add_argument("--stop-ids", default=None, metavar="IDS", help="comma-separated ids that end a row "
-                        "(besides the EOS ids of a Hugging Face folder), e.g. 5,7")
-    parser.add_argument("--mesh", default=None, help="decode_tp, decode_dp, decode_ep, prefill_cp, a training preset "
-                        "or an axis spec like data=2,tensor=4 (default: one device)")
-    parser.add_argument("--cpu-devices", type=_positive, default=None, metavar="N",
-                        help="simulate this many CPU devices")
+    parser.add_argument(
+        "--stop-ids",
+        default=None,
+        metavar="IDS",
+        help="comma-separated ids that end a row (besides the EOS ids of a Hugging Face folder), e.g. 5,7",
+    )
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="decode_tp, decode_dp, decode_ep, prefill_cp, a training preset "
+        "or an axis spec like data=2,tensor=4 (default: one device)",
+    )
+    parser.add_argument(
+        "--cpu-devices", type=_positive, default=None, metavar="N", help="simulate this many CPU devices"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
 
@@ -69,6 +98,7 @@ def _positive(text: str) -> int:
 def parse_ids(text: str, flag: str) -> list[int]:
     """``"1,2,3"`` -> [1, 2, 3]; spaces allowed, anything else named with its flag."""
     from jaxpar.errors import ConfigError
+
     parts = [p.strip() for p in text.split(",")] if text.strip() else []
     for p in parts:
         if not p.lstrip("-").isdigit():
@@ -79,21 +109,25 @@ def parse_ids(text: str, flag: str) -> list[int]:
 def source_kind(folder: str) -> str:
     """``"jaxpar"`` (a run folder or model checkpoint: checkpoints/) or ``"hf"`` (config.json + weights)."""
     from jaxpar.errors import CheckpointError
+
     path = Path(folder)
     if not path.is_dir():
         raise CheckpointError(f"--from {path}: " + ("not a directory" if path.exists() else "no such directory"))
     if (path / "checkpoints").is_dir():
         return "jaxpar"
     if (path / "config.json").is_file() and any(p.suffix in (".safetensors", *PICKLES) for p in path.iterdir()):
-        return "hf"                       # HFFolder explains a folder of pickles
-    raise CheckpointError(f"--from {path.resolve()}: neither a training run folder (config.json + checkpoints/), a "
-                          f"model checkpoint (model.json + checkpoints/) nor a Hugging Face folder (config.json + "
-                          f"*.safetensors)")
+        return "hf"  # HFFolder explains a folder of pickles
+    raise CheckpointError(
+        f"--from {path.resolve()}: neither a training run folder (config.json + checkpoints/), a "
+        f"model checkpoint (model.json + checkpoints/) nor a Hugging Face folder (config.json + "
+        f"*.safetensors)"
+    )
 
 
 def load_tokenizer(flag_value: str | None, folder: str):
     """The ``tokenizers.Tokenizer`` of --tokenizer, else of --from's tokenizer.json, else None."""
     from jaxpar.errors import DataError
+
     if flag_value is None:
         found = Path(folder) / TOKENIZER
         if not found.is_file():
@@ -104,20 +138,24 @@ def load_tokenizer(flag_value: str | None, folder: str):
     if not path.is_file():
         raise DataError(f"{flag} {path}: no such file")
     from tokenizers import Tokenizer
+
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as err:                      # tokenizers raises a bare Exception on bad JSON
+    except Exception as err:  # tokenizers raises a bare Exception on bad JSON
         raise DataError(f"{flag} {path}: not a tokenizers file ({err})") from None
 
 
 def read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     """Every --prompt (encoded) or --prompt-ids (parsed), refused when one is empty."""
     from jaxpar.errors import ConfigError, DataError
+
     if args.prompt_ids is not None:
         prompts, flag = [parse_ids(p, "--prompt-ids") for p in args.prompt_ids], "--prompt-ids"
     elif tokenizer is None:
-        raise DataError(f"--prompt needs a tokenizer: give --tokenizer FILE (or put {TOKENIZER} in --from "
-                        f"{args.source}), or give token ids with --prompt-ids")
+        raise DataError(
+            f"--prompt needs a tokenizer: give --tokenizer FILE (or put {TOKENIZER} in --from "
+            f"{args.source}), or give token ids with --prompt-ids"
+        )
     else:
         prompts, flag = [tokenizer.encode(text).ids for text in args.prompt], "--prompt"
     for i, p in enumerate(prompts):
@@ -129,6 +167,7 @@ def read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
 def hf_eos_ids(folder: Path) -> tuple[int, ...]:
     """``eos_token_id`` (one id or a list) of generation_config.json, else of config.json; () if neither."""
     from jaxpar.errors import ConvertError
+
     for name in ("generation_config.json", "config.json"):
         path = folder / name
         if not path.is_file():
@@ -150,10 +189,13 @@ def hf_eos_ids(folder: Path) -> tuple[int, ...]:
 def model_config(kind: str, folder: str):
     """(model config, EOS ids, what --from is) without reading a weight."""
     from jaxpar.errors import CheckpointError, ConvertError
+
     if kind == "hf":
         from jaxpar.convert import hf_config
+
         return hf_config(folder)[0], hf_eos_ids(Path(folder)), "Hugging Face folder"
     from jaxpar.convert.store import model_config as saved_config
+
     try:
         cfg, step, is_run = saved_config(folder)
     except (ConvertError, CheckpointError) as err:
@@ -161,12 +203,14 @@ def model_config(kind: str, folder: str):
     return cfg, (), f"training run, step {step}" if is_run else "model checkpoint"
 
 
-def check_fit(cfg, mesh, name: str, prompts: list[list[int]], max_new: int, stop: list[int], *, flag: str,
-              where: str) -> None:
+def check_fit(
+    cfg, mesh, name: str, prompts: list[list[int]], max_new: int, stop: list[int], *, flag: str, where: str
+) -> None:
     """What ``Generator.generate`` would refuse, refused on the config alone (no weight read yet). The
     prompts' errors name ``flag`` (--prompt or --prompt-ids), the layout's ``where`` (--mesh data=8)."""
     from jaxpar.errors import ConfigError, LayoutError
-    from jaxpar.inference.generate import check_fit as check_request_fit, check_request
+    from jaxpar.inference.generate import check_fit as check_request_fit
+    from jaxpar.inference.generate import check_request
 
     limits = [max_new] * len(prompts)
     try:
@@ -186,9 +230,11 @@ def load_weights(kind: str, folder: str, cfg, mesh, name: str):
     """The model, restored onto the decode layout (a jaxpar checkpoint) or onto one device (HF)."""
     if kind == "hf":
         from jaxpar.convert import from_hf
-        return from_hf(folder)                    # the Generator reshards it onto the decode layout
+
+        return from_hf(folder)  # the Generator reshards it onto the decode layout
     from jaxpar.convert.store import load_model
     from jaxpar.inference.layouts import weight_layout
+
     return load_model(folder, weight_layout(cfg, mesh, name))[0]
 
 
@@ -207,7 +253,7 @@ class Stream:
 
     def __call__(self, step: int, tokens, done) -> None:
         for i, token in enumerate(tokens.tolist()):
-            if done[i]:                           # finished before this step: its token is padding
+            if done[i]:  # finished before this step: its token is padding
                 continue
             self.rows[i].append(token)
             if len(self.rows) == 1:
@@ -217,9 +263,9 @@ class Stream:
 
     def _grow(self, text: str, *, final: bool) -> None:
         if text.startswith(self.shown) and (final or not text.endswith("\ufffd")):
-            print(text[len(self.shown):], end="", flush=True)
+            print(text[len(self.shown) :], end="", flush=True)
             self.shown = text
-        elif final:                               # the decoder rewrote text already shown: the final one whole
+        elif final:  # the decoder rewrote text already shown: the final one whole
             print("\n" + text, end="", flush=True)
             self.shown = text
 
@@ -240,6 +286,7 @@ class Stream:
 
 def run(args: argparse.Namespace, /) -> int:
     from jaxpar.mesh import simulate_cpu_devices
+
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     import jax
@@ -252,19 +299,33 @@ def run(args: argparse.Namespace, /) -> int:
     tokenizer = load_tokenizer(args.tokenizer, args.source)
     prompts = read_prompts(args, tokenizer)
     stop = parse_ids(args.stop_ids, "--stop-ids") if args.stop_ids is not None else []
-    sampling = SamplingParams.make(len(prompts), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                   min_p=args.min_p, seed=args.seed)
+    sampling = SamplingParams.make(
+        len(prompts), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
+    )
     cfg, eos, what = model_config(kind, args.source)
     name, mesh = build_inference_mesh(args.mesh or "decode_dp", devices=None if args.mesh else jax.devices()[:1])
-    check_fit(cfg, mesh, name, prompts, args.max_new_tokens, stop, flag="--prompt-ids" if args.prompt is None
-              else "--prompt", where=f"--mesh {args.mesh}" if args.mesh else "one device")
+    check_fit(
+        cfg,
+        mesh,
+        name,
+        prompts,
+        args.max_new_tokens,
+        stop,
+        flag="--prompt-ids" if args.prompt is None else "--prompt",
+        where=f"--mesh {args.mesh}" if args.mesh else "one device",
+    )
     gen = Generator(load_weights(kind, args.source, cfg, mesh, name), args.mesh, eos_ids=eos)
-    stream = None if args.json else Stream(prompts, args.max_new_tokens, [gen.eos_ids | set(stop)] * len(prompts),
-                                           tokenizer)
-    result = gen.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          stop_ids=[stop] * len(prompts), on_tokens=stream)
-    mesh_info = {"layout": gen.mesh_name, "axes": {a: n for a, n in gen.mesh.shape.items() if n > 1},
-                 "devices": int(gen.mesh.size)}
+    stream = (
+        None if args.json else Stream(prompts, args.max_new_tokens, [gen.eos_ids | set(stop)] * len(prompts), tokenizer)
+    )
+    result = gen.generate(
+        prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, stop_ids=[stop] * len(prompts), on_tokens=stream
+    )
+    mesh_info = {
+        "layout": gen.mesh_name,
+        "axes": {a: n for a, n in gen.mesh.shape.items() if n > 1},
+        "devices": int(gen.mesh.size),
+    }
     if args.json:
         report = result.to_json()
         if tokenizer is not None:
@@ -273,7 +334,10 @@ def run(args: argparse.Namespace, /) -> int:
         return 0
     stream.close(result.tokens)
     where = ",".join(f"{a}={n}" for a, n in mesh_info["axes"].items()) or "one device"
-    print(f"{sum(map(len, result.tokens))} tokens for {len(prompts)} prompt(s) from {what}; time to first token "
-          f"{result.time_to_first_token_s * 1e3:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s "
-          f"(compile {result.compile_s:.1f} s; {gen.mesh_name}: {where})", file=sys.stderr)
+    print(
+        f"{sum(map(len, result.tokens))} tokens for {len(prompts)} prompt(s) from {what}; time to first token "
+        f"{result.time_to_first_token_s * 1e3:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s "
+        f"(compile {result.compile_s:.1f} s; {gen.mesh_name}: {where})",
+        file=sys.stderr,
+    )
     return 0

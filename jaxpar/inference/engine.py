@@ -21,6 +21,7 @@ the weights go onto the decode layout (``jaxpar.inference.layouts``), each page 
 heads like the dense cache, and every step is traced under the decode rules. Positions are never split
 (no ``sequence`` axis). Several engines on disjoint device groups are the server's DP replicas.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,6 +49,7 @@ GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
 @dataclasses.dataclass
 class StepLog:
     """What one step did: the plan's size and the device seconds."""
+
     decoded: int
     prefilled: int
     preempted: int
@@ -64,8 +66,10 @@ def pages_for_budget(model, page_size: int, budget_bytes: int, /) -> int:
     """The most pages (null page included) whose pools fit in ``budget_bytes``."""
     pages = budget_bytes // page_bytes(model, page_size)
     if pages < 2:
-        raise ConfigError(f"memory_budget={budget_bytes} bytes: one page of {page_size} positions takes "
-                          f"{page_bytes(model, page_size)} bytes in all layers; at least 2 pages are needed")
+        raise ConfigError(
+            f"memory_budget={budget_bytes} bytes: one page of {page_size} positions takes "
+            f"{page_bytes(model, page_size)} bytes in all layers; at least 2 pages are needed"
+        )
     return int(pages)
 
 
@@ -78,33 +82,46 @@ def engine_layout(cfg, mesh: str | None, devices=None, *, slots: int, length: in
         devices = list(jax.devices() if devices is None else devices)[:1]
     name, built = build_inference_mesh(mesh or "decode_dp", devices=devices, flag=flag)
     if built.shape["sequence"] > 1:
-        raise LayoutError(f"{flag} {mesh}: sequence={built.shape['sequence']}; the engine never splits positions "
-                          f"(use tensor, data or expert)")
+        raise LayoutError(
+            f"{flag} {mesh}: sequence={built.shape['sequence']}; the engine never splits positions "
+            f"(use tensor, data or expert)"
+        )
     layout = check_inference_layout(cfg, built, name, batch=slots, prompt=1, slots=length)
     wanted = compose_decode_rules(name, {a for a, n in built.shape.items() if n > 1}, prefill=False)
     ways = math.prod(built.shape[a] for a in wanted["cache_kv_heads"])
     if not cfg.uses_mla and cfg.num_kv_heads % ways:
-        raise LayoutError(f"{flag} {mesh}: model.num_kv_heads={cfg.num_kv_heads} cannot be split {ways} ways "
-                          f"({'×'.join(wanted['cache_kv_heads'])}); the page pools would be replicated. Use a "
-                          f"tensor size that divides {cfg.num_kv_heads}, and data replicas for the rest")
+        raise LayoutError(
+            f"{flag} {mesh}: model.num_kv_heads={cfg.num_kv_heads} cannot be split {ways} ways "
+            f"({'×'.join(wanted['cache_kv_heads'])}); the page pools would be replicated. Use a "
+            f"tensor size that divides {cfg.num_kv_heads}, and data replicas for the rest"
+        )
     return layout
 
 
 @dataclasses.dataclass
 class _Weights:
     """One model's weights and page pools (the target's, or the draft's, on the same page tables)."""
+
     graphdef: object
     state: object
     pools: dict
 
     @classmethod
-    def of(cls, model, num_pages: int, page_size: int, layout) -> "_Weights":
+    def of(cls, model, num_pages: int, page_size: int, layout) -> _Weights:
         """``model``'s weights moved onto ``layout`` (an ``InferenceLayout``), its pools made there."""
         graphdef, state = nnx.graphdef(model), placed_state(model, layout.phase("decode"))
-        def place(c):                                  # pools carry leading layer axes before NAMES
+
+        def place(c):  # pools carry leading layer axes before NAMES
             arrays = [getattr(c, f.name) for f in dataclasses.fields(c)]
-            return type(c)(*[None if x is None else jax.device_put(
-                x, layout.sharding((None,) * (x.ndim - len(c.NAMES)) + c.NAMES)) for x in arrays])
+            return type(c)(
+                *[
+                    None
+                    if x is None
+                    else jax.device_put(x, layout.sharding((None,) * (x.ndim - len(c.NAMES)) + c.NAMES))
+                    for x in arrays
+                ]
+            )
+
         pools = {k: place(c) for k, c in model.empty_pages(num_pages, page_size).items()}
         return cls(graphdef, state, pools)
 
@@ -113,34 +130,55 @@ class Engine:
     """Continuous batching over a paged cache (module doc). The pool holds ``num_pages`` pages, or as many
     as ``memory_budget`` bytes hold, or by default enough for every slot at ``max_length``."""
 
-    def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, max_length: int = 256,
-                 num_pages: int | None = None, memory_budget: int | None = None, chunk: int = 64,
-                 token_budget: int | None = None, record_logits: bool = False, speculate: int = 0,
-                 draft=None, prefix_cache: bool = True, mesh: str | None = None, devices=None,
-                 check_writes: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        max_slots: int = 8,
+        page_size: int = 16,
+        max_length: int = 256,
+        num_pages: int | None = None,
+        memory_budget: int | None = None,
+        chunk: int = 64,
+        token_budget: int | None = None,
+        record_logits: bool = False,
+        speculate: int = 0,
+        draft=None,
+        prefix_cache: bool = True,
+        mesh: str | None = None,
+        devices=None,
+        check_writes: bool = False,
+    ):
         if max_length % page_size:
             raise ConfigError(f"max_length={max_length} must be a multiple of page_size={page_size}")
         self.model = for_generation(model)
         self.cfg = self.model.cfg
         self.layout = self._layout(mesh, devices, max_slots, max_length)
-        self.width = max_length // page_size                     # page-table entries per sequence
+        self.width = max_length // page_size  # page-table entries per sequence
         if memory_budget is not None:
             num_pages = pages_for_budget(self.model, page_size, memory_budget)
         num_pages = num_pages or max_slots * self.width + 1
         self.pages = PagedAllocator(num_pages, page_size, prefix_cache=prefix_cache)
-        self.scheduler = Scheduler(self.pages, max_slots=max_slots, token_budget=token_budget or max_slots + chunk,
-                                   chunk=chunk, max_length=max_length, lookahead=speculate)
+        self.scheduler = Scheduler(
+            self.pages,
+            max_slots=max_slots,
+            token_budget=token_budget or max_slots + chunk,
+            chunk=chunk,
+            max_length=max_length,
+            lookahead=speculate,
+        )
         self.slots, self.chunk, self.speculate, self.max_length = max_slots, chunk, speculate, max_length
-        self.kept: list[int] = []                                # guesses kept per verification
+        self.kept: list[int] = []  # guesses kept per verification
         self.proposed: list[int] = []
         self.models = {"target": _Weights.of(self.model, num_pages, page_size, self.layout)}
         if draft is not None:
             draft = self._check_draft(draft, speculate)
-            self.models["draft"] = _Weights.of(draft, num_pages, page_size, self._layout(
-                mesh, devices, max_slots, max_length, draft.cfg))
+            self.models["draft"] = _Weights.of(
+                draft, num_pages, page_size, self._layout(mesh, devices, max_slots, max_length, draft.cfg)
+            )
         self.record_logits = record_logits
-        self.check_writes = check_writes                         # tests: every write lands in a page of its own
-        self.logits: dict = {}                                   # request id -> list of [V] float32 rows
+        self.check_writes = check_writes  # tests: every write lands in a page of its own
+        self.logits: dict = {}  # request id -> list of [V] float32 rows
         self.log: list[StepLog] = []
         self._programs: dict[tuple, object] = {}
         self.compiles = 0
@@ -162,8 +200,10 @@ class Engine:
         if not speculate:
             raise ConfigError("draft: a draft model proposes the speculative guesses; set speculate=k > 0")
         if draft.cfg.vocab_size != self.cfg.vocab_size:
-            raise ConfigError(f"draft: vocab_size={draft.cfg.vocab_size} differs from the model's "
-                              f"{self.cfg.vocab_size}; the draft must share the vocabulary")
+            raise ConfigError(
+                f"draft: vocab_size={draft.cfg.vocab_size} differs from the model's "
+                f"{self.cfg.vocab_size}; the draft must share the vocabulary"
+            )
         return draft
 
     def _program(self, which: str, t: int, every: bool = False):
@@ -183,13 +223,14 @@ class Engine:
                     b, _, v = logits.shape
                     each = jax.tree.map(lambda x: jnp.repeat(x, t), params)
                     return logits, filtered_logits(logits.reshape(b * t, v), each).reshape(b, t, v), stripped
-                row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]      # [slots, V]
+                row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [slots, V]
                 at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
                 return sample(row, params, at), row, stripped
 
             pools = jax.tree.map(lambda x: x.sharding, self.models[which].pools)
-            self._programs[which, t, every] = jax.jit(run, donate_argnums=(1,), out_shardings=(
-                self._replicated, self._replicated, pools))
+            self._programs[which, t, every] = jax.jit(
+                run, donate_argnums=(1,), out_shardings=(self._replicated, self._replicated, pools)
+            )
             self.compiles += 1
         return self._programs[which, t, every]
 
@@ -199,9 +240,16 @@ class Engine:
         shapes += [("target", self.speculate + 1, True)] if self.speculate else []
         shapes += [("draft", t, True) for t in self.buckets()] if "draft" in self.models else []
         for which, t, every in shapes:
-            self._call(which, t, np.zeros((self.slots, t), np.int32), np.full((self.slots, t), -1, np.int32),
-                       np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32),
-                       SamplingParams.greedy(self.slots), every=every)
+            self._call(
+                which,
+                t,
+                np.zeros((self.slots, t), np.int32),
+                np.full((self.slots, t), -1, np.int32),
+                np.zeros((self.slots, self.width), np.int32),
+                np.zeros(self.slots, np.int32),
+                SamplingParams.greedy(self.slots),
+                every=every,
+            )
 
     @property
     def _replicated(self):
@@ -236,16 +284,19 @@ class Engine:
         for c in plan.chunks:
             by_size.setdefault(min(b for b in self.buckets() if b >= c.length), []).append(c)
         for t, chunks in sorted(by_size.items()):
-            rows = [(c.request, c.start, c.request.tokens[c.start:c.start + c.length]) for c in chunks]
+            rows = [(c.request, c.start, c.request.tokens[c.start : c.start + c.length]) for c in chunks]
             done = self._run(t, rows)
             sampled.update({c.request.id: done[c.request.id] for c in chunks if c.last})
-            if "draft" in self.models:                          # the draft keeps its cache in step
+            if "draft" in self.models:  # the draft keeps its cache in step
                 self._call("draft", t, *self._inputs(t, rows, greedy=True))
                 for c in chunks:
                     c.request.draft_computed = c.start + c.length
         finished = self.scheduler.finish_step(plan, sampled)
-        self.log.append(StepLog(len(plan.decode), sum(c.length for c in plan.chunks), len(plan.preempted),
-                                time.perf_counter() - start))
+        self.log.append(
+            StepLog(
+                len(plan.decode), sum(c.length for c in plan.chunks), len(plan.preempted), time.perf_counter() - start
+            )
+        )
         return finished
 
     def _inputs(self, t: int, rows, *, greedy: bool = False):
@@ -270,7 +321,7 @@ class Engine:
         tokens, logits = self._call("target", t, *self._inputs(t, rows))
         if logits is not None:
             for r, start, chunk in rows:
-                if start + len(chunk) == len(r.tokens):             # the row samples a token
+                if start + len(chunk) == len(r.tokens):  # the row samples a token
                     self.logits.setdefault(r.id, []).append(logits[r.slot])
         return {r.id: int(tokens[r.slot]) for r, _, _ in rows}
 
@@ -282,8 +333,8 @@ class Engine:
         room = {r.id: min(self.speculate, self.max_length - len(r.tokens)) for r in decoding}
         if "draft" in self.models:
             proposed = self._propose(decoding)
-            drafts = {k: v[:room[k]] for k, (v, _) in proposed.items()}
-            dists = {k: p[:room[k]] for k, (_, p) in proposed.items()}
+            drafts = {k: v[: room[k]] for k, (v, _) in proposed.items()}
+            dists = {k: p[: room[k]] for k, (_, p) in proposed.items()}
         else:
             drafts = {r.id: ngram_draft(r.tokens, room[r.id]) for r in decoding}
             dists = {k: one_hot(v, self.cfg.vocab_size) for k, v in drafts.items()}
@@ -298,7 +349,7 @@ class Engine:
             self.kept.append(kept)
             self.proposed.append(len(draft))
             if self.record_logits:
-                self.logits.setdefault(r.id, []).extend(raw[s, :kept + 1])
+                self.logits.setdefault(r.id, []).extend(raw[s, : kept + 1])
             out[r.id] = draft[:kept] + [nxt]
             r.draft_computed = min(r.draft_computed, r.computed + kept + 1)
         return out
@@ -309,7 +360,7 @@ class Engine:
         Greedy rows take the argmax (a point mass); sampled rows draw from the draft's own filtered
         distribution under the row's settings (then the full logits come to the host)."""
         sampled = any(r.sampling["temperature"] > 0 for r in decoding)
-        rows = [(r, r.draft_computed, r.tokens[r.draft_computed:]) for r in decoding]
+        rows = [(r, r.draft_computed, r.tokens[r.draft_computed :]) for r in decoding]
         t = min(b for b in self.buckets() if b >= max(len(x[2]) for x in rows))
         out = {r.id: ([], []) for r in decoding}
         for i in range(self.speculate):
@@ -324,8 +375,9 @@ class Engine:
                     token, p = int(tokens[r.slot]), one_hot([int(tokens[r.slot])], self.cfg.vocab_size)[0]
                 else:
                     at = len(fed) - 1
-                    p = distribution(raw[r.slot, at:at + 1], filtered[r.slot, at:at + 1],
-                                     r.sampling["temperature"] == 0)[0]
+                    p = distribution(
+                        raw[r.slot, at : at + 1], filtered[r.slot, at : at + 1], r.sampling["temperature"] == 0
+                    )[0]
                     token = int(host_rng(r.sampling["seed"], start + at, 1).choice(len(p), p=p))
                 out[r.id][0].append(token)
                 out[r.id][1].append(p)

@@ -15,11 +15,12 @@ kept in its tokens, as Hugging Face does) or its max new tokens; the batch stops
 Finished rows still run (fixed shapes); their outputs are ignored. Generation never uses a training
 storage order (zig-zag), remat, or capacity-limited MoE routing: ``for_generation`` turns them off.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,13 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import ConfigError
-from jaxpar.inference.layouts import InferenceLayout, build_inference_mesh, check_inference_layout, reshard, weight_layout
+from jaxpar.inference.layouts import (
+    InferenceLayout,
+    build_inference_mesh,
+    check_inference_layout,
+    reshard,
+    weight_layout,
+)
 from jaxpar.inference.sampling import SamplingParams, sample
 from jaxpar.rules import trace_layout
 
@@ -73,13 +80,16 @@ def check_request(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: Sequenc
             raise ConfigError(f"prompt {i}: empty (a prompt needs at least one token)")
         bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
         if bad:
-            raise ConfigError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, model.vocab_size="
-                              f"{cfg.vocab_size})")
+            raise ConfigError(
+                f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, model.vocab_size={cfg.vocab_size})"
+            )
         if n < 1:
             raise ConfigError(f"max_new_tokens (--max-new-tokens) = {n} for prompt {i} must be ≥ 1")
         if len(p) + n > cfg.max_seq_len:
-            raise ConfigError(f"prompt {i}: {len(p)} tokens + max_new_tokens (--max-new-tokens) {n} = {len(p) + n} "
-                              f"exceeds model.max_seq_len={cfg.max_seq_len}")
+            raise ConfigError(
+                f"prompt {i}: {len(p)} tokens + max_new_tokens (--max-new-tokens) {n} = {len(p) + n} "
+                f"exceeds model.max_seq_len={cfg.max_seq_len}"
+            )
 
 
 def shapes(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> tuple[int, int]:
@@ -100,31 +110,48 @@ def check_fit(cfg, mesh, name: str, prompts, max_new_tokens) -> InferenceLayout:
 @dataclasses.dataclass
 class GenerationResult:
     """One ``Generator.generate`` call. Times in seconds, measured after compilation."""
-    tokens: list[list[int]]           # the generated tokens of each prompt (a final EOS/stop id included)
-    finish_reasons: list[str]         # "eos", "stop" or "length" per prompt
-    prefill_s: float                  # the prefill call (all prompts, first tokens sampled)
-    time_to_first_token_s: float      # from the call to the first tokens on the host
-    decode_s: float                   # every decode step after the first token
-    decode_tokens_per_s: float        # tokens of unfinished rows generated per second of decode
-    step_s: list[float]               # each decode step (inter-token latency)
-    compile_s: float                  # compilation this call needed (0 when every shape was seen)
-    logits: list[np.ndarray] | None = None    # per prompt [generated, V] float32, when asked for
+
+    tokens: list[list[int]]  # the generated tokens of each prompt (a final EOS/stop id included)
+    finish_reasons: list[str]  # "eos", "stop" or "length" per prompt
+    prefill_s: float  # the prefill call (all prompts, first tokens sampled)
+    time_to_first_token_s: float  # from the call to the first tokens on the host
+    decode_s: float  # every decode step after the first token
+    decode_tokens_per_s: float  # tokens of unfinished rows generated per second of decode
+    step_s: list[float]  # each decode step (inter-token latency)
+    compile_s: float  # compilation this call needed (0 when every shape was seen)
+    logits: list[np.ndarray] | None = None  # per prompt [generated, V] float32, when asked for
 
     def to_json(self) -> dict:
-        keys = ("tokens", "finish_reasons", "prefill_s", "time_to_first_token_s", "decode_s", "decode_tokens_per_s",
-                "compile_s")
+        keys = (
+            "tokens",
+            "finish_reasons",
+            "prefill_s",
+            "time_to_first_token_s",
+            "decode_s",
+            "decode_tokens_per_s",
+            "compile_s",
+        )
         out = {k: getattr(self, k) for k in keys}
         if self.step_s:
-            out["inter_token_s_p50"], out["inter_token_s_p99"] = (float(np.percentile(self.step_s, q)) for q in (50, 99))
+            out["inter_token_s_p50"], out["inter_token_s_p99"] = (
+                float(np.percentile(self.step_s, q)) for q in (50, 99)
+            )
         return out
 
 
 def abstract_cache(model, layout: InferenceLayout, batch: int, slots: int) -> dict:
     """The cache's shapes and dtypes, each placed by its logical names under ``layout``."""
+
     def placed(c):
-        return type(c)(*[jax.ShapeDtypeStruct(getattr(c, f.name).shape, getattr(c, f.name).dtype,
-                                              sharding=layout.sharding((None,) + c.NAMES))
-                         for f in dataclasses.fields(c)])
+        return type(c)(
+            *[
+                jax.ShapeDtypeStruct(
+                    getattr(c, f.name).shape, getattr(c, f.name).dtype, sharding=layout.sharding((None,) + c.NAMES)
+                )
+                for f in dataclasses.fields(c)
+            ]
+        )
+
     return {k: placed(c) for k, c in jax.eval_shape(lambda: model.empty_cache(batch, slots)).items()}
 
 
@@ -149,9 +176,12 @@ def compile_programs(model, state, layout: InferenceLayout, batch: int, prompt: 
             logits, cache = nnx.merge(graphdef, state).decode(tokens[:, None], positions[:, None], cache)
         return sample(logits[:, 0], params, positions + 1), logits[:, 0], cache
 
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rows if len(s) == 1 else layout.sharding(("batch", None)))
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          SamplingParams.greedy(batch), params_sh)
+    i32 = lambda *s: jax.ShapeDtypeStruct(
+        s, jnp.int32, sharding=rows if len(s) == 1 else layout.sharding(("batch", None))
+    )
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), SamplingParams.greedy(batch), params_sh
+    )
     out = (rows, rows, cache_sh)
     pre = jax.jit(prefill, out_shardings=out)
     pre = pre.lower(state, i32(batch, prompt), i32(batch), params).compile()
@@ -165,7 +195,7 @@ class Generator:
     one device). The weights are moved onto the decode layout with one reshard."""
 
     def __init__(self, model, mesh: str | None = None, *, devices=None, eos_ids: Sequence[int] = ()):
-        if mesh is None:                              # one device
+        if mesh is None:  # one device
             devices = list(jax.devices() if devices is None else devices)[:1]
         self.mesh_name, self.mesh = build_inference_mesh(mesh or "decode_dp", devices=devices)
         self.model = for_generation(model, sequence_split=self.mesh.shape["sequence"] > 1)
@@ -184,8 +214,9 @@ class Generator:
         key = (batch, prompt, slots)
         if key not in self._compiled:
             state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-            self._compiled[key] = compile_programs(self.model, state, self.layout(batch, prompt, slots), batch,
-                                                   prompt, slots)
+            self._compiled[key] = compile_programs(
+                self.model, state, self.layout(batch, prompt, slots), batch, prompt, slots
+            )
         return self._compiled[key]
 
     # ------------------------------------------------------------------------------------ generation
@@ -193,9 +224,16 @@ class Generator:
         """``check_request`` for this generator's model."""
         check_request(self.cfg, prompts, max_new_tokens)
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
-                 sampling: SamplingParams | None = None, stop_ids: Sequence[Sequence[int]] | None = None,
-                 return_logits: bool = False, on_tokens: Callable | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int | Sequence[int],
+        sampling: SamplingParams | None = None,
+        stop_ids: Sequence[Sequence[int]] | None = None,
+        return_logits: bool = False,
+        on_tokens: Callable | None = None,
+    ) -> GenerationResult:
         """Generates for every prompt (token id lists). ``on_tokens(step, tokens [B], done [B])`` is called
         with each new token of every row as soon as it is on the host (streaming)."""
         b = len(prompts)
@@ -214,7 +252,7 @@ class Generator:
         compile_s = time.perf_counter() - t0
         ids = np.zeros((b, prompt), np.int32)
         for i, p in enumerate(prompts):
-            ids[i, :len(p)] = p
+            ids[i, : len(p)] = p
         return self._run(prefill, decode, ids, lengths, limit, stops, sampling, return_logits, on_tokens, compile_s)
 
     def _run(self, prefill, decode, ids, lengths, limit, stops, sampling, return_logits, on_tokens, compile_s):
@@ -234,8 +272,15 @@ class Generator:
                 out[i].append(int(token[i]))
                 if return_logits:
                     logits[i].append(last_host[i])
-                reasons[i] = ("eos" if token[i] in self.eos_ids else "stop" if token[i] in stops[i]
-                              else "length" if len(out[i]) >= limit[i] else None)
+                reasons[i] = (
+                    "eos"
+                    if token[i] in self.eos_ids
+                    else "stop"
+                    if token[i] in stops[i]
+                    else "length"
+                    if len(out[i]) >= limit[i]
+                    else None
+                )
             if on_tokens is not None:
                 on_tokens(len(steps), token, done)
             if all(r is not None for r in reasons):
@@ -248,6 +293,13 @@ class Generator:
             positions = positions + 1
         decode_s = float(sum(steps))
         return GenerationResult(
-            tokens=out, finish_reasons=reasons, prefill_s=prefill_s, time_to_first_token_s=ttft, decode_s=decode_s,
-            decode_tokens_per_s=produced / decode_s if decode_s else 0.0, step_s=steps, compile_s=compile_s,
-            logits=[np.stack(l) for l in logits] if return_logits else None)
+            tokens=out,
+            finish_reasons=reasons,
+            prefill_s=prefill_s,
+            time_to_first_token_s=ttft,
+            decode_s=decode_s,
+            decode_tokens_per_s=produced / decode_s if decode_s else 0.0,
+            step_s=steps,
+            compile_s=compile_s,
+            logits=[np.stack(l) for l in logits] if return_logits else None,
+        )

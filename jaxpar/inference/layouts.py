@@ -25,6 +25,7 @@ The check moves the ``tensor`` ways from the cache's heads to its batch (attenti
 over them: two all-to-alls of one token's q and output per layer), or, when the batch does not divide,
 to its slots (the partial-softmax combine). Per-device cache bytes = total / devices, never more.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,10 +40,13 @@ from jaxpar.mesh import AXES, MeshConfig, build_mesh, suggest
 from jaxpar.parallel.attention import check_context_parallel
 from jaxpar.rules import LOGICAL_AXES, Dim, Rules, check_layout
 
-PRESETS: dict[str, str] = {"decode_tp": "tensor=-1", "decode_dp": "data=-1", "decode_ep": "expert=-1",
-                           "prefill_cp": "sequence=-1"}
-_TENSOR = ("vocab", "heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
-           "cache_kv_heads")
+PRESETS: dict[str, str] = {
+    "decode_tp": "tensor=-1",
+    "decode_dp": "data=-1",
+    "decode_ep": "expert=-1",
+    "prefill_cp": "sequence=-1",
+}
+_TENSOR = ("vocab", "heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp", "act_vocab", "cache_kv_heads")
 
 
 def compose_decode_rules(name: str, axes, /, *, prefill: bool) -> Rules:
@@ -71,13 +75,16 @@ def mesh_config(value: str, /, *, flag: str = "--mesh") -> tuple[str, MeshConfig
         return value, MeshConfig.parse(PRESETS[value])
     if value in TRAINING:
         return value, TRAINING[value].mesh
-    raise LayoutError(f"{flag}: unknown layout {value!r}{suggest(value, list(PRESETS) + list(TRAINING))}; decode "
-                      f"layouts are {', '.join(PRESETS)}, or give axis sizes like 'data=2,tensor=4'")
+    raise LayoutError(
+        f"{flag}: unknown layout {value!r}{suggest(value, list(PRESETS) + list(TRAINING))}; decode "
+        f"layouts are {', '.join(PRESETS)}, or give axis sizes like 'data=2,tensor=4'"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class InferenceLayout:
     """A mesh and its two checked tables: ``prefill`` and ``decode`` (they differ in positions only)."""
+
     mesh: jax.sharding.Mesh
     prefill: Rules
     decode: Rules
@@ -93,18 +100,26 @@ def build_inference_mesh(value: str, /, *, devices=None, flag: str = "--mesh") -
     name, config = mesh_config(value, flag=flag)
     n = len(jax.devices() if devices is None else devices)
     if config.resolve(n).stage > 1:
-        raise LayoutError(f"{flag} {value}: stage={config.resolve(n).stage}, but generation does not pipeline; "
-                          f"use a decode layout ({', '.join(PRESETS)}) or an axis spec without stage")
+        raise LayoutError(
+            f"{flag} {value}: stage={config.resolve(n).stage}, but generation does not pipeline; "
+            f"use a decode layout ({', '.join(PRESETS)}) or an axis spec without stage"
+        )
     return name, build_mesh(config, devices=devices)
 
 
 def cache_dims(cfg, batch: int, slots: int) -> dict[str, Dim]:
     """What the cache's logical axes govern: batch, slots (a sliding window keeps at most the window),
     and kv heads (an MLA cache holds one latent per token: one)."""
-    heads = Dim(1, "MLA's latent cache (one per token)") if cfg.uses_mla else Dim(cfg.num_kv_heads, "model.num_kv_heads")
+    heads = (
+        Dim(1, "MLA's latent cache (one per token)") if cfg.uses_mla else Dim(cfg.num_kv_heads, "model.num_kv_heads")
+    )
     s = min(slots, cfg.sliding_window or slots)
-    return dict(batch=Dim(batch, "batch (prompts)"), cache_batch=Dim(batch, "batch (prompts)"),
-                cache_length=Dim(s, "cache length (prompt + max new tokens, bucketed)"), cache_kv_heads=heads)
+    return dict(
+        batch=Dim(batch, "batch (prompts)"),
+        cache_batch=Dim(batch, "batch (prompts)"),
+        cache_length=Dim(s, "cache length (prompt + max new tokens, bucketed)"),
+        cache_kv_heads=heads,
+    )
 
 
 def place_cache(dims: dict[str, Dim], rules: Rules, shape) -> dict[str, tuple[str, ...]]:
@@ -117,8 +132,10 @@ def place_cache(dims: dict[str, Dim], rules: Rules, shape) -> dict[str, tuple[st
         return {}
     where = "×".join(f"{a}={shape[a]}" for a in spare)
     if ways % heads.size:
-        raise LayoutError(f"{heads.field}={heads.size} (logical axis 'cache_kv_heads') neither divides nor is "
-                          f"divided by mesh axes {where} = {ways}")
+        raise LayoutError(
+            f"{heads.field}={heads.size} (logical axis 'cache_kv_heads') neither divides nor is "
+            f"divided by mesh axes {where} = {ways}"
+        )
     for axis in ("cache_batch", "cache_length"):
         have = math.prod(shape[a] for a in rules[axis])
         if dims[axis].size % (have * ways) == 0:
@@ -127,7 +144,8 @@ def place_cache(dims: dict[str, Dim], rules: Rules, shape) -> dict[str, tuple[st
         f"{heads.field}={heads.size} is fewer than {where}: the cache would be replicated {ways // heads.size}×. "
         f"Neither {dims['cache_batch'].field}={dims['cache_batch'].size} nor the {dims['cache_length'].field}="
         f"{dims['cache_length'].size} divides the {ways} ways (times their own split); change the batch or the "
-        f"tensor size")
+        f"tensor size"
+    )
 
 
 def check_inference_layout(cfg, mesh, name: str, *, batch: int, prompt: int, slots: int) -> InferenceLayout:
@@ -141,18 +159,33 @@ def check_inference_layout(cfg, mesh, name: str, *, batch: int, prompt: int, slo
         rules = compose_decode_rules(name, axes, prefill=prefill)
         rules = rules.replace(**place_cache(dims, rules, shape))
         seq = prompt if prefill else 1
-        tables.append(check_layout(dims | dict(length=Dim(seq, "prompt bucket"),
-                                               inner_length=Dim(seq, "prompt bucket")), rules, shape))
-    check_context_parallel(cfg.context_parallel, "contiguous", seq=prompt, num_heads=cfg.num_heads,
-                           num_kv_heads=cfg.num_kv_heads, rules=tables[0], mesh_shape=shape)
+        tables.append(
+            check_layout(
+                dims | dict(length=Dim(seq, "prompt bucket"), inner_length=Dim(seq, "prompt bucket")), rules, shape
+            )
+        )
+    check_context_parallel(
+        cfg.context_parallel,
+        "contiguous",
+        seq=prompt,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        rules=tables[0],
+        mesh_shape=shape,
+    )
     return InferenceLayout(mesh, *tables)
 
 
 def weight_layout(cfg, mesh, name: str) -> Layout:
     """Where the weights live for generation on ``mesh`` (independent of batch and cache)."""
-    return check_inference_layout(cfg, mesh, name, batch=_ways(mesh, ("expert", "data", "fsdp", "tensor", "sequence")),
-                                  prompt=_ways(mesh, ("sequence",)) * 2,
-                                  slots=_ways(mesh, ("sequence", "tensor")) * 2).phase("decode")
+    return check_inference_layout(
+        cfg,
+        mesh,
+        name,
+        batch=_ways(mesh, ("expert", "data", "fsdp", "tensor", "sequence")),
+        prompt=_ways(mesh, ("sequence",)) * 2,
+        slots=_ways(mesh, ("sequence", "tensor")) * 2,
+    ).phase("decode")
 
 
 def _ways(mesh, axes) -> int:

@@ -15,6 +15,7 @@ never touches the device; it decides which page ids a step reads and writes.
 * **Forks** share the full pages and copy the partial last page (``fork`` returns the copy to make).
 * **Rollback** (speculative decoding) lowers a length; pages past it go back to the pool.
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,7 +35,7 @@ def page_hashes(tokens, page_size: int, /) -> list[bytes]:
     """One name per full page of ``tokens``: SHA-256 of the previous page's name and this page's tokens."""
     names, previous = [], b""
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        chunk = np.asarray(tokens[start:start + page_size], dtype=np.int64).tobytes()
+        chunk = np.asarray(tokens[start : start + page_size], dtype=np.int64).tobytes()
         previous = hashlib.sha256(previous + chunk).digest()
         names.append(previous)
     return names
@@ -43,9 +44,9 @@ def page_hashes(tokens, page_size: int, /) -> list[bytes]:
 @dataclasses.dataclass
 class _Sequence:
     pages: list[int]
-    length: int = 0          # positions whose K/V are in the cache
-    named: int = 0           # leading pages registered in the prefix index
-    looked: int = 0          # prefix pages looked up when admitted
+    length: int = 0  # positions whose K/V are in the cache
+    named: int = 0  # leading pages registered in the prefix index
+    looked: int = 0  # prefix pages looked up when admitted
 
 
 class PagedAllocator:
@@ -57,12 +58,12 @@ class PagedAllocator:
         self.num_pages, self.page_size = num_pages, page_size
         self.refs = np.zeros(num_pages, np.int64)
         self._free = collections.deque(range(1, num_pages))
-        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()   # ref 0, named
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # ref 0, named
         self._index: dict[bytes, int] = {}
         self._name: dict[int, bytes] = {}
         self.seqs: dict[object, _Sequence] = {}
-        self.hits = self.lookups = 0                   # prefix pages found / looked for
-        self.prefix_cache = prefix_cache               # False: nothing is shared, nothing named
+        self.hits = self.lookups = 0  # prefix pages found / looked for
+        self.prefix_cache = prefix_cache  # False: nothing is shared, nothing named
 
     # ------------------------------------------------------------------------------------- the pool
     @property
@@ -105,8 +106,9 @@ class PagedAllocator:
         many of its positions need no computing (a multiple of ``page_size``)."""
         if seq_id in self.seqs:
             raise KeyError(f"sequence {seq_id!r} is already admitted")
-        shareable = page_hashes(prompt, self.page_size)[:(len(prompt) - 1) // self.page_size] \
-            if self.prefix_cache else []
+        shareable = (
+            page_hashes(prompt, self.page_size)[: (len(prompt) - 1) // self.page_size] if self.prefix_cache else []
+        )
         pages = []
         for name in shareable:
             page = self._index.get(name)
@@ -142,8 +144,9 @@ class PagedAllocator:
         length, and name the pages that became full so later prompts can share them."""
         seq = self.seqs[seq_id]
         if len(tokens) > len(seq.pages) * self.page_size:
-            raise ValueError(f"sequence {seq_id!r}: {len(tokens)} positions but pages for "
-                             f"{len(seq.pages) * self.page_size}")
+            raise ValueError(
+                f"sequence {seq_id!r}: {len(tokens)} positions but pages for {len(seq.pages) * self.page_size}"
+            )
         seq.length = len(tokens)
         names = page_hashes(tokens, self.page_size) if self.prefix_cache else []
         for i in range(seq.named, len(names)):
@@ -156,8 +159,10 @@ class PagedAllocator:
         """Forget positions ≥ ``length`` (rejected draft tokens); pages past it return to the pool."""
         seq = self.seqs[seq_id]
         if length < seq.named * self.page_size or length > seq.length:
-            raise ValueError(f"sequence {seq_id!r}: cannot roll back to {length} "
-                             f"(named pages end at {seq.named * self.page_size}, length {seq.length})")
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot roll back to {length} "
+                f"(named pages end at {seq.named * self.page_size}, length {seq.length})"
+            )
         keep = self._pages_for(length)
         for page in seq.pages[keep:]:
             self._release(page)
@@ -201,8 +206,10 @@ class PagedAllocator:
         for i in range(start // self.page_size, self._pages_for(end)):
             page = seq.pages[i]
             if self.refs[page] != 1 or page in self._name:
-                raise AssertionError(f"sequence {seq_id!r} would write page {page} (refs {self.refs[page]}, "
-                                     f"named {page in self._name}) at positions [{start}, {end})")
+                raise AssertionError(
+                    f"sequence {seq_id!r} would write page {page} (refs {self.refs[page]}, "
+                    f"named {page in self._name}) at positions [{start}, {end})"
+                )
 
     def check(self) -> None:
         """Every page is exactly one of: null, free, cached (ref 0, named) or held (ref = its holders)."""

@@ -13,6 +13,7 @@ greedy: the argmax of the raw logits, with none of the filters.
 
 Legend: B batch (sequences), V vocabulary.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,11 +36,12 @@ _TOP_P_SLACK = 1e-6
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-sequence sampling settings (a pytree of arrays, so jitted code takes them as data)."""
+
     temperature: jax.Array  # float32 [B]; 0 = greedy (argmax of the raw logits)
-    top_k: jax.Array        # int32 [B]; 0 = off; keep the k most likely tokens
-    top_p: jax.Array        # float32 [B]; 1 = off; keep the fewest most likely tokens summing to >= p
-    min_p: jax.Array        # float32 [B]; 0 = off; keep tokens with probability >= min_p · the largest
-    seed: jax.Array         # uint32 [B]; the request's seed
+    top_k: jax.Array  # int32 [B]; 0 = off; keep the k most likely tokens
+    top_p: jax.Array  # float32 [B]; 1 = off; keep the fewest most likely tokens summing to >= p
+    min_p: jax.Array  # float32 [B]; 0 = off; keep tokens with probability >= min_p · the largest
+    seed: jax.Array  # uint32 [B]; the request's seed
 
     @classmethod
     def make(cls, batch: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0) -> SamplingParams:
@@ -50,14 +52,34 @@ class SamplingParams:
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
             raise ConfigError(f"batch = {batch!r} must be an integer >= 1")
         return cls(
-            temperature=_column("temperature", temperature, batch, np.float32,
-                                lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0"),
-            top_k=_column("top_k", top_k, batch, np.int32,
-                          lambda v: 0 <= v < 2**31, "must be an integer in [0, 2**31)", integer=True),
+            temperature=_column(
+                "temperature",
+                temperature,
+                batch,
+                np.float32,
+                lambda v: math.isfinite(v) and v >= 0,
+                "must be finite and >= 0",
+            ),
+            top_k=_column(
+                "top_k",
+                top_k,
+                batch,
+                np.int32,
+                lambda v: 0 <= v < 2**31,
+                "must be an integer in [0, 2**31)",
+                integer=True,
+            ),
             top_p=_column("top_p", top_p, batch, np.float32, lambda v: 0 < v <= 1, "must be in (0, 1]"),
             min_p=_column("min_p", min_p, batch, np.float32, lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-            seed=_column("seed", seed, batch, np.uint32,
-                         lambda v: 0 <= v < 2**32, "must be an integer in [0, 2**32)", integer=True),
+            seed=_column(
+                "seed",
+                seed,
+                batch,
+                np.uint32,
+                lambda v: 0 <= v < 2**32,
+                "must be an integer in [0, 2**32)",
+                integer=True,
+            ),
         )
 
     @classmethod
@@ -73,12 +95,11 @@ def _column(name: str, value, batch: int, dtype, ok, rule: str, integer: bool = 
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError):
-        arr = np.asarray(None)            # ragged nesting: refused below as not numbers
+        arr = np.asarray(None)  # ragged nesting: refused below as not numbers
     if arr.ndim > 1 or arr.dtype.kind not in "iuf":
         raise ConfigError(f"{where} = {value!r} must be a number or a sequence of {batch} numbers")
     if arr.ndim == 1 and arr.shape[0] != batch:
-        raise ConfigError(f"{where} has {arr.shape[0]} values for a batch of {batch}: "
-                          f"give one value or {batch}")
+        raise ConfigError(f"{where} has {arr.shape[0]} values for a batch of {batch}: give one value or {batch}")
     for i, v in enumerate(arr.reshape(-1).tolist()):
         whole = not integer or (math.isfinite(v) and float(v).is_integer())
         if not (whole and ok(v)):

@@ -18,12 +18,13 @@ reports the sampled tokens back with ``finish_step``. Per step:
 ``token_budget ≥ max_slots + chunk`` is required: the decodes of all other slots and one full chunk
 always fit, so a prompt always makes progress.
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import enum
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxpar.inference.pages import OutOfPages, PagedAllocator
 
@@ -37,19 +38,20 @@ class Status(enum.Enum):
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request and its progress. ``tokens`` = prompt + generated."""
+
     id: object
     prompt: Sequence[int]
     max_new_tokens: int
-    stop_ids: frozenset = frozenset()            # EOS ids and the request's own stop ids
+    stop_ids: frozenset = frozenset()  # EOS ids and the request's own stop ids
     tokens: list = dataclasses.field(default_factory=list)
-    computed: int = 0                            # positions whose K/V are in the cache
+    computed: int = 0  # positions whose K/V are in the cache
     generated: int = 0
     status: Status = Status.WAITING
     slot: int | None = None
-    finish_reason: str | None = None             # "stop", "length" (max tokens or cache full)
+    finish_reason: str | None = None  # "stop", "length" (max tokens or cache full)
     preemptions: int = 0
-    sampling: dict | None = None                 # the engine's per-request sampling settings
-    draft_computed: int = 0                      # positions in a draft model's cache (speculative)
+    sampling: dict | None = None  # the engine's per-request sampling settings
+    draft_computed: int = 0  # positions in a draft model's cache (speculative)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -84,21 +86,31 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, allocator: PagedAllocator, *, max_slots: int, token_budget: int, chunk: int,
-                 max_length: int, lookahead: int = 0):
+    def __init__(
+        self,
+        allocator: PagedAllocator,
+        *,
+        max_slots: int,
+        token_budget: int,
+        chunk: int,
+        max_length: int,
+        lookahead: int = 0,
+    ):
         if token_budget < max_slots + chunk:
             raise ValueError(f"token_budget={token_budget} must be ≥ max_slots + chunk = {max_slots + chunk}")
         self.pages, self.max_slots, self.budget, self.chunk = allocator, max_slots, token_budget, chunk
-        self.max_length = max_length             # positions a sequence may hold (its page table's reach)
-        self.lookahead = lookahead               # speculative guesses a decode writes beyond its token
+        self.max_length = max_length  # positions a sequence may hold (its page table's reach)
+        self.lookahead = lookahead  # speculative guesses a decode writes beyond its token
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []         # in admission order
+        self.running: list[Request] = []  # in admission order
         self.free_slots = list(range(max_slots))
 
     def add(self, request: Request) -> None:
         if not 0 < len(request.prompt) < self.max_length:
-            raise ValueError(f"request {request.id!r}: prompt of {len(request.prompt)} tokens; the cache holds "
-                             f"{self.max_length} positions per sequence")
+            raise ValueError(
+                f"request {request.id!r}: prompt of {len(request.prompt)} tokens; the cache holds "
+                f"{self.max_length} positions per sequence"
+            )
         self.waiting.append(request)
 
     @property
@@ -197,20 +209,25 @@ class Scheduler:
         for c in plan.chunks:
             c.request.computed = c.start + c.length
         for r in plan.decode:
-            r.computed += len(emitted[r.id])          # the last token and the guesses kept
+            r.computed += len(emitted[r.id])  # the last token and the guesses kept
         done = []
         for r in plan.decode + [c.request for c in plan.chunks if c.last]:
             reason = None
             for token in emitted[r.id]:
                 r.tokens.append(token)
                 r.generated += 1
-                reason = ("stop" if token in r.stop_ids else "length" if r.generated >= r.max_new_tokens
-                          or len(r.tokens) >= self.max_length else None)
+                reason = (
+                    "stop"
+                    if token in r.stop_ids
+                    else "length"
+                    if r.generated >= r.max_new_tokens or len(r.tokens) >= self.max_length
+                    else None
+                )
                 if reason:
                     break
-            self.pages.commit(r.id, r.tokens[:r.computed])
+            self.pages.commit(r.id, r.tokens[: r.computed])
             if not reason and self.lookahead:
-                self.pages.rollback(r.id, r.computed)   # pages reserved for rejected guesses go back
+                self.pages.rollback(r.id, r.computed)  # pages reserved for rejected guesses go back
             if reason:
                 r.finish_reason, r.status = reason, Status.FINISHED
                 self.pages.free(r.id)
@@ -219,6 +236,6 @@ class Scheduler:
                 done.append(r)
         for c in plan.chunks:
             if not c.last and c.request.status is Status.RUNNING:
-                self.pages.commit(c.request.id, c.request.tokens[:c.request.computed])
+                self.pages.commit(c.request.id, c.request.tokens[: c.request.computed])
         self.free_slots.sort()
         return done

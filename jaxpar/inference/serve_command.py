@@ -12,6 +12,7 @@ Every option is checked before a weight is read; the engines compile every shape
 The server prints ``listening on http://HOST:PORT`` to stderr when it is ready. SIGTERM (or Ctrl-C)
 stops new requests (503), completes those in flight and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,28 +37,52 @@ def _bytes(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     from jaxpar.inference.command import _positive
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n")[1]
-    parser.add_argument("--from", dest="source", required=True, metavar="DIR",
-                        help="a training run folder, a model checkpoint or a Hugging Face folder")
-    parser.add_argument("--tokenizer", default=None, metavar="FILE", help="a tokenizers JSON file "
-                        "(default: tokenizer.json in --from)")
-    parser.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template "
-                        "(default: the one beside the tokenizer, if any)")
+    parser.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="DIR",
+        help="a training run folder, a model checkpoint or a Hugging Face folder",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="FILE", help="a tokenizers JSON file (default: tokenizer.json in --from)"
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template (default: the one beside the tokenizer, if any)",
+    )
     parser.add_argument("--model-name", default=None, help="the model id clients send (default: --from's folder name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--mesh", default=None, help="each replica's decode layout (decode_tp, decode_dp, or "
-                        "axis sizes like tensor=2; default: one device per replica)")
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="each replica's decode layout (decode_tp, decode_dp, or "
+        "axis sizes like tensor=2; default: one device per replica)",
+    )
     parser.add_argument("--replicas", type=_positive, default=1, help="engine replicas (data parallel)")
     parser.add_argument("--cpu-devices", type=_positive, default=None, metavar="N", help="simulate N CPU devices")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-slots", type=_positive, default=8, help="sequences decoding at once per replica")
     engine.add_argument("--page-size", type=_positive, default=16, help="positions per KV page")
-    engine.add_argument("--max-length", type=_positive, default=None,
-                        help="positions per sequence (default: model.max_seq_len, at most 4096)")
-    engine.add_argument("--memory-budget", type=_bytes, default=None, metavar="SIZE",
-                        help="bytes for each replica's KV pages, e.g. 4GiB (default: every slot at max length)")
+    engine.add_argument(
+        "--max-length",
+        type=_positive,
+        default=None,
+        help="positions per sequence (default: model.max_seq_len, at most 4096)",
+    )
+    engine.add_argument(
+        "--memory-budget",
+        type=_bytes,
+        default=None,
+        metavar="SIZE",
+        help="bytes for each replica's KV pages, e.g. 4GiB (default: every slot at max length)",
+    )
     engine.add_argument("--chunk", type=_positive, default=64, help="prompt chunk (prefill) size")
     engine.add_argument("--speculate", type=int, default=0, metavar="K", help="speculative guesses per step (0 = off)")
     engine.add_argument("--draft", default=None, metavar="DIR", help="a draft model (same vocabulary) for --speculate")
@@ -70,22 +95,28 @@ def check_args(args, cfg) -> tuple[int, int]:
     from jaxpar.errors import ConfigError
     from jaxpar.inference.engine import engine_layout
     from jaxpar.inference.generate import generation_config
+
     max_length = args.max_length or min(cfg.max_seq_len, 4096)
     max_length -= max_length % args.page_size
     if not 0 < max_length <= cfg.max_seq_len:
-        raise ConfigError(f"--max-length {args.max_length}: must be in [--page-size={args.page_size}, "
-                          f"model.max_seq_len={cfg.max_seq_len}]")
+        raise ConfigError(
+            f"--max-length {args.max_length}: must be in [--page-size={args.page_size}, "
+            f"model.max_seq_len={cfg.max_seq_len}]"
+        )
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port}: not a port number (0 … 65535)")
     if args.speculate < 0 or (args.draft and not args.speculate):
         raise ConfigError(f"--speculate {args.speculate}: must be ≥ 0, and > 0 with --draft")
     devices = jax.devices()
     if len(devices) % args.replicas:
-        raise ConfigError(f"--replicas {args.replicas} does not divide the {len(devices)} devices "
-                          f"(--cpu-devices simulates more on CPU)")
+        raise ConfigError(
+            f"--replicas {args.replicas} does not divide the {len(devices)} devices "
+            f"(--cpu-devices simulates more on CPU)"
+        )
     group = len(devices) // args.replicas if args.mesh else 1
-    engine_layout(generation_config(cfg), args.mesh, devices[:group], slots=args.max_slots, length=max_length,
-                  flag="--mesh")
+    engine_layout(
+        generation_config(cfg), args.mesh, devices[:group], slots=args.max_slots, length=max_length, flag="--mesh"
+    )
     return max_length, group
 
 
@@ -100,17 +131,32 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
 
     max_length, group = check_args(args, cfg)
     template, special = load_chat_template(tokenizer_file, args.chat_template)
-    parser = Parser(model_name=args.model_name or Path(args.source).resolve().name, vocab_size=cfg.vocab_size,
-                    max_length=max_length, tokenizer=tokenizer, chat_template=template, special_tokens=special)
+    parser = Parser(
+        model_name=args.model_name or Path(args.source).resolve().name,
+        vocab_size=cfg.vocab_size,
+        max_length=max_length,
+        tokenizer=tokenizer,
+        chat_template=template,
+        special_tokens=special,
+    )
     name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
     model = load_weights(kind, args.source, cfg, mesh, name)
     draft = load_draft(args.draft) if args.draft else None
     engines = []
     for r in range(args.replicas):
-        devices = jax.devices()[r * group:(r + 1) * group]
-        engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, max_length=max_length,
-                        memory_budget=args.memory_budget, chunk=args.chunk, speculate=args.speculate, draft=draft,
-                        mesh=args.mesh, devices=devices)
+        devices = jax.devices()[r * group : (r + 1) * group]
+        engine = Engine(
+            model,
+            max_slots=args.max_slots,
+            page_size=args.page_size,
+            max_length=max_length,
+            memory_budget=args.memory_budget,
+            chunk=args.chunk,
+            speculate=args.speculate,
+            draft=draft,
+            mesh=args.mesh,
+            devices=devices,
+        )
         engine.warm_up()
         engines.append(engine)
     return Service(engines, parser, tokenizer=tokenizer, eos_ids=eos, page_size=args.page_size)
@@ -122,6 +168,7 @@ def load_draft(folder: str):
 
     from jaxpar.inference.command import load_weights, model_config, source_kind
     from jaxpar.inference.layouts import build_inference_mesh
+
     kind = source_kind(folder)
     cfg, _, _ = model_config(kind, folder)
     name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
@@ -141,16 +188,20 @@ def serve(service, host: str, port: int) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=None))
     original = server.handle_exit
 
-    def on_signal(sig, frame):              # stop taking requests at once; uvicorn waits for the rest
+    def on_signal(sig, frame):  # stop taking requests at once; uvicorn waits for the rest
         if not service.draining:
-            print(f"jaxpar serve: {signal.Signals(sig).name}: finishing {sum(w.load for w in service.workers)} "
-                  f"sequence(s) in flight, taking no new requests", file=sys.stderr, flush=True)
+            print(
+                f"jaxpar serve: {signal.Signals(sig).name}: finishing {sum(w.load for w in service.workers)} "
+                f"sequence(s) in flight, taking no new requests",
+                file=sys.stderr,
+                flush=True,
+            )
         service.draining = True
         original(sig, frame)
 
     server.handle_exit = on_signal
-    for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn raises the signal again once it has drained:
-        signal.signal(sig, lambda *_: None)      # by then the work is done, and the exit status is 0
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn raises the signal again once it has drained:
+        signal.signal(sig, lambda *_: None)  # by then the work is done, and the exit status is 0
     print(f"jaxpar serve: listening on http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
@@ -158,6 +209,7 @@ def serve(service, host: str, port: int) -> int:
 
 def run(args: argparse.Namespace, /) -> int:
     from jaxpar.mesh import simulate_cpu_devices
+
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     from jaxpar.errors import DataError

@@ -11,6 +11,7 @@ the replica the router picks; its tokens come back as events and leave as they a
 together at the end. A client that goes away has its requests aborted (pages and slots freed).
 While the server drains (SIGTERM), new requests get 503 and the ones in flight complete.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,10 +50,12 @@ class Metrics:
             used.labels(i).set_function(lambda p=s.pages: p.used)
             total.labels(i).set(s.pages.num_pages - 1)
             hits.labels(i).set_function(lambda p=s.pages: p.hits)
-        self.ttft = Histogram("jaxpar_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("jaxpar_inter_token_seconds", "between a request's tokens", buckets=LATENCY_BUCKETS,
-                             registry=r)
+        self.ttft = Histogram(
+            "jaxpar_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "jaxpar_inter_token_seconds", "between a request's tokens", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.requests = Counter("jaxpar_requests", "requests answered", ["status"], registry=r)
         self.tokens = Counter("jaxpar_generated_tokens", "tokens generated", registry=r)
         self.routed = Counter("jaxpar_routed_requests", "choices sent to each replica", ["replica"], registry=r)
@@ -91,12 +94,16 @@ class Service:
         out, first = [], None
         for index, prompt, limit, sampling in job.choices():
             request = Request((job.id, index, next(self._ids)), prompt, limit, self.eos_ids | job.stop_ids)
-            sibling = first if index % job.n else None          # choice 0 of a prompt computes it first
+            sibling = first if index % job.n else None  # choice 0 of a prompt computes it first
             worker = sibling[1] if sibling else self.workers[self.router.pick(self.router.key(job.user, prompt))]
             self.metrics.routed.labels(str(worker.index)).inc()
             events: asyncio.Queue = asyncio.Queue()
-            worker.add(request, sampling, lambda ev, q=events: loop.call_soon_threadsafe(q.put_nowait, ev),
-                       after=sibling[0] if sibling else None)
+            worker.add(
+                request,
+                sampling,
+                lambda ev, q=events: loop.call_soon_threadsafe(q.put_nowait, ev),
+                after=sibling[0] if sibling else None,
+            )
             first = first if sibling else (request, worker)
             out.append((index, request, worker, events))
         return out
@@ -138,7 +145,7 @@ def _choice(job: Job, index: int, text: str, reason, ids=None) -> dict:
     else:
         out = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
     if ids is not None:
-        out["token_ids"] = ids                         # an extension: the exact tokens behind the text
+        out["token_ids"] = ids  # an extension: the exact tokens behind the text
     return out
 
 
@@ -183,14 +190,18 @@ class API:
         async def one(index, request, worker, events):
             text, reason = TextStream(self.service.tokenizer, job.stop_text), None
             parts = []
-            async for delta, reason in _choice_events(request, worker, events, text):
+            async for delta, last in _choice_events(request, worker, events, text):
                 parts.append(delta)
-            ids = request.tokens[len(request.prompt):len(request.prompt) + request.generated]
+                reason = last
+            ids = request.tokens[len(request.prompt) : len(request.prompt) + request.generated]
             return _choice(job, index, "".join(parts), reason, ids)
+
         done = await asyncio.gather(*(one(*c) for c in choices))
         self._count(choices)
-        return _envelope(job, self.model, chunk=False) | {"choices": sorted(done, key=lambda c: c["index"]),
-                                                          "usage": _usage(choices)}
+        return _envelope(job, self.model, chunk=False) | {
+            "choices": sorted(done, key=lambda c: c["index"]),
+            "usage": _usage(choices),
+        }
 
     async def _stream(self, job: Job, choices):
         merged: asyncio.Queue = asyncio.Queue()
@@ -220,7 +231,7 @@ class API:
                 yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
             self._count(choices)
-        finally:                                       # the client went away, or all is sent
+        finally:  # the client went away, or all is sent
             for t in tasks:
                 t.cancel()
             self._abort(choices)
@@ -236,14 +247,27 @@ class API:
 
     async def models(self, http: HTTPRequest) -> Response:
         engine = self.service.workers[0].engine
-        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                                         "owned_by": "jaxpar", "max_model_len": engine.max_length}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "jaxpar",
+                        "max_model_len": engine.max_length,
+                    }
+                ],
+            }
+        )
 
     async def health(self, http: HTTPRequest) -> Response:
         broken = [w.index for w in self.service.workers if w.error is not None]
         if self.service.draining or broken:
-            return JSONResponse({"status": "draining" if self.service.draining else f"replicas {broken} failed"},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "draining" if self.service.draining else f"replicas {broken} failed"}, status_code=503
+            )
         return JSONResponse({"status": "ok", "replicas": len(self.service.workers)})
 
     async def metrics(self, http: HTTPRequest) -> Response:
@@ -251,8 +275,13 @@ class API:
 
 
 async def _http_error(http: HTTPRequest, exc: HTTPException) -> Response:
-    return _error(APIError(f"{http.method} {http.url.path}: {exc.detail}", status=exc.status_code,
-                           code="not_found" if exc.status_code == 404 else None))
+    return _error(
+        APIError(
+            f"{http.method} {http.url.path}: {exc.detail}",
+            status=exc.status_code,
+            code="not_found" if exc.status_code == 404 else None,
+        )
+    )
 
 
 def build_app(service: Service) -> Starlette:
@@ -263,9 +292,13 @@ def build_app(service: Service) -> Starlette:
     async def lifespan(_app):
         service.start()
         yield
-        service.stop()                      # uvicorn has answered every request in flight by now
+        service.stop()  # uvicorn has answered every request in flight by now
 
-    routes = [Route("/v1/completions", api.completions, methods=["POST"]),
-              Route("/v1/chat/completions", api.chat, methods=["POST"]),
-              Route("/v1/models", api.models), Route("/health", api.health), Route("/metrics", api.metrics)]
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/models", api.models),
+        Route("/health", api.health),
+        Route("/metrics", api.metrics),
+    ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)

@@ -9,9 +9,10 @@ kept, one more token is drawn from q_k. A deterministic draft (n-gram lookup) ha
 decoding is the case of one-hot q: a guess is kept iff it is the target's argmax, and the correction is
 the argmax, so greedy speculative decoding emits the greedy tokens.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,8 +24,8 @@ def ngram_draft(tokens: Sequence[int], k: int, /, *, longest: int = 3, shortest:
     for n in range(min(longest, len(tokens) - 1), shortest - 1, -1):
         tail = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k]
     return []
 
 
@@ -57,7 +58,7 @@ def verify(draft: Sequence[int], p: np.ndarray, q: np.ndarray, rng: np.random.Ge
     if p.shape[0] != k or q.shape[0] != k + 1:
         raise ValueError(f"draft of {k} tokens needs p [{k}, V] and q [{k + 1}, V]; got {p.shape}, {q.shape}")
     for i, t in enumerate(draft):
-        if rng.random() * p[i, t] < q[i, t]:            # u < q/p without dividing by p = 0
+        if rng.random() * p[i, t] < q[i, t]:  # u < q/p without dividing by p = 0
             continue
         residual = np.maximum(q[i] - p[i], 0.0)
         total = residual.sum()
@@ -68,5 +69,8 @@ def verify(draft: Sequence[int], p: np.ndarray, q: np.ndarray, rng: np.random.Ge
 def acceptance(kept: Sequence[int], proposed: Sequence[int], /) -> dict:
     """Acceptance rate (kept / proposed guesses) and the histogram of guesses kept per verification."""
     kept, proposed = list(kept), list(proposed)
-    return {"rate": sum(kept) / max(1, sum(proposed)), "verifications": len(kept),
-            "histogram": np.bincount(kept, minlength=max(proposed, default=0) + 1).tolist()}
+    return {
+        "rate": sum(kept) / max(1, sum(proposed)),
+        "verifications": len(kept),
+        "histogram": np.bincount(kept, minlength=max(proposed, default=0) + 1).tolist(),
+    }

@@ -12,6 +12,7 @@ prompt's first full page) goes back to the replica that served the key before, s
 prefix are found in that replica's cache. It stays sticky unless that replica has ``slack`` more
 sequences than the least loaded one (then the key moves).
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,6 +28,7 @@ from jaxpar.inference.scheduler import Request
 @dataclasses.dataclass
 class Event:
     """New tokens of a request (``tokens``), its end (``finish_reason`` set), or an engine failure."""
+
     tokens: list[int]
     finish_reason: str | None = None
     error: str | None = None
@@ -37,17 +39,17 @@ class Worker:
 
     def __init__(self, engine, index: int = 0, *, observe=None):
         self.engine, self.index = engine, index
-        self.observe = observe                      # observe(kind, seconds): time to first token / inter-token
+        self.observe = observe  # observe(kind, seconds): time to first token / inter-token
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.tracked: dict[object, tuple] = {}      # id -> (request, sink, tokens sent, arrival, last token time)
-        self._pending = 0                           # added, not yet submitted to the engine
-        self.held: list[tuple] = []                 # added, waiting for a sibling's prompt (n > 1)
+        self.tracked: dict[object, tuple] = {}  # id -> (request, sink, tokens sent, arrival, last token time)
+        self._pending = 0  # added, not yet submitted to the engine
+        self.held: list[tuple] = []  # added, waiting for a sibling's prompt (n > 1)
         self._lock = threading.Lock()
         self.stopping = False
         self.error: str | None = None
         self.thread = threading.Thread(target=self._loop, name=f"engine-{index}", daemon=True)
 
-    def start(self) -> "Worker":
+    def start(self) -> Worker:
         self.thread.start()
         return self
 
@@ -88,7 +90,7 @@ class Worker:
             elif item[0] == "abort" and item[1].id in self.tracked:
                 self.engine.scheduler.abort(item[1])
                 self._report(self.tracked.pop(item[1].id), time.perf_counter(), "abort")
-            elif item[0] == "abort":                  # still held: it never reached the engine
+            elif item[0] == "abort":  # still held: it never reached the engine
                 dropped = [h for h in self.held if h[1] is item[1]]
                 self.held = [h for h in self.held if h[1] is not item[1]]
                 item[1].finish_reason = "abort" if dropped else item[1].finish_reason
@@ -119,7 +121,7 @@ class Worker:
                 continue
             try:
                 finished = {r.id for r in self.engine.step()}
-            except Exception as err:                  # the engine is unusable: fail everything it holds
+            except Exception as err:  # the engine is unusable: fail everything it holds
                 self.error = f"{type(err).__name__}: {err}"
                 for entry in self.tracked.values():
                     entry[1](Event([], "error", self.error))
@@ -134,11 +136,11 @@ class Worker:
 
     def _report(self, entry: list, now: float, reason: str | None) -> None:
         request, sink, sent, arrival, last = entry
-        new = request.tokens[len(request.prompt) + sent:len(request.prompt) + request.generated]
+        new = request.tokens[len(request.prompt) + sent : len(request.prompt) + request.generated]
         if new and self.observe is not None:
             if last is None:
                 self.observe("ttft", now - arrival)
-            else:                                     # a verification may bring several tokens at once
+            else:  # a verification may bring several tokens at once
                 for _ in new:
                     self.observe("itl", (now - last) / len(new))
         if new or reason:
@@ -152,13 +154,13 @@ class Router:
     def __init__(self, workers: list[Worker], *, page_size: int, slack: int = 4, capacity: int = 65536):
         self.workers, self.page_size, self.slack, self.capacity = workers, page_size, slack, capacity
         self.sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self.routed = collections.Counter()           # "sticky", "least_loaded"
+        self.routed = collections.Counter()  # "sticky", "least_loaded"
 
     def key(self, user: str | None, prompt: list[int]) -> str | None:
         if user:
             return "user:" + user
-        if len(prompt) > self.page_size:              # a full page the cache could share
-            head = ",".join(map(str, prompt[:self.page_size])).encode()
+        if len(prompt) > self.page_size:  # a full page the cache could share
+            head = ",".join(map(str, prompt[: self.page_size])).encode()
             return "prefix:" + hashlib.sha256(head).hexdigest()
         return None
 

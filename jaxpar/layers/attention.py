@@ -4,6 +4,7 @@ Legend: B batch, T positions, D width, N query heads, K key/value heads (N % K =
 Weights: q [D, N, H], k and v [D, K, H], o [N, H, D]. K/V heads are never repeated in memory:
 ``jax.nn.dot_product_attention`` groups the N query heads over the K key/value heads itself.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +15,10 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.config import Choice, check_choices
 from jaxpar.layers.common import param, zeros
 from jaxpar.layers.kvcache import DECODE, KVCache, Step, filled, gqa_decode
 from jaxpar.layers.norms import RMSNorm
-from jaxpar.config import Choice, check_choices
 from jaxpar.layers.rope import RopeScaling, YarnScaling, apply_rope, rope_frequencies
 from jaxpar.parallel.attention import ContextParallel, context_attention
 from jaxpar.rules import constrain
@@ -25,6 +26,7 @@ from jaxpar.rules import constrain
 
 class AttentionImpl(Choice):
     """``jax.nn.dot_product_attention``'s implementation (``model.attention_impl``; None: jax picks)."""
+
     XLA = "xla"
     CUDNN = "cudnn"
 
@@ -36,13 +38,13 @@ class AttentionConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | YarnScaling | None = None     # YaRN: MLA only
+    rope_scaling: RopeScaling | YarnScaling | None = None  # YaRN: MLA only
     qkv_bias: bool = False
     qk_norm: bool = False
     norm_eps: float = 1e-5
-    sliding_window: int | None = None     # a token sees itself and the (window - 1) tokens before it
+    sliding_window: int | None = None  # a token sees itself and the (window - 1) tokens before it
     implementation: AttentionImpl | None = None
-    context_parallel: ContextParallel = ContextParallel.NONE   # attention over a split sequence
+    context_parallel: ContextParallel = ContextParallel.NONE  # attention over a split sequence
 
     def __post_init__(self):
         check_choices(self, "model")
@@ -81,28 +83,43 @@ class Attention(nnx.Module):
             y = getattr(self, f"{name}_norm")(y)
         return constrain(y, ("batch", "inner_length", heads_axis, None))
 
-    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array | None = None, *,
-                 cache: KVCache | None = None, step: Step | None = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        index: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        step: Step | None = None,
+    ):
         """x [B, T, D]; positions [B, T] for RoPE; index [B, T]: each stored token's place in the
         original sequence (differs from the storage order under zig-zag context parallelism).
         With a ``cache`` (generation, see ``jaxpar.layers.kvcache``) returns (y, the updated cache)."""
-        x = constrain(x, ("batch", "inner_length", "act_embed"))                    # x: [B, T, D]
-        q = apply_rope(self._project(x, "q", "act_heads"), positions, self.inv_freq)      # [B, T, N, H]
-        k = apply_rope(self._project(x, "k", "act_kv_heads"), positions, self.inv_freq)   # [B, T, K, H]
-        v = self._project(x, "v", "act_kv_heads")                                         # [B, T, K, H]
-        q, k, v = (checkpoint_name(a, f"attn_{n}") for a, n in ((q, "q"), (k, "k"), (v, "v")))   # remat=attn keeps them
+        x = constrain(x, ("batch", "inner_length", "act_embed"))  # x: [B, T, D]
+        q = apply_rope(self._project(x, "q", "act_heads"), positions, self.inv_freq)  # [B, T, N, H]
+        k = apply_rope(self._project(x, "k", "act_kv_heads"), positions, self.inv_freq)  # [B, T, K, H]
+        v = self._project(x, "v", "act_kv_heads")  # [B, T, K, H]
+        q, k, v = (checkpoint_name(a, f"attn_{n}") for a, n in ((q, "q"), (k, "k"), (v, "v")))  # remat=attn keeps them
         index = positions if index is None else index
         window = self.cfg.sliding_window
         if cache is not None and step.mode == DECODE:
             out, cache = gqa_decode(q, k, v, cache, positions, window=window)
         else:
-            out = context_attention(q, k, v, index, strategy=self.cfg.context_parallel, window=window,
-                                    implementation=self.cfg.implementation)
-            if cache is not None:                                                  # prefill
+            out = context_attention(
+                q,
+                k,
+                v,
+                index,
+                strategy=self.cfg.context_parallel,
+                window=window,
+                implementation=self.cfg.implementation,
+            )
+            if cache is not None:  # prefill
                 slots = cache.k.shape[1]
                 heads = ("batch", "inner_length", "act_kv_heads", None)
-                cache = KVCache(*(constrain(filled(constrain(a, heads), step.lengths, slots), KVCache.NAMES)
-                                  for a in (k, v)))
+                cache = KVCache(
+                    *(constrain(filled(constrain(a, heads), step.lengths, slots), KVCache.NAMES) for a in (k, v))
+                )
         out = checkpoint_name(constrain(out, ("batch", "inner_length", "act_heads", None)), "attn_ctx")  # [B, T, N, H]
         y = jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(self.dtype))
         y = constrain(y, ("batch", "length", "act_embed"))

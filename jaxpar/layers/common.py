@@ -1,7 +1,8 @@
 """Parameter creation with logical axis names."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 from flax import nnx
@@ -15,8 +16,7 @@ def _param(value, names) -> nnx.Param:
     return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
-def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], *, dtype,
-          init=DEFAULT_INIT) -> nnx.Param:
+def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], *, dtype, init=DEFAULT_INIT) -> nnx.Param:
     """An ``nnx.Param`` whose ``out_sharding`` metadata holds the logical names of its dimensions."""
     if len(shape) != len(names):
         raise ValueError(f"param: shape {tuple(shape)} and logical names {tuple(names)} differ in rank")

@@ -1,4 +1,5 @@
 """Token embedding, also usable as a tied LM head. Legend: B batch, T positions, D width, V vocab."""
+
 from __future__ import annotations
 
 import jax
@@ -16,9 +17,9 @@ class Embed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         table = self.embedding[...]
-        if partly_manual():       # inside the pipeline's shard_map XLA cannot split this gather over the
-            table = constrain(table, ("vocab", None))           # weights' embed axis (fsdp): gather it first
-        x = jnp.take(table, ids, axis=0).astype(self.dtype)            # [B, T, D]
+        if partly_manual():  # inside the pipeline's shard_map XLA cannot split this gather over the
+            table = constrain(table, ("vocab", None))  # weights' embed axis (fsdp): gather it first
+        x = jnp.take(table, ids, axis=0).astype(self.dtype)  # [B, T, D]
         return constrain(x, ("batch", "length", "act_embed"))
 
     def attend(self, x: jax.Array) -> jax.Array:

@@ -28,6 +28,7 @@ code as the dense cache, so paged and dense attention agree bit for bit. Page 0 
 page that unused table entries point at (``jaxpar.inference.pages``). Query positions < 0 are padding:
 nothing is written for them and their outputs are meaningless but finite.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,9 @@ PREFILL, DECODE = "prefill", "decode"
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """One GQA layer's cache (a stack of them: a leading layers axis)."""
-    k: jax.Array     # [B, S, K, H]
-    v: jax.Array     # [B, S, K, H]
+
+    k: jax.Array  # [B, S, K, H]
+    v: jax.Array  # [B, S, K, H]
 
     NAMES = ("cache_batch", "cache_length", "cache_kv_heads", None)
 
@@ -55,8 +57,9 @@ class KVCache:
 @dataclasses.dataclass(frozen=True)
 class LatentCache:
     """One MLA layer's cache (a stack of them: a leading layers axis)."""
-    latent: jax.Array     # [B, S, R]   kv_a_norm of the compressed key/value
-    rope_key: jax.Array   # [B, S, Hr]  the decoupled RoPE key, rotated
+
+    latent: jax.Array  # [B, S, R]   kv_a_norm of the compressed key/value
+    rope_key: jax.Array  # [B, S, Hr]  the decoupled RoPE key, rotated
 
     NAMES = ("cache_batch", "cache_length", None)
 
@@ -65,9 +68,10 @@ class LatentCache:
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """One GQA layer's page pool and this call's page table (stacked: leading layers axes)."""
-    k: jax.Array        # [P, page, K, H]
-    v: jax.Array        # [P, page, K, H]
-    table: jax.Array    # [B, W] int32 page ids
+
+    k: jax.Array  # [P, page, K, H]
+    v: jax.Array  # [P, page, K, H]
+    table: jax.Array  # [B, W] int32 page ids
 
     NAMES = (None, None, "cache_kv_heads", None)
 
@@ -76,9 +80,10 @@ class PagedKVCache:
 @dataclasses.dataclass(frozen=True)
 class PagedLatentCache:
     """One MLA layer's page pool of latents and rope keys, and this call's page table."""
-    latent: jax.Array     # [P, page, R]
-    rope_key: jax.Array   # [P, page, Hr]
-    table: jax.Array      # [B, W] int32 page ids
+
+    latent: jax.Array  # [P, page, R]
+    rope_key: jax.Array  # [P, page, Hr]
+    table: jax.Array  # [B, W] int32 page ids
 
     NAMES = (None, None, None)
 
@@ -87,15 +92,18 @@ class PagedLatentCache:
 class Step:
     """How a layer uses its cache in this call: ``mode`` (prefill or decode) and, for prefill, the
     prompts' lengths [B] (which of the padded positions are real)."""
+
     mode: str
     lengths: jax.Array | None = None
 
 
 def with_table(pools: dict, table: jax.Array) -> dict:
     """Stacked page pools {stack: Paged*Cache} given this call's page table [B, W] (one per layer)."""
+
     def one(c):
         layers = jax.tree.leaves(c)[0].shape[0]
         return dataclasses.replace(c, table=jnp.broadcast_to(table, (layers, *table.shape)))
+
     return {name: one(c) for name, c in pools.items()}
 
 
@@ -110,7 +118,7 @@ def filled(x: jax.Array, lengths: jax.Array, slots: int) -> jax.Array:
         x = jnp.where(real, x, 0)
         return jnp.pad(x, [(0, 0), (0, slots - t)] + [(0, 0)] * (x.ndim - 2))
     last = lengths[:, None] - 1
-    held = last - jnp.mod(last - jnp.arange(slots)[None, :], slots)                     # [B, S]
+    held = last - jnp.mod(last - jnp.arange(slots)[None, :], slots)  # [B, S]
     picked = jnp.take_along_axis(x, jnp.maximum(held, 0).reshape(b, slots, *tail), axis=1)
     return jnp.where((held >= 0).reshape(b, slots, *tail), picked, 0)
 
@@ -121,7 +129,7 @@ def page_write(pool: jax.Array, new: jax.Array, positions: jax.Array, table: jax
     size, width = pool.shape[1], table.shape[1]
     index = positions // size
     page = jnp.take_along_axis(table, jnp.clip(index, 0, width - 1), axis=1)
-    page = jnp.where((positions >= 0) & (index < width), page, pool.shape[0])             # dropped
+    page = jnp.where((positions >= 0) & (index < width), page, pool.shape[0])  # dropped
     return pool.at[page, jnp.mod(positions, size)].set(new.astype(pool.dtype), mode="drop")
 
 
@@ -143,7 +151,7 @@ def _paged(pools: tuple, new: tuple, table, positions):
 def _gqa_attend(q, ck, cv, positions, *, offset, slots: int, window, axis):
     """Grouped queries q [B, T, K, G, H] over cache slots ck/cv [B, S, K, H] (already written)."""
     scores = jnp.einsum("btkgh,bskh->bkgts", q, ck, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    ok = visible(positions, offset, ck.shape[1], slots, window)[:, None, None]          # [B, 1, 1, T, S]
+    ok = visible(positions, offset, ck.shape[1], slots, window)[:, None, None]  # [B, 1, 1, T, S]
     out = softmax_combine(scores, ok, cv, "bkgts,bskh->bkgth", axis)
     return jnp.einsum("bkgth->btkgh", out)
 
@@ -164,8 +172,8 @@ def gqa_decode(q, k, v, cache: KVCache, positions, *, window: int | None) -> tup
         return paged_gqa_decode(q, k, v, cache, positions, window=window)
     b, t, n, h = q.shape
     kv, slots = k.shape[2], cache.k.shape[1]
-    flat = ("cache_batch", None, "cache_kv_heads", None)     # q and the output in the cache's layout
-    q = constrain(q, flat).reshape(b, t, kv, n // kv, h)     # query head i uses kv head i // G
+    flat = ("cache_batch", None, "cache_kv_heads", None)  # q and the output in the cache's layout
+    q = constrain(q, flat).reshape(b, t, kv, n // kv, h)  # query head i uses kv head i // G
 
     def body(q, k, v, ck, cv, positions, *, offset, axis):
         ck, cv = write(ck, k, positions, offset, slots), write(cv, v, positions, offset, slots)
@@ -181,9 +189,11 @@ def gqa_decode(q, k, v, cache: KVCache, positions, *, window: int | None) -> tup
 def _mla_attend(ql, qr, cc, ckr, positions, *, offset, slots: int, scale: float, axis):
     """Absorbed MLA queries over latent slots cc [B, S, R] and rope keys ckr [B, S, Hr]."""
     f32 = jnp.float32
-    scores = (jnp.einsum("btnr,bsr->bnts", ql, cc, preferred_element_type=f32)
-              + jnp.einsum("btnh,bsh->bnts", qr, ckr, preferred_element_type=f32)) * scale
-    ok = visible(positions, offset, cc.shape[1], slots, None)[:, None]                  # [B, 1, T, S]
+    scores = (
+        jnp.einsum("btnr,bsr->bnts", ql, cc, preferred_element_type=f32)
+        + jnp.einsum("btnh,bsh->bnts", qr, ckr, preferred_element_type=f32)
+    ) * scale
+    ok = visible(positions, offset, cc.shape[1], slots, None)[:, None]  # [B, 1, T, S]
     out = softmax_combine(scores, ok, cc, "bnts,bsr->bntr", axis)
     return jnp.einsum("bntr->btnr", out)
 
@@ -204,7 +214,9 @@ def mla_decode(q_latent, q_rope, latent, rope_key, cache: LatentCache, positions
 
     heads, token = ("cache_batch", None, None, None), ("cache_batch", None, None)
     names = (heads, heads, token, token, LatentCache.NAMES, LatentCache.NAMES, ("cache_batch", None))
-    args = [constrain(a, nm) for a, nm in zip((q_latent, q_rope, latent, rope_key, cache.latent, cache.rope_key,
-                                               positions), names)]
+    args = [
+        constrain(a, nm)
+        for a, nm in zip((q_latent, q_rope, latent, rope_key, cache.latent, cache.rope_key, positions), names)
+    ]
     out, cc, ckr = run_over_slots(body, args, names, (heads, LatentCache.NAMES, LatentCache.NAMES))
     return out, LatentCache(cc, ckr)

@@ -29,9 +29,11 @@ Attention core: with ``context_parallel == "none"`` and ``implementation`` None,
 float32 (O(T²) scores; masks by ``index``). Otherwise ``jaxpar.parallel.attention.context_attention``, whose
 kernels need one head width for q, k and v: q/k and v are zero-padded to H = max(Hq, Hv) (for DeepSeek-V3
 192: V, its ring traffic and the P·V matmul grow by Hq/Hv = 1.5×), q is pre-multiplied by scale·√H (the
-kernels scale by H^-0.5; one extra rounding of q in bf16), and the output is sliced back to Hv. K/V there have N heads: the rules should map
+kernels scale by H^-0.5; one extra rounding of q in bf16), and the output is sliced back to Hv. K/V there have N
+heads: the rules should map
 ``act_kv_heads`` like ``act_heads``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,11 +45,11 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.errors import ConfigError
+from jaxpar.layers.attention import AttentionConfig
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, LatentCache, Step, filled, mla_decode
 from jaxpar.layers.norms import RMSNorm
-from jaxpar.errors import ConfigError
-from jaxpar.layers.attention import AttentionConfig
 from jaxpar.layers.rope import YarnScaling, apply_rope, rope_frequencies, yarn_frequencies
 from jaxpar.parallel.attention import context_attention
 from jaxpar.rules import constrain
@@ -60,17 +62,22 @@ TOKENS = ("batch", "inner_length", None)
 class MLAConfig:
     """What MLA adds to the model's attention settings (width, heads, RoPE theta and scaling, kernel and
     context-parallel strategy come from the model config, through ``AttentionConfig``)."""
-    q_lora_rank: int | None                  # None: a plain q [D, N, Hq] (DeepSeek-V2-Lite)
+
+    q_lora_rank: int | None  # None: a plain q [D, N, Hq] (DeepSeek-V2-Lite)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    latent_norm_eps: float = 1e-6            # HF builds both latent norms with its default eps 1e-6
-    rope_interleave: bool = True             # HF config field of the same name
+    latent_norm_eps: float = 1e-6  # HF builds both latent norms with its default eps 1e-6
+    rope_interleave: bool = True  # HF config field of the same name
 
     def __post_init__(self):
-        sizes = dict(kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
-                     qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+        sizes = dict(
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+        )
         if self.q_lora_rank is not None:
             sizes["q_lora_rank"] = self.q_lora_rank
         for name, size in sizes.items():
@@ -95,8 +102,11 @@ def mla_scales(mla: MLAConfig, rope_scaling) -> tuple[float, float]:
         return 1.0, scale
     gain = s.attention_factor
     if gain is None:
-        gain = (_mscale(s.factor, s.mscale) / _mscale(s.factor, s.mscale_all_dim) if s.mscale and s.mscale_all_dim
-                else _mscale(s.factor, 1.0))
+        gain = (
+            _mscale(s.factor, s.mscale) / _mscale(s.factor, s.mscale_all_dim)
+            if s.mscale and s.mscale_all_dim
+            else _mscale(s.factor, 1.0)
+        )
     if s.mscale_all_dim:
         scale *= _mscale(s.factor, s.mscale_all_dim) ** 2
     return float(gain), float(scale)
@@ -148,34 +158,42 @@ class MLA(nnx.Module):
         y = apply_rope(x, positions, self.inv_freq)
         return y if gain == 1.0 else y * jnp.asarray(gain, y.dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array | None = None, *,
-                 cache: LatentCache | None = None, step: Step | None = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        index: jax.Array | None = None,
+        *,
+        cache: LatentCache | None = None,
+        step: Step | None = None,
+    ):
         """x [B, T, D]; positions [B, T] for RoPE; index [B, T]: each stored token's place in the original
         sequence (the causal mask; differs from storage order under zig-zag context parallelism). With a
         ``cache`` (generation, see ``jaxpar.layers.kvcache``) returns (y, the updated cache)."""
         cfg = self.cfg
         hn, rkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        x = constrain(x, ("batch", "inner_length", "act_embed"))                       # [B, T, D]
+        x = constrain(x, ("batch", "inner_length", "act_embed"))  # [B, T, D]
         if cfg.q_lora_rank is None:
             q = jnp.einsum("btd,dnh->btnh", x, self._w(self.q))
         else:
-            cq = self.q_a_norm(constrain(x @ self._w(self.q_a), TOKENS))                   # [B, T, Rq]
+            cq = self.q_a_norm(constrain(x @ self._w(self.q_a), TOKENS))  # [B, T, Rq]
             q = jnp.einsum("btr,rnh->btnh", cq, self._w(self.q_b))
-        q = constrain(q, HEADS)                                                          # [B, T, N, Hq]
-        ckv = constrain(x @ self._w(self.kv_a), TOKENS)                                  # [B, T, Rkv + Hr]
-        latent = self.kv_a_norm(ckv[..., :rkv])                                          # [B, T, Rkv]
+        q = constrain(q, HEADS)  # [B, T, N, Hq]
+        ckv = constrain(x @ self._w(self.kv_a), TOKENS)  # [B, T, Rkv + Hr]
+        latent = self.kv_a_norm(ckv[..., :rkv])  # [B, T, Rkv]
         gain, scale = mla_scales(cfg, self.attn.rope_scaling)
         q_nope, q_rope = q[..., :hn], self._rope(q[..., hn:], positions, gain)
-        k_rope = self._rope(ckv[..., None, rkv:], positions, gain)                       # [B, T, 1, Hr]
+        k_rope = self._rope(ckv[..., None, rkv:], positions, gain)  # [B, T, 1, Hr]
         if cache is not None and step.mode == DECODE:
             out, cache = self._decode(q_nope, q_rope, latent, k_rope[:, :, 0], cache, positions, scale)
         else:
             out = self._attention(q_nope, q_rope, latent, k_rope, positions if index is None else index, scale)
-            if cache is not None:                                                       # prefill
+            if cache is not None:  # prefill
                 slots = cache.latent.shape[1]
-                cache = LatentCache(*(constrain(filled(a, step.lengths, slots), LatentCache.NAMES)
-                                      for a in (latent, k_rope[:, :, 0])))
-        out = checkpoint_name(constrain(out, HEADS), "attn_ctx")                         # [B, T, N, Hv]
+                cache = LatentCache(
+                    *(constrain(filled(a, step.lengths, slots), LatentCache.NAMES) for a in (latent, k_rope[:, :, 0]))
+                )
+        out = checkpoint_name(constrain(out, HEADS), "attn_ctx")  # [B, T, N, Hv]
         y = jnp.einsum("btnh,nhd->btd", out, self._w(self.o))
         y = constrain(y, ("batch", "length", "act_embed"))
         return y if cache is None else (y, cache)
@@ -195,9 +213,9 @@ class MLA(nnx.Module):
     def _decode(self, q_nope, q_rope, latent, rope_key, cache: LatentCache, positions, scale: float):
         """Decoding over the latent cache with kv_b absorbed: keys through the query (q_nope · W_k),
         values through the output (weights · latents) · W_v."""
-        w = self._w(self.kv_b)                                                            # [Rkv, N, Hn + Hv]
+        w = self._w(self.kv_b)  # [Rkv, N, Hn + Hv]
         hn = self.cfg.qk_nope_head_dim
-        q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, w[..., :hn])                      # [B, T, N, Rkv]
+        q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, w[..., :hn])  # [B, T, N, Rkv]
         mixed, cache = mla_decode(q_latent, q_rope, latent, rope_key, cache, positions, scale=scale)
         return jnp.einsum("btnr,rnh->btnh", mixed, w[..., hn:]), cache
 
@@ -206,9 +224,16 @@ class MLA(nnx.Module):
         h = max(q.shape[-1], v.shape[-1])
         pad = lambda a: a if a.shape[-1] == h else jnp.pad(a, [(0, 0)] * 3 + [(0, h - a.shape[-1])])
         q = q * jnp.asarray(scale * math.sqrt(h), q.dtype)
-        out = context_attention(pad(q), pad(k), pad(v), index, strategy=self.attn.context_parallel, window=None,
-                                implementation=self.attn.implementation)
-        return out[..., :v.shape[-1]]
+        out = context_attention(
+            pad(q),
+            pad(k),
+            pad(v),
+            index,
+            strategy=self.attn.context_parallel,
+            window=None,
+            implementation=self.attn.implementation,
+        )
+        return out[..., : v.shape[-1]]
 
 
 def _causal_attention(q_nope, q_rope, k_nope, k_rope, v, index, scale: float) -> jax.Array:
@@ -217,6 +242,6 @@ def _causal_attention(q_nope, q_rope, k_nope, k_rope, v, index, scale: float) ->
     f32 = jnp.float32
     s = jnp.einsum("btnh,bsnh->bnts", q_nope, k_nope, preferred_element_type=f32)
     s = s + jnp.einsum("btnh,bsh->bnts", q_rope, k_rope, preferred_element_type=f32)
-    visible = index[:, None, :, None] >= index[:, None, None, :]                      # [B, 1, T, S]
+    visible = index[:, None, :, None] >= index[:, None, None, :]  # [B, 1, T, S]
     p = jax.nn.softmax(jnp.where(visible, s * scale, jnp.finfo(f32).min), axis=-1)
     return jnp.einsum("bnts,bsnh->btnh", p.astype(v.dtype), v)

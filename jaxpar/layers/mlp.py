@@ -4,6 +4,7 @@ Legend: B batch, T positions, D width, F mlp width, G = 2 (gate and up).
 Gate and up live in one weight ``gate_up [D, 2, F]``: under tensor parallelism the backward pass then
 reduces one input gradient per MLP instead of two (Megatron's fused column-parallel projection).
 """
+
 from __future__ import annotations
 
 import jax
@@ -18,12 +19,12 @@ class SwiGLU(nnx.Module):
     def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.dtype = dtype
         self.gate_up = param(rngs, (dim, 2, hidden), ("embed", None, "mlp"), dtype=param_dtype)  # column-parallel
-        self.down = param(rngs, (hidden, dim), ("mlp", "embed"), dtype=param_dtype)              # row-parallel
+        self.down = param(rngs, (hidden, dim), ("mlp", "embed"), dtype=param_dtype)  # row-parallel
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = constrain(x, ("batch", "inner_length", "act_embed"))                     # x: [B, T, D]
+        x = constrain(x, ("batch", "inner_length", "act_embed"))  # x: [B, T, D]
         h = jnp.einsum("btd,dgf->btgf", x, self.gate_up[...].astype(self.dtype))
-        h = constrain(h, ("batch", "inner_length", None, "act_mlp"))                 # h: [B, T, 2, F]
-        h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "inner_length", "act_mlp"))   # [B, T, F]
+        h = constrain(h, ("batch", "inner_length", None, "act_mlp"))  # h: [B, T, 2, F]
+        h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "inner_length", "act_mlp"))  # [B, T, F]
         y = jnp.einsum("btf,fd->btd", h, self.down[...].astype(self.dtype))
         return constrain(y, ("batch", "length", "act_embed"))

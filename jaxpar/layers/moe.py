@@ -39,6 +39,7 @@ N·k assignments that chose e (before capacity) and P_e the mean router probabil
 sigmoid the scores normalised over E) — zero for expert choice, which balances by construction;
 z = router_z_loss_weight · mean over tokens of logsumexp(router logits)².
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,62 +49,69 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.config import Choice, check_choices
+from jaxpar.errors import ConfigError
 from jaxpar.layers.common import param
 from jaxpar.layers.mlp import SwiGLU
 from jaxpar.parallel.dropless import dropless_apply
 from jaxpar.parallel.moe import experts_apply
-from jaxpar.config import Choice, check_choices
-from jaxpar.errors import ConfigError
 from jaxpar.rules import constrain
 
 
-
 class Router(Choice):
-    SOFTMAX = "softmax"                # Mixtral, Qwen3-MoE
-    SIGMOID = "sigmoid"                # DeepSeek-V3: group-limited, with the selection bias
-    EXPERT_CHOICE = "expert_choice"    # each expert takes its C best tokens
+    SOFTMAX = "softmax"  # Mixtral, Qwen3-MoE
+    SIGMOID = "sigmoid"  # DeepSeek-V3: group-limited, with the selection bias
+    EXPERT_CHOICE = "expert_choice"  # each expert takes its C best tokens
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     num_experts: int
     top_k: int
-    mlp_dim: int                              # F of each routed expert
+    mlp_dim: int  # F of each routed expert
     router: Router = Router.SOFTMAX
-    norm_topk: bool = True                    # renormalise the k weights to sum to 1
-    num_groups: int = 1                       # sigmoid: experts split into this many groups …
-    topk_groups: int = 1                      # … and only this many best groups are routed to
-    routed_scale: float = 1.0                 # multiplies the routing weights (DeepSeek-V3)
-    bias_update_rate: float = 0.0             # aux-loss-free balancing step, see ``updated_bias``
-    capacity_factor: float | None = 1.25      # None = dropless (token-choice routers only)
-    num_shared_experts: int = 0               # always-on experts, each of width shared_mlp_dim
+    norm_topk: bool = True  # renormalise the k weights to sum to 1
+    num_groups: int = 1  # sigmoid: experts split into this many groups …
+    topk_groups: int = 1  # … and only this many best groups are routed to
+    routed_scale: float = 1.0  # multiplies the routing weights (DeepSeek-V3)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing step, see ``updated_bias``
+    capacity_factor: float | None = 1.25  # None = dropless (token-choice routers only)
+    num_shared_experts: int = 0  # always-on experts, each of width shared_mlp_dim
     shared_mlp_dim: int = 0
-    aux_loss_weight: float = 0.01             # Switch balancing loss E · Σ_e f_e · P_e
-    router_z_loss_weight: float = 0.001       # mean over tokens of logsumexp(logits)²
+    aux_loss_weight: float = 0.01  # Switch balancing loss E · Σ_e f_e · P_e
+    router_z_loss_weight: float = 0.001  # mean over tokens of logsumexp(logits)²
 
     def __post_init__(self):
         check_choices(self, "model.moe")
         e, k, g, kg = self.num_experts, self.top_k, self.num_groups, self.topk_groups
         if e < 1 or k < 1 or self.mlp_dim < 1:
-            raise ConfigError(f"model.moe.num_experts={e}, model.moe.top_k={k} and "
-                              f"model.moe.mlp_dim={self.mlp_dim} must all be at least 1")
+            raise ConfigError(
+                f"model.moe.num_experts={e}, model.moe.top_k={k} and "
+                f"model.moe.mlp_dim={self.mlp_dim} must all be at least 1"
+            )
         if k > e:
             raise ConfigError(f"model.moe.top_k={k} exceeds model.moe.num_experts={e}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
         if self.capacity_factor is None and self.router == "expert_choice":
-            raise ConfigError("model.moe.capacity_factor=None: router 'expert_choice' needs a capacity; "
-                              "dropless is for token-choice routers")
+            raise ConfigError(
+                "model.moe.capacity_factor=None: router 'expert_choice' needs a capacity; "
+                "dropless is for token-choice routers"
+            )
         if g < 1 or e % g:
             raise ConfigError(f"model.moe.num_groups={g} does not divide model.moe.num_experts={e}")
         if not 1 <= kg <= g:
             raise ConfigError(f"model.moe.topk_groups={kg} must lie in 1..model.moe.num_groups={g}")
         if k > kg * (e // g):
-            raise ConfigError(f"model.moe.top_k={k} exceeds the {kg * (e // g)} experts in "
-                              f"model.moe.topk_groups={kg} of model.moe.num_groups={g} groups of {e // g}")
+            raise ConfigError(
+                f"model.moe.top_k={k} exceeds the {kg * (e // g)} experts in "
+                f"model.moe.topk_groups={kg} of model.moe.num_groups={g} groups of {e // g}"
+            )
         if self.num_shared_experts < 0 or (self.num_shared_experts and self.shared_mlp_dim < 1):
-            raise ConfigError(f"model.moe.num_shared_experts={self.num_shared_experts} needs "
-                              f"model.moe.shared_mlp_dim >= 1 (got {self.shared_mlp_dim})")
+            raise ConfigError(
+                f"model.moe.num_shared_experts={self.num_shared_experts} needs "
+                f"model.moe.shared_mlp_dim >= 1 (got {self.shared_mlp_dim})"
+            )
 
 
 def capacity(num_tokens: int, cfg: MoEConfig) -> int:
@@ -116,9 +124,9 @@ def capacity(num_tokens: int, cfg: MoEConfig) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MoEStats:
-    aux_loss: jax.Array          # scalar, already times aux_loss_weight (0 for expert choice)
-    router_z_loss: jax.Array     # scalar, already times router_z_loss_weight
-    expert_load: jax.Array       # [E] float32: assignments per expert this call, before capacity
+    aux_loss: jax.Array  # scalar, already times aux_loss_weight (0 for expert choice)
+    router_z_loss: jax.Array  # scalar, already times router_z_loss_weight
+    expert_load: jax.Array  # [E] float32: assignments per expert this call, before capacity
     dropped_fraction: jax.Array  # scalar: dropped share of the N·k assignments (expert choice: of tokens)
 
 
@@ -149,9 +157,9 @@ def expert_slots(idx: jax.Array, num_experts: int, index: jax.Array | None = Non
         by_store = jnp.broadcast_to(jnp.argsort(index, axis=1)[..., None], idx.shape)
         return jax.lax.sort((by_store, ranked), dimension=1, num_keys=1)[1]
     b, t, k = idx.shape
-    choice_major = jnp.swapaxes(idx, 1, 2).reshape(b, k * t)                          # [B, k·T]
-    hot = jax.nn.one_hot(choice_major, num_experts, dtype=jnp.int32)                 # [B, k·T, E]
-    slot = jnp.sum(jnp.cumsum(hot, axis=1) * hot, axis=-1) - 1                       # [B, k·T]
+    choice_major = jnp.swapaxes(idx, 1, 2).reshape(b, k * t)  # [B, k·T]
+    hot = jax.nn.one_hot(choice_major, num_experts, dtype=jnp.int32)  # [B, k·T, E]
+    slot = jnp.sum(jnp.cumsum(hot, axis=1) * hot, axis=-1) - 1  # [B, k·T]
     return jnp.swapaxes(slot.reshape(b, k, t), 1, 2)
 
 
@@ -159,8 +167,8 @@ def _group_limited(sel: jax.Array, groups: int, keep: int) -> jax.Array:
     """sel [..., E] with experts outside the ``keep`` best of ``groups`` groups set to -inf."""
     if keep == groups:
         return sel
-    grouped = sel.reshape(*sel.shape[:-1], groups, sel.shape[-1] // groups)          # [..., G, E/G]
-    group_score = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)        # [..., G]
+    grouped = sel.reshape(*sel.shape[:-1], groups, sel.shape[-1] // groups)  # [..., G, E/G]
+    group_score = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)  # [..., G]
     best = jax.nn.one_hot(jax.lax.top_k(group_score, keep)[1], groups).sum(-2) > 0  # [..., G]
     return jnp.where(best[..., None], grouped, -jnp.inf).reshape(sel.shape)
 
@@ -172,9 +180,8 @@ class MoE(nnx.Module):
         self.router = param(rngs, (d, e), ("embed", None), dtype=jnp.float32)
         self.gate_up = param(rngs, (e, d, 2, f), ("experts", "embed", None, "mlp"), dtype=param_dtype)
         self.down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), dtype=param_dtype)
-        self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), out_sharding=("experts",),
-                                      eager_sharding=False)
-        width = cfg.num_shared_experts * cfg.shared_mlp_dim   # n shared experts = one SwiGLU n times wider
+        self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), out_sharding=("experts",), eager_sharding=False)
+        width = cfg.num_shared_experts * cfg.shared_mlp_dim  # n shared experts = one SwiGLU n times wider
         self.shared = SwiGLU(d, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs) if width else None
 
     def update_bias(self, expert_load: jax.Array) -> None:
@@ -185,16 +192,16 @@ class MoE(nnx.Module):
         """x [B, T, D]; index [B, T]: each stored token's place in the original sequence (capacity ranks
         tokens in that order; None: the stored order is the original one)."""
         cfg = self.cfg
-        x = constrain(x, ("batch", "inner_length", "act_embed"))                         # x: [B, T, D]
-        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])    # fp32 [B, T, E]
+        x = constrain(x, ("batch", "inner_length", "act_embed"))  # x: [B, T, D]
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])  # fp32 [B, T, E]
         z_loss = cfg.router_z_loss_weight * jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
         xc = x.astype(self.dtype)
         if cfg.router == "expert_choice":
             y, aux, load, dropped = self._expert_choice(xc, logits)
         else:
-            idx, weight, probs = self._route(logits)                                   # [B, T, k] ×2
-            load = jax.nn.one_hot(idx, cfg.num_experts, dtype=jnp.float32).sum((0, 1, 2))   # [E]
-            f = load / idx.size                                   # share of assignments per expert
+            idx, weight, probs = self._route(logits)  # [B, T, k] ×2
+            load = jax.nn.one_hot(idx, cfg.num_experts, dtype=jnp.float32).sum((0, 1, 2))  # [E]
+            f = load / idx.size  # share of assignments per expert
             aux = cfg.aux_loss_weight * cfg.num_experts * jnp.sum(f * probs.mean((0, 1)))
             if cfg.capacity_factor is None:
                 y, dropped = self._dropless(xc, idx, weight), jnp.zeros((), jnp.float32)
@@ -218,8 +225,8 @@ class MoE(nnx.Module):
             scores = jax.nn.sigmoid(logits)
             probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
             sel = _group_limited(scores + bias, cfg.num_groups, cfg.topk_groups)
-        idx = jax.lax.top_k(sel, cfg.top_k)[1]                                  # selection sees the bias
-        weight = jnp.take_along_axis(scores, idx, axis=-1)                     # the weights do not
+        idx = jax.lax.top_k(sel, cfg.top_k)[1]  # selection sees the bias
+        weight = jnp.take_along_axis(scores, idx, axis=-1)  # the weights do not
         if cfg.norm_topk:
             weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
         return idx, weight * cfg.routed_scale, probs
@@ -230,10 +237,10 @@ class MoE(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         c = capacity(t, cfg)
-        scores = jax.nn.softmax(logits, axis=-1)                                     # [B, T, E]
-        gate, token = jax.lax.top_k(jnp.swapaxes(scores, 1, 2), c)                  # [B, E, C] each
-        pick = jax.nn.one_hot(token, t, dtype=jnp.float32)                          # [B, E, C, T]
-        dispatch = jnp.moveaxis(pick, -1, 1)                                        # [B, T, E, C]
+        scores = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
+        gate, token = jax.lax.top_k(jnp.swapaxes(scores, 1, 2), c)  # [B, E, C] each
+        pick = jax.nn.one_hot(token, t, dtype=jnp.float32)  # [B, E, C, T]
+        dispatch = jnp.moveaxis(pick, -1, 1)  # [B, T, E, C]
         combine = jnp.moveaxis(pick * (gate * cfg.routed_scale)[..., None], -1, 1)
         y = self._dispatch_combine(x, dispatch.astype(self.dtype), combine.astype(self.dtype))
         dropped = 1.0 - jnp.mean((pick.sum((1, 2)) > 0).astype(jnp.float32))
@@ -245,11 +252,11 @@ class MoE(nnx.Module):
         b, t, k = idx.shape
         e = self.cfg.num_experts
         c = capacity(t, self.cfg)
-        slot = expert_slots(idx, e, index)                                          # [B, T, k]
+        slot = expert_slots(idx, e, index)  # [B, T, k]
         kept = slot < c
-        expert_hot = jax.nn.one_hot(idx, e, dtype=jnp.float32)                      # [B, T, k, E]
+        expert_hot = jax.nn.one_hot(idx, e, dtype=jnp.float32)  # [B, T, k, E]
         slot_hot = jax.nn.one_hot(jnp.where(kept, slot, c), c, dtype=jnp.float32)  # dropped: all zeros
-        dispatch = jnp.einsum("btke,btkc->btec", expert_hot, slot_hot)              # [B, T, E, C]
+        dispatch = jnp.einsum("btke,btkc->btec", expert_hot, slot_hot)  # [B, T, E, C]
         combine = jnp.einsum("btke,btkc,btk->btec", expert_hot, slot_hot, weight)
         y = self._dispatch_combine(x, dispatch.astype(self.dtype), combine.astype(self.dtype))
         return y, 1.0 - jnp.mean(kept.astype(jnp.float32))
@@ -263,11 +270,11 @@ class MoE(nnx.Module):
         # batch shards then runs in the parameter dtype (XLA:CPU aborts promoting a bf16 one, and f32 is
         # the precision gradients are summed in everywhere else)
         out = experts_apply(buf, self.gate_up[...], self.down[...])
-        out = constrain(out, ("batch", None, None, "act_embed"))                     # [B, E, C, D]
+        out = constrain(out, ("batch", None, None, "act_embed"))  # [B, E, C, D]
         return jnp.einsum("btec,becd->btd", combine, out)
 
     def _dropless(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
         """Every assignment runs (``jaxpar.parallel.dropless``: grouped matmuls, and the ragged
         exchange over the expert axis when it is split); the outputs are weighed and summed."""
-        out = dropless_apply(x, idx, self.gate_up[...], self.down[...])        # cast inside, as above
+        out = dropless_apply(x, idx, self.gate_up[...], self.down[...])  # cast inside, as above
         return jnp.einsum("btkd,btk->btd", out, weight.astype(self.dtype))

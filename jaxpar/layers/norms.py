@@ -1,4 +1,5 @@
 """RMSNorm, computed in float32 whatever the compute dtype."""
+
 from __future__ import annotations
 
 import jax

@@ -3,6 +3,7 @@ Llama 3.1 frequency scaling (``RopeScaling``) and YaRN (``YarnScaling``, used by
 
 Dimension legend: B batch, T positions, N heads, H head_dim.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ import numpy as np
 class RopeScaling:
     """Llama 3.1 frequency scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth
     ramp between ``original_max_position / low_freq_factor`` and ``... / high_freq_factor``."""
+
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -26,14 +28,15 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
     """HF ``rope_scaling = {"type": "yarn", ...}``; the defaults are DeepSeek-V3's published config."""
+
     factor: float = 40.0
     original_max_position: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
-    attention_factor: float | None = None    # overrides the mscale ratio on cos/sin when given
-    truncate: bool = True                    # floor/ceil the correction range (HF default)
+    attention_factor: float | None = None  # overrides the mscale ratio on cos/sin when given
+    truncate: bool = True  # floor/ceil the correction range (HF default)
 
 
 def yarn_frequencies(dim: int, *, theta: float, scaling: YarnScaling) -> np.ndarray:
@@ -41,7 +44,7 @@ def yarn_frequencies(dim: int, *, theta: float, scaling: YarnScaling) -> np.ndar
     original context) or divided by ``factor`` (slow dims), linearly blended over the correction range."""
     plain = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
 
-    def dim_of(turns):    # the (fractional) dim index whose wave turns `turns` times in the original context
+    def dim_of(turns):  # the (fractional) dim index whose wave turns `turns` times in the original context
         return dim * math.log(scaling.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
     lo, hi = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
@@ -49,7 +52,7 @@ def yarn_frequencies(dim: int, *, theta: float, scaling: YarnScaling) -> np.ndar
         lo, hi = math.floor(lo), math.ceil(hi)
     lo, hi = max(lo, 0), min(hi, dim - 1)
     hi = hi + 0.001 if lo == hi else hi
-    interpolated = np.clip((np.arange(dim // 2) - lo) / (hi - lo), 0.0, 1.0)   # 0: keep, 1: divide by factor
+    interpolated = np.clip((np.arange(dim // 2) - lo) / (hi - lo), 0.0, 1.0)  # 0: keep, 1: divide by factor
     return plain * (1 - interpolated) + plain / scaling.factor * interpolated
 
 
@@ -59,10 +62,11 @@ def rope_frequencies(head_dim: int, *, theta: float, scaling: RopeScaling | None
     if scaling is None:
         return inv
     wavelen = 2 * math.pi / inv
-    low_wavelen = scaling.original_max_position / scaling.low_freq_factor     # longer than this: scaled
-    high_wavelen = scaling.original_max_position / scaling.high_freq_factor   # shorter than this: kept
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor  # longer than this: scaled
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor  # shorter than this: kept
     ramp = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - ramp) * inv / scaling.factor + ramp * inv
     return np.where(wavelen < high_wavelen, inv, np.where(wavelen > low_wavelen, inv / scaling.factor, blended))
 

@@ -14,6 +14,7 @@ split over n devices gives device i the chunks i and 2n−1−i (``storage_order
 ids and positions once on entry and undoes it on the logits; masks inside the kernels use each token's
 original index, so every strategy computes exactly plain causal attention.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,14 +30,16 @@ from jaxpar.rules import LayoutError, Rules, active_layout
 
 class ContextParallel(Choice):
     """How attention runs when positions are split over a mesh axis (``model.context_parallel``)."""
-    NONE = "none"              # GSPMD gathers the full K/V on every device
-    RING = "ring"              # K/V blocks travel the ring
-    ULYSSES = "ulysses"        # all-to-all from sequence-split to head-split and back
+
+    NONE = "none"  # GSPMD gathers the full K/V on every device
+    RING = "ring"  # K/V blocks travel the ring
+    ULYSSES = "ulysses"  # all-to-all from sequence-split to head-split and back
 
 
 class TokenOrder(Choice):
     """How a ring stores the sequence over its devices (``model.cp_order``)."""
-    ZIGZAG = "zigzag"          # device i holds chunks i and 2n-1-i: causal work balanced
+
+    ZIGZAG = "zigzag"  # device i holds chunks i and 2n-1-i: causal work balanced
     CONTIGUOUS = "contiguous"  # device i holds chunk i
 
 
@@ -44,13 +47,16 @@ def sequence_axis(rules: Rules, mesh_shape, /) -> str | None:
     """The mesh axis that splits positions inside attention, or None when they are not split."""
     axes = [a for a in rules["inner_length"] if mesh_shape[a] > 1]
     if len(axes) > 1:
-        raise LayoutError(f"rules {rules.name!r}: inner_length is split over {axes}; context parallel "
-                          "attention supports one mesh axis")
+        raise LayoutError(
+            f"rules {rules.name!r}: inner_length is split over {axes}; context parallel "
+            "attention supports one mesh axis"
+        )
     return axes[0] if axes else None
 
 
-def check_context_parallel(strategy: str, order: str, /, *, seq: int, num_heads: int, num_kv_heads: int,
-                           rules: Rules, mesh_shape) -> None:
+def check_context_parallel(
+    strategy: str, order: str, /, *, seq: int, num_heads: int, num_kv_heads: int, rules: Rules, mesh_shape
+) -> None:
     """Refuses, before anything compiles, a strategy the layout cannot run; names field and axis."""
     strategy = ContextParallel.parse(strategy, field="model.context_parallel")
     order = TokenOrder.parse(order, field="model.cp_order")
@@ -59,15 +65,18 @@ def check_context_parallel(strategy: str, order: str, /, *, seq: int, num_heads:
         return
     n = mesh_shape[axis]
     if strategy == "ring" and order == "zigzag" and seq % (2 * n):
-        raise LayoutError(f"seq={seq} is not divisible by 2 × {axis}={n} = {2 * n}: the zig-zag order gives "
-                          f"each device two chunks of seq / {2 * n} (or set model.cp_order=contiguous)")
+        raise LayoutError(
+            f"seq={seq} is not divisible by 2 × {axis}={n} = {2 * n}: the zig-zag order gives "
+            f"each device two chunks of seq / {2 * n} (or set model.cp_order=contiguous)"
+        )
     if strategy == "ulysses":
         from jaxpar.parallel.ulysses import ulysses_check
+
         heads_ways = math.prod(mesh_shape[a] for a in rules["act_heads"])
         kv_ways = math.prod(mesh_shape[a] for a in rules["act_kv_heads"])
         local_kv = num_kv_heads // kv_ways
-        if heads_ways > 1 and not rules["act_kv_heads"]:     # replicated: each device keeps its group's one
-            local_kv = 1                                     # (context_attention's _own_kv_head)
+        if heads_ways > 1 and not rules["act_kv_heads"]:  # replicated: each device keeps its group's one
+            local_kv = 1  # (context_attention's _own_kv_head)
         ulysses_check(num_heads // heads_ways, local_kv, n, replicate_kv=False)
 
 
@@ -82,16 +91,31 @@ def storage_order(length: int, strategy: str, order: str, /) -> np.ndarray | Non
     return None if axis is None else zigzag_order(length, mesh.shape[axis])
 
 
-def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array, /, *, strategy: str,
-                      window: int | None = None, implementation: str | None = None) -> jax.Array:
+def context_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    index: jax.Array,
+    /,
+    *,
+    strategy: str,
+    window: int | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
     """Causal attention: q [B, T, N, H], k/v [B, T, K, H], index int [B, T] (each stored token's place
     in the original sequence). Returns [B, T, N, H]."""
     layout = active_layout(q, k, v)
     axis = None if layout is None or strategy == "none" else sequence_axis(layout[1], layout[0].shape)
     if axis is None:
         local = None if window is None else (window - 1, 0)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                            implementation=None if implementation is None else str(implementation))
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            local_window_size=local,
+            implementation=None if implementation is None else str(implementation),
+        )
     mesh, rules = layout
     batch, heads, kv_heads = rules["batch"] or None, rules["act_heads"] or None, rules["act_kv_heads"] or None
     q_spec = PartitionSpec(batch, axis, heads, None)
@@ -99,20 +123,21 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array
     index_spec = PartitionSpec(batch, axis)
     kernel = _kernel(strategy)
 
-    def body(q, k, v, index):            # q: [B/b, T/n, N/h, H]; k, v: [B/b, T/n, K/h or K, H]
-        if heads and not kv_heads:       # kv heads replicated over the head axes: keep this group's one
+    def body(q, k, v, index):  # q: [B/b, T/n, N/h, H]; k, v: [B/b, T/n, K/h or K, H]
+        if heads and not kv_heads:  # kv heads replicated over the head axes: keep this group's one
             k, v = (_own_kv_head(x, heads, mesh.shape, q.shape[2]) for x in (k, v))
         return kernel(q, k, v, index, index, axis_name=axis, causal=True, window=window)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, index_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v, index)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, index_spec), out_specs=q_spec, check_vma=False
+    )(q, k, v, index)
 
 
 def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.Array:
     """The kv head that this device's query heads share, when K is replicated over the head axes
     (fewer kv heads than head shards): device r holds query heads r·N/t.. and so kv head r·(N/t) // G."""
     ways = math.prod(mesh_shape[a] for a in head_axes)
-    group = local_heads * ways // x.shape[2]                 # query heads per kv head (G)
+    group = local_heads * ways // x.shape[2]  # query heads per kv head (G)
     r = jax.lax.axis_index(head_axes)
     return jax.lax.dynamic_slice_in_dim(x, r * local_heads // group, 1, axis=2)
 
@@ -121,6 +146,8 @@ def _kernel(strategy: str):
     strategy = ContextParallel.parse(strategy, field="model.context_parallel")
     if strategy == ContextParallel.RING:
         from jaxpar.parallel.ring import ring_attention
+
         return ring_attention
-    from jaxpar.parallel.ulysses import ulysses_attention       # (none never gets here)
+    from jaxpar.parallel.ulysses import ulysses_attention  # (none never gets here)
+
     return ulysses_attention

@@ -8,18 +8,25 @@ data they describe, so every kernel computes exactly the mask of plain causal at
 
 Legend: B batch, T query positions, S key positions, N query heads, K kv heads, G = N / K, H head dim.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-NEG_INF = -1e30          # finite "minus infinity": exp() underflows to 0 and fully masked rows stay NaN-free
+NEG_INF = -1e30  # finite "minus infinity": exp() underflows to 0 and fully masked rows stay NaN-free
 
 
-def attention_mask(q_index: jax.Array, kv_index: jax.Array, q_segment: jax.Array | None = None,
-                   kv_segment: jax.Array | None = None, *, causal: bool = True,
-                   window: int | None = None) -> jax.Array:
+def attention_mask(
+    q_index: jax.Array,
+    kv_index: jax.Array,
+    q_segment: jax.Array | None = None,
+    kv_segment: jax.Array | None = None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+) -> jax.Array:
     """bool [B, T, S]: query t may attend to key s.
 
     ``q_index`` [B, T] and ``kv_index`` [B, S] are int token indices in the original sequence;
@@ -46,9 +53,9 @@ def block_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h).astype(jnp.float32)
-    x = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale       # [B, K, G, T, S]
+    x = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale  # [B, K, G, T, S]
     x = jnp.where(mask[:, None, None], x, NEG_INF)
-    m = jnp.max(x, axis=-1)                                                        # [B, K, G, T]
+    m = jnp.max(x, axis=-1)  # [B, K, G, T]
     p = jnp.where(mask[:, None, None], jnp.exp(x - m[..., None]), 0.0)
     l = jnp.sum(p, axis=-1)
     o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32)).reshape(b, t, n, h)
@@ -72,8 +79,9 @@ def finish(o: jax.Array, m: jax.Array, l: jax.Array):
     return o / safe[..., None], jnp.where(l > 0, m + jnp.log(safe), NEG_INF)
 
 
-def dense_attention(q, k, v, q_index, kv_index, q_segment=None, kv_segment=None, *, causal=True,
-                    window=None, scale=None):
+def dense_attention(
+    q, k, v, q_index, kv_index, q_segment=None, kv_segment=None, *, causal=True, window=None, scale=None
+):
     """One-device attention with index masks: the oracle the kernels are tested against, and the core
     Ulysses runs after its all-to-all. Returns [B, T, N, H] in q's dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale

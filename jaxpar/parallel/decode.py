@@ -17,12 +17,14 @@ A new token is written into its slot first (position p lives in slot p mod S: a 
 S = window slots is a ring), only by the device that owns the slot; slots another device owns, and
 positions beyond the cache, are dropped by the scatter (``mode="drop"``).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
 from jaxpar.rules import active_layout
 
 
@@ -47,7 +49,7 @@ def write(cache: jax.Array, new: jax.Array, positions: jax.Array, offset, slots:
     dimension of the scatter, so a cache split by rows (``cache_batch``) writes where it lies (indexing
     the rows explicitly made the partitioner all-gather every row's new keys and values to every device)."""
     local = jnp.mod(positions, slots) - offset
-    local = jnp.where((local >= 0) & (local < cache.shape[1]), local, cache.shape[1])     # out of range: dropped
+    local = jnp.where((local >= 0) & (local < cache.shape[1]), local, cache.shape[1])  # out of range: dropped
     return jax.vmap(lambda c, n, i: c.at[i].set(n, mode="drop"))(cache, new.astype(cache.dtype), local)
 
 
@@ -56,10 +58,10 @@ def softmax_combine(scores: jax.Array, valid: jax.Array, values: jax.Array, spec
     slots are split. scores float32 [..., S_local]; valid broadcasts against them; ``spec`` the einsum of
     the weights with ``values`` giving [..., V] (the scores' leading axes, then the value width)."""
     scores = jnp.where(valid, scores, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))     # a shift: no gradient flows
+    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))  # a shift: no gradient flows
     if axis:
         m = jax.lax.pmax(m, axis)
-    weights = jnp.exp(scores - m)                  # empty slots: exp(-inf) = 0
+    weights = jnp.exp(scores - m)  # empty slots: exp(-inf) = 0
     total = jnp.sum(weights, axis=-1)
     out = jnp.einsum(spec, weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
     if axis:

@@ -23,6 +23,7 @@ there ``padded_ragged_all_to_all`` does the same with a dense all-to-all of wors
 results, ep× the bytes. On CPU, expert parallelism at scale is the capacity path
 (``jaxpar.parallel.moe``); this one is for correctness there.
 """
+
 from __future__ import annotations
 
 import jax
@@ -35,19 +36,18 @@ from jaxpar.rules import LayoutError, active_layout
 EXCHANGES = ("auto", "ragged", "padded")
 
 
-def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                             axis_name):
+def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """``jax.lax.ragged_all_to_all`` (one slice per device) from a dense all-to-all: each slice is
     padded to the operand's length, exchanged, and scattered at its offset on the receiver."""
     n, rest = operand.shape[0], operand.shape[1:]
     ep = send_sizes.shape[0]
     t = jnp.arange(n)
-    live = t[None, :] < send_sizes[:, None]                                        # [ep, n]
-    rows = operand[jnp.clip(input_offsets[:, None] + t, 0, n - 1)]                # [ep, n, ...]
+    live = t[None, :] < send_sizes[:, None]  # [ep, n]
+    rows = operand[jnp.clip(input_offsets[:, None] + t, 0, n - 1)]  # [ep, n, ...]
     packed = jnp.where(live.reshape(ep, n, *(1,) * len(rest)), rows, 0)
-    got = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=True)                  # [ep(source), n, ...]
-    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)           # where each source's go
-    dest = jnp.where(t[None, :] < recv_sizes[:, None], at[:, None] + t, output.shape[0])   # past end: dropped
+    got = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=True)  # [ep(source), n, ...]
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each source's go
+    dest = jnp.where(t[None, :] < recv_sizes[:, None], at[:, None] + t, output.shape[0])  # past end: dropped
     return output.at[dest.reshape(-1)].set(got.reshape(ep * n, *rest), mode="drop")
 
 
@@ -91,26 +91,27 @@ def _expert_parallel(x, idx, gate_up, down, *, axis: str, ep: int, exchange):
     k, e_l = idx.shape[-1], gate_up.shape[0]
     a = b * t * k
     order, inverse, sizes = _sort_by_expert(idx.reshape(-1), e_l * ep)
-    rows = x.reshape(b * t, d)[order // k]                                          # [a, D] by expert
-    send = sizes.reshape(ep, e_l).sum(1)                                            # rows to each device
+    rows = x.reshape(b * t, d)[order // k]  # [a, D] by expert
+    send = sizes.reshape(ep, e_l).sum(1)  # rows to each device
     send_at = _exclusive_cumsum(send)
-    counts = jax.lax.all_to_all(sizes.reshape(ep, e_l), axis, 0, 0, tiled=True)     # [source, E_l]
+    counts = jax.lax.all_to_all(sizes.reshape(ep, e_l), axis, 0, 0, tiled=True)  # [source, E_l]
     recv = counts.sum(1)
-    recv_at = _exclusive_cumsum(recv)                                               # where each source's land
-    land_at = jax.lax.all_to_all(recv_at, axis, 0, 0, tiled=True)                   # where mine land there
-    came_from = jax.lax.all_to_all(send_at, axis, 0, 0, tiled=True)                 # where theirs came from
+    recv_at = _exclusive_cumsum(recv)  # where each source's land
+    land_at = jax.lax.all_to_all(recv_at, axis, 0, 0, tiled=True)  # where mine land there
+    came_from = jax.lax.all_to_all(send_at, axis, 0, 0, tiled=True)  # where theirs came from
     got = exchange(rows, jnp.zeros((ep * a, d), rows.dtype), send_at, send, land_at, recv, axis_name=axis)
     # received rows are ordered (source, local expert): label each, then group by local expert
     label = jnp.repeat(jnp.tile(jnp.arange(e_l), ep), counts.reshape(-1), total_repeat_length=ep * a)
-    label = jnp.where(jnp.arange(ep * a) < recv.sum(), label, e_l)                  # padding sorts last
+    label = jnp.where(jnp.arange(ep * a) < recv.sum(), label, e_l)  # padding sorts last
     local_order, local_inverse, _ = _sort_by_expert(label, e_l + 1)
     out = grouped_swiglu(got[local_order], counts.sum(0), gate_up, down)[local_inverse]
     back = exchange(out, jnp.zeros_like(rows), recv_at, recv, came_from, send, axis_name=axis)
     return back[inverse].reshape(b, t, k, d)
 
 
-def dropless_apply(x: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, /, *,
-                   exchange: str = "auto") -> jax.Array:
+def dropless_apply(
+    x: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, /, *, exchange: str = "auto"
+) -> jax.Array:
     """x [B, T, D], idx [B, T, k] expert ids, gate_up [E, D, 2, F], down [E, F, D] -> [B, T, k, D], each
     assignment's expert output (unweighted), under the current layout. ``exchange``: auto (ragged
     all-to-all where the backend has it, padded elsewhere), ragged, or padded."""
@@ -123,8 +124,9 @@ def dropless_apply(x: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.A
     mesh, rules = layout
     ep = mesh.shape[axis]
     if gate_up.shape[0] % ep:
-        raise LayoutError(f"expert parallelism over {axis}={ep} needs the experts ({gate_up.shape[0]}) "
-                          f"divisible by {ep}")
+        raise LayoutError(
+            f"expert parallelism over {axis}={ep} needs the experts ({gate_up.shape[0]}) divisible by {ep}"
+        )
     batch = tuple(rules["batch"])
     if axis not in batch:
         raise LayoutError(f"rules {rules.name!r}: the expert axis {axis!r} must also split the batch")
@@ -136,5 +138,11 @@ def dropless_apply(x: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.A
         return _expert_parallel(x, idx, gate_up, down, axis=axis, ep=ep, exchange=fn)
 
     groups = PartitionSpec(batch)
-    return jax.shard_map(body, mesh=mesh, in_specs=(groups, groups, PartitionSpec(axis), PartitionSpec(axis)),
-                         out_specs=groups, axis_names=frozenset(batch), check_vma=False)(x, idx, gate_up, down)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(groups, groups, PartitionSpec(axis), PartitionSpec(axis)),
+        out_specs=groups,
+        axis_names=frozenset(batch),
+        check_vma=False,
+    )(x, idx, gate_up, down)

@@ -17,6 +17,7 @@ weights stays automatic (GSPMD gathers or splits them as for a dense MLP).
 
 Legend: B groups (sequences), E experts, C capacity per expert per group, D width, F expert MLP width.
 """
+
 from __future__ import annotations
 
 import jax
@@ -36,8 +37,9 @@ def expert_axis(rules, mesh_shape, /) -> str | None:
     """The mesh axis that splits the experts, or None when they are not split."""
     axes = [a for a in rules["act_experts"] if mesh_shape[a] > 1]
     if len(axes) > 1:
-        raise LayoutError(f"rules {rules.name!r}: act_experts is split over {axes}; expert parallelism "
-                          "supports one mesh axis")
+        raise LayoutError(
+            f"rules {rules.name!r}: act_experts is split over {axes}; expert parallelism supports one mesh axis"
+        )
     return axes[0] if axes else None
 
 
@@ -51,13 +53,12 @@ def experts_apply(buf: jax.Array, gate_up: jax.Array, down: jax.Array, /) -> jax
     mesh = layout[0]
     ep = mesh.shape[axis]
     if buf.shape[1] % ep:
-        raise LayoutError(f"expert parallelism over {axis}={ep} needs the experts ({buf.shape[1]}) "
-                          f"divisible by {ep}")
+        raise LayoutError(f"expert parallelism over {axis}={ep} needs the experts ({buf.shape[1]}) divisible by {ep}")
 
-    def body(buf, gate_up, down):            # buf [B/g, E, C, D] (g: batch shards); gate_up [E/ep, D, 2, F]
+    def body(buf, gate_up, down):  # buf [B/g, E, C, D] (g: batch shards); gate_up [E/ep, D, 2, F]
         local = jax.lax.all_to_all(buf, axis, split_axis=1, concat_axis=0, tiled=True)  # [B·ep/g, E/ep, C, D]
         out = expert_mlp(local, gate_up, down)
-        return jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True)   # [B/g, E, C, D]
+        return jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True)  # [B/g, E, C, D]
 
     # Manual over every axis that splits the groups (else the all-to-all's concatenation over a dim
     # that is still automatically split makes GSPMD gather it first); the weights are split over the
@@ -66,12 +67,26 @@ def experts_apply(buf: jax.Array, gate_up: jax.Array, down: jax.Array, /) -> jax
     if axis not in batch:
         raise LayoutError(f"rules {layout[1].name!r}: the expert axis {axis!r} must also split the batch")
     groups = PartitionSpec(batch)
-    return jax.shard_map(body, mesh=mesh, in_specs=(groups, PartitionSpec(axis), PartitionSpec(axis)),
-                         out_specs=groups, axis_names=frozenset(batch), check_vma=False)(buf, gate_up, down)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(groups, PartitionSpec(axis), PartitionSpec(axis)),
+        out_specs=groups,
+        axis_names=frozenset(batch),
+        check_vma=False,
+    )(buf, gate_up, down)
 
 
-def a2a_bytes_formula(*, tokens_per_device: int, top_k: int, capacity_factor: float, embed_dim: int,
-                      ep: int, bytes_per_element: int, backward: bool = True) -> float:
+def a2a_bytes_formula(
+    *,
+    tokens_per_device: int,
+    top_k: int,
+    capacity_factor: float,
+    embed_dim: int,
+    ep: int,
+    bytes_per_element: int,
+    backward: bool = True,
+) -> float:
     """Bytes one device sends in the MoE all-to-alls of one layer: 2 forward (+2 backward) of
     (ep−1)/ep · T·k·cf·D·b."""
     one = (ep - 1) / ep * tokens_per_device * top_k * capacity_factor * embed_dim * bytes_per_element

@@ -19,6 +19,7 @@ the kernel and by ``ring_work``, the numpy count the imbalance benchmark and tes
 Legend: B batch, T local query positions, S local key positions, N query heads, K kv heads,
 G = N / K, H head dim, n ring size.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,15 +62,16 @@ def _split(x, parts: int):
     if x is None:
         return [None] * parts
     t = x.shape[1] // parts
-    return [x[:, j * t:(j + 1) * t] for j in range(parts)]
+    return [x[:, j * t : (j + 1) * t] for j in range(parts)]
 
 
 def _cat(xs):
     return xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
 
 
-def ring_work(length: int, n: int, layout: str = "zigzag", *, causal: bool = True,
-              window: int | None = None) -> np.ndarray:
+def ring_work(
+    length: int, n: int, layout: str = "zigzag", *, causal: bool = True, window: int | None = None
+) -> np.ndarray:
     """int [n]: (q-half, kv-half) pairs each device computes over the whole ring (B = 1).
 
     ``layout`` is the storage order of the sequence before it is split contiguously over the devices:
@@ -83,16 +85,15 @@ def ring_work(length: int, n: int, layout: str = "zigzag", *, causal: bool = Tru
         order = np.arange(length)
     else:
         raise ValueError(f"layout {layout!r}: expected 'zigzag' or 'contiguous'")
-    blocks = order.reshape(n, 1, length // n)                    # [device, B=1, T]: each block's indices
+    blocks = order.reshape(n, 1, length // n)  # [device, B=1, T]: each block's indices
     parts = _halves(length // n)
     work = np.zeros(n, np.int64)
     for d in range(n):
         for step in range(n):
-            visiting = blocks[(d - step) % n]                     # after `step` hops device d holds d - step
+            visiting = blocks[(d - step) % n]  # after `step` hops device d holds d - step
             for qh in _split(blocks[d], parts):
                 for kh in _split(visiting, parts):
-                    live = (not _can_skip(causal, window)
-                            or pair_is_live(qh, kh, causal=causal, window=window, xp=np))
+                    live = not _can_skip(causal, window) or pair_is_live(qh, kh, causal=causal, window=window, xp=np)
                     work[d] += bool(live)
     return work
 
@@ -106,8 +107,7 @@ def _ring_send(tree, axis_name: str, n: int):
 def _kv_halves(k, v, kv_index, kv_segment):
     parts = _halves(k.shape[1])
     halves = []
-    for kk, vv, ii, ss in zip(_split(k, parts), _split(v, parts), _split(kv_index, parts),
-                              _split(kv_segment, parts)):
+    for kk, vv, ii, ss in zip(_split(k, parts), _split(v, parts), _split(kv_index, parts), _split(kv_segment, parts)):
         halves.append(dict(k=kk, v=vv, i=ii) if ss is None else dict(k=kk, v=vv, i=ii, s=ss))
     return halves
 
@@ -126,14 +126,15 @@ def _forward(q, k, v, q_index, kv_index, q_segment, kv_segment, *, axis_name, ca
     # and -inf fills are computed ahead and kept, n-1 stacked [B, K, G, T/2, S/2] tiles per half pair
     # (measured: tiny's train step under cp, L = 2048: 48.7 MB of temp instead of 4.0 MB; tests/test_ring.py).
     q, k, v, q_index, kv_index, q_segment, kv_segment = jax.lax.optimization_barrier(
-        (q, k, v, q_index, kv_index, q_segment, kv_segment))
+        (q, k, v, q_index, kv_index, q_segment, kv_segment)
+    )
     n = jax.lax.axis_size(axis_name)
     qparts = _halves(q.shape[1])
     queries = list(zip(_split(q, qparts), _split(q_index, qparts), _split(q_segment, qparts)))
     kv = _kv_halves(k, v, kv_index, kv_segment)
 
     def init(qq):
-        o = jnp.zeros_like(qq, dtype=jnp.float32)                 # zeros_like keeps the varying type
+        o = jnp.zeros_like(qq, dtype=jnp.float32)  # zeros_like keeps the varying type
         m = jnp.full_like(o[..., 0], NEG_INF)
         return o, m, jnp.zeros_like(o[..., 0])
 
@@ -141,9 +142,11 @@ def _forward(q, k, v, q_index, kv_index, q_segment, kv_segment, *, axis_name, ca
         new = []
         for a, (qq, qi, qs) in zip(acc, queries):
             for blk in kv:
+
                 def compute(a, qq=qq, qi=qi, qs=qs, blk=blk):
                     mask = attention_mask(qi, blk["i"], qs, blk.get("s"), causal=causal, window=window)
                     return merge(a, block_attention(qq, blk["k"], blk["v"], mask, scale=scale))
+
                 live = functools.partial(pair_is_live, qi, blk["i"], causal=causal, window=window)
                 a = _maybe(live, compute, lambda a: a, a, causal=causal, window=window)
             new.append(a)
@@ -151,14 +154,16 @@ def _forward(q, k, v, q_index, kv_index, q_segment, kv_segment, *, axis_name, ca
 
     acc = [init(qq) for qq, _, _ in queries]
     if n > 1:
+
         def body(_, carry):
             acc, kv = carry
-            nxt = _ring_send(kv, axis_name, n)                    # independent of this step's compute
+            nxt = _ring_send(kv, axis_name, n)  # independent of this step's compute
             return visit(acc, kv), nxt
+
         acc, kv = jax.lax.fori_loop(0, n - 1, body, (acc, kv))
     acc = visit(acc, kv)
     outs, lses = zip(*(finish(*a) for a in acc))
-    return _cat(outs).astype(q.dtype), _cat(lses)                 # [B, T, N, H], [B, T, N] fp32
+    return _cat(outs).astype(q.dtype), _cat(lses)  # [B, T, N, H], [B, T, N] fp32
 
 
 def _pair_backward(carry, q, do, lse, delta, mask, k, v, *, scale):
@@ -168,13 +173,13 @@ def _pair_backward(carry, q, do, lse, delta, mask, k, v, *, scale):
     kh = k.shape[2]
     g = n // kh
     as_group = lambda a: a.reshape(b, t, kh, g, h).astype(jnp.float32)
-    row = lambda a: a.reshape(b, t, kh, g).transpose(0, 2, 3, 1)[..., None]    # [B,T,N] -> [B,K,G,T,1]
+    row = lambda a: a.reshape(b, t, kh, g).transpose(0, 2, 3, 1)[..., None]  # [B,T,N] -> [B,K,G,T,1]
     qg, dog = as_group(q), as_group(do)
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     x = jnp.einsum("btkgh,bskh->bkgts", qg, kf) * scale
     x = jnp.where(mask[:, None, None], x, NEG_INF)
-    p = jnp.where(mask[:, None, None], jnp.exp(x - row(lse)), 0.0)            # [B, K, G, T, S]
-    dv = dv + jnp.einsum("bkgts,btkgh->bskh", p, dog)                          # GQA: sum over G
+    p = jnp.where(mask[:, None, None], jnp.exp(x - row(lse)), 0.0)  # [B, K, G, T, S]
+    dv = dv + jnp.einsum("bkgts,btkgh->bskh", p, dog)  # GQA: sum over G
     dp = jnp.einsum("btkgh,bskh->bkgts", dog, vf)
     ds = p * (dp - row(delta)) * scale
     dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, kf).reshape(b, t, n, h)
@@ -185,11 +190,11 @@ def _pair_backward(carry, q, do, lse, delta, mask, k, v, *, scale):
 def _backward(res, dout, *, axis_name, causal, window, scale):
     q, k, v, q_index, kv_index, q_segment, kv_segment, out, lse = res
     n = jax.lax.axis_size(axis_name)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)   # D: [B, T, N]
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # D: [B, T, N]
     qparts = _halves(q.shape[1])
     queries = list(zip(*(_split(a, qparts) for a in (q, q_index, q_segment, dout, lse, delta))))
     kv = _kv_halves(k, v, kv_index, kv_segment)
-    for blk in kv:                                                # dK/dV travel with their block
+    for blk in kv:  # dK/dV travel with their block
         blk["dk"] = jnp.zeros_like(blk["k"], dtype=jnp.float32)
         blk["dv"] = jnp.zeros_like(blk["v"], dtype=jnp.float32)
     dq = [jnp.zeros_like(qq, dtype=jnp.float32) for qq, *_ in queries]
@@ -198,27 +203,32 @@ def _backward(res, dout, *, axis_name, causal, window, scale):
         dq, kv = list(dq), [dict(blk) for blk in kv]
         for a, (qq, qi, qs, do, ls, de) in enumerate(queries):
             for blk in kv:
+
                 def compute(c, qq=qq, qi=qi, qs=qs, do=do, ls=ls, de=de, blk=blk):
                     mask = attention_mask(qi, blk["i"], qs, blk.get("s"), causal=causal, window=window)
                     return _pair_backward(c, qq, do, ls, de, mask, blk["k"], blk["v"], scale=scale)
+
                 live = functools.partial(pair_is_live, qi, blk["i"], causal=causal, window=window)
-                dq[a], blk["dk"], blk["dv"] = _maybe(live, compute, lambda c: c, (dq[a], blk["dk"], blk["dv"]),
-                                                     causal=causal, window=window)
+                dq[a], blk["dk"], blk["dv"] = _maybe(
+                    live, compute, lambda c: c, (dq[a], blk["dk"], blk["dv"]), causal=causal, window=window
+                )
         return dq, kv
 
     if n > 1:
+
         def body(_, carry):
             dq, kv = visit(*carry)
             return dq, _ring_send(kv, axis_name, n)
+
         dq, kv = jax.lax.fori_loop(0, n - 1, body, (dq, kv))
     dq, kv = visit(dq, kv)
     dk, dv = _cat([blk["dk"] for blk in kv]), _cat([blk["dv"] for blk in kv])
-    if n > 1:                                                     # the block now here belongs to device + 1
+    if n > 1:  # the block now here belongs to device + 1
         dk, dv = _ring_send((dk, dv), axis_name, n)
     return _cat(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ring_fn(axis_name: str, causal: bool, window: int | None, scale: float, segments: bool):
     """A ``custom_vjp`` ring attention for one static configuration."""
     cfg = dict(axis_name=axis_name, causal=causal, window=window, scale=scale)
@@ -240,14 +250,26 @@ def _ring_fn(axis_name: str, causal: bool, window: int | None, scale: float, seg
 
     def ring_bwd(res, dout):
         dq, dk, dv = _backward(res, dout, **cfg)
-        return (dq, dk, dv) + (None,) * (4 if segments else 2)     # no cotangent for indices/segments
+        return (dq, dk, dv) + (None,) * (4 if segments else 2)  # no cotangent for indices/segments
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring
 
 
-def ring_attention(q, k, v, q_index, kv_index, q_segment=None, kv_segment=None, *, axis_name: str,
-                   causal: bool = True, window: int | None = None, scale: float | None = None):
+def ring_attention(
+    q,
+    k,
+    v,
+    q_index,
+    kv_index,
+    q_segment=None,
+    kv_segment=None,
+    *,
+    axis_name: str,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+):
     """Per-device body, called INSIDE ``jax.shard_map`` over ``axis_name`` (the sequence axis).
 
     q [B, T, N, H], k/v [B, T, K, H] (the local blocks; N % K == 0), q_index/kv_index int32 [B, T]
@@ -259,7 +281,6 @@ def ring_attention(q, k, v, q_index, kv_index, q_segment=None, kv_segment=None, 
     if (q_segment is None) != (kv_segment is None):
         raise ValueError("q_segment and kv_segment must be given together")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    fn = _ring_fn(axis_name, bool(causal), None if window is None else int(window), scale,
-                  q_segment is not None)
+    fn = _ring_fn(axis_name, bool(causal), None if window is None else int(window), scale, q_segment is not None)
     args = (q, k, v, q_index, kv_index) + (() if q_segment is None else (q_segment, kv_segment))
     return fn(*args)

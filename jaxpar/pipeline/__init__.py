@@ -7,8 +7,27 @@
 A ``Table`` says, per tick and stage, which op (F, B, W) runs on which microbatch and model chunk, and
 which buffer slots the executor reads and writes. Numpy only: nothing here imports jax.
 """
-from jaxpar.pipeline.schedules import (Op, Schedule, Table, bubble_formula, build, check_pipeline, durations,
-                                       min_microbatches, simulate)
 
-__all__ = ['Op', 'Schedule', 'Table', 'bubble_formula', 'build', 'check_pipeline', 'durations',
-           'min_microbatches', 'simulate']
+from jaxpar.pipeline.schedules import (
+    Op,
+    Schedule,
+    Table,
+    bubble_formula,
+    build,
+    check_pipeline,
+    durations,
+    min_microbatches,
+    simulate,
+)
+
+__all__ = [
+    "Op",
+    "Schedule",
+    "Table",
+    "bubble_formula",
+    "build",
+    "check_pipeline",
+    "durations",
+    "min_microbatches",
+    "simulate",
+]

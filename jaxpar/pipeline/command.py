@@ -8,6 +8,7 @@ The bubble is measured twice: ``ideal``, every op starting as soon as its inputs
 pictures), and ``lockstep``, every tick lasting as long as its slowest op (an SPMD executor; jaxpar's is
 that, except that its zero_bubble W ticks cost B + W: ``executor_bubble_fraction``). Numpy only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,17 +21,27 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument("--stages", type=int, required=True, help="pipeline stages (the mesh's stage axis)")
     parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     parser.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or zero_bubble")
-    parser.add_argument("--virtual-stages", type=int, default=None, help="model chunks per stage "
-                        "(interleaved only; default 2 for interleaved, else 1)")
-    parser.add_argument("--times", default=None, metavar="F,B[,W]", help="durations of one forward, "
-                        "backward (input gradient where there is a W) and weight gradient of one model chunk "
-                        "(default 1,1,1 for zero_bubble; 1,2 for the others, whose B then also does W's work)")
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="model chunks per stage (interleaved only; default 2 for interleaved, else 1)",
+    )
+    parser.add_argument(
+        "--times",
+        default=None,
+        metavar="F,B[,W]",
+        help="durations of one forward, "
+        "backward (input gradient where there is a W) and weight gradient of one model chunk "
+        "(default 1,1,1 for zero_bubble; 1,2 for the others, whose B then also does W's work)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def parse_times(text: str | None) -> dict:
     """``"1,2"`` or ``"1,1,1"`` as the keyword arguments ``t_f, t_b, t_w`` of ``Table.makespan``."""
     from jaxpar.errors import ConfigError
+
     if text is None:
         return {}
     parts = text.split(",")
@@ -65,14 +76,18 @@ def format_report(table, report: dict) -> str:
     closed = "none for these times (zero_bubble's needs W <= min(F, B))" if formula is None else f"{formula:.2%}"
     chunks = " (chunk a, b, ... of the stage)" if table.virtual_stages > 1 else ""
     legend = "F forward, B backward" + (" (input gradient), W weight gradient" if table.split_backward else "")
-    lines = [f"{table.schedule}: {table.stages} stages, {table.microbatches} microbatches, "
-             f"{table.virtual_stages} chunk(s) per stage; {legend}{chunks}; '.' idle", "",
-             table.gantt(), "",
-             f"bubble: {report['bubble_fraction']:.2%} ideal (ops as soon as possible), "
-             f"{report['lockstep_bubble_fraction']:.2%} lockstep (a tick lasts its slowest op); "
-             f"times {durations}",
-             f"closed form: {closed}",
-             f"ticks: {table.ticks}; makespan {report['makespan']:g}",
-             f"peak activations in flight per stage: {' '.join(map(str, report['peak_in_flight']))} "
-             f"(buffers: {table.act_slots} act slots, {table.grad_slots} grad slots)"]
+    lines = [
+        f"{table.schedule}: {table.stages} stages, {table.microbatches} microbatches, "
+        f"{table.virtual_stages} chunk(s) per stage; {legend}{chunks}; '.' idle",
+        "",
+        table.gantt(),
+        "",
+        f"bubble: {report['bubble_fraction']:.2%} ideal (ops as soon as possible), "
+        f"{report['lockstep_bubble_fraction']:.2%} lockstep (a tick lasts its slowest op); "
+        f"times {durations}",
+        f"closed form: {closed}",
+        f"ticks: {table.ticks}; makespan {report['makespan']:g}",
+        f"peak activations in flight per stage: {' '.join(map(str, report['peak_in_flight']))} "
+        f"(buffers: {table.act_slots} act slots, {table.grad_slots} grad slots)",
+    ]
     return "\n".join(lines)

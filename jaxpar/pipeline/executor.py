@@ -31,10 +31,11 @@ Weight gradients accumulate in float32. Layers before the pipelined stack (DeepS
 before the schedule with the embedding, each stage taking m/p of the microbatches (``_prologue``); model
 chunk 0 starts from their output, and its input gradients flow back through them after the schedule.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,16 +47,16 @@ from jaxpar.errors import ConfigError
 from jaxpar.rules import constrain
 
 AXIS = "stage"
-F, B, W = 1, 2, 3                      # jaxpar.pipeline.schedules.Op
+F, B, W = 1, 2, 3  # jaxpar.pipeline.schedules.Op
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PipelineResult:
-    cross_entropy: jax.Array     # mean over microbatches
+    cross_entropy: jax.Array  # mean over microbatches
     z_loss: jax.Array
-    moe: object                  # statistics stacked over the stack's layers, mean over microbatches (or None)
-    grads: nnx.State             # mean over microbatches, in the parameters' dtypes
+    moe: object  # statistics stacked over the stack's layers, mean over microbatches (or None)
+    grads: nnx.State  # mean over microbatches, in the parameters' dtypes
 
 
 def check_stack(model_cfg, stages: int, virtual: int, microbatches: int | None = None) -> None:
@@ -65,30 +66,40 @@ def check_stack(model_cfg, stages: int, virtual: int, microbatches: int | None =
     layers = model_cfg.num_layers - prefix
     if layers % (stages * virtual):
         field = "model.num_layers - first_dense_layers" if prefix else "model.num_layers"
-        raise ConfigError(f"{field}={layers} is not divisible by mesh stage={stages} × "
-                          f"pipeline.virtual_stages={virtual} = {stages * virtual}: every model chunk needs the "
-                          "same number of layers")
+        raise ConfigError(
+            f"{field}={layers} is not divisible by mesh stage={stages} × "
+            f"pipeline.virtual_stages={virtual} = {stages * virtual}: every model chunk needs the "
+            "same number of layers"
+        )
     if prefix and microbatches is not None and microbatches % stages:
-        raise ConfigError(f"model.first_dense_layers={prefix}: the dense prefix runs before the schedule with the "
-                          f"microbatches split over the stages, so pipeline.microbatches={microbatches} must be "
-                          f"divisible by mesh stage={stages}")
+        raise ConfigError(
+            f"model.first_dense_layers={prefix}: the dense prefix runs before the schedule with the "
+            f"microbatches split over the stages, so pipeline.microbatches={microbatches} must be "
+            f"divisible by mesh stage={stages}"
+        )
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
     """Storage order of the stack's layers for the executor: stage s holds model chunks s, s+p, ... as its
     local chunks 0, 1, ... (``order[k]`` = the model layer at stored row k). The identity when v = 1."""
     per_chunk = num_layers // (stages * virtual)
-    return np.array([(j * stages + s) * per_chunk + l
-                     for s in range(stages) for j in range(virtual) for l in range(per_chunk)])
+    return np.array(
+        [(j * stages + s) * per_chunk + l for s in range(stages) for j in range(virtual) for l in range(per_chunk)]
+    )
 
 
 def _table_arrays(table) -> dict:
-    clamp = lambda a, k: np.where(a < 0, k, a).astype(np.int32)     # -1 -> the trash slot k
-    return dict(op=table.op.astype(np.int32), mb=np.maximum(table.mb, 0).astype(np.int32),
-                chunk=np.maximum(table.chunk, 0).astype(np.int32),
-                act=clamp(table.act_slot, table.act_slots), grad=clamp(table.grad_slot, table.grad_slots),
-                frecv=clamp(table.fwd_recv_slot, table.act_slots), brecv=clamp(table.bwd_recv_slot, table.grad_slots),
-                section=tick_sections(table))
+    clamp = lambda a, k: np.where(a < 0, k, a).astype(np.int32)  # -1 -> the trash slot k
+    return dict(
+        op=table.op.astype(np.int32),
+        mb=np.maximum(table.mb, 0).astype(np.int32),
+        chunk=np.maximum(table.chunk, 0).astype(np.int32),
+        act=clamp(table.act_slot, table.act_slots),
+        grad=clamp(table.grad_slot, table.grad_slots),
+        frecv=clamp(table.fwd_recv_slot, table.act_slots),
+        brecv=clamp(table.bwd_recv_slot, table.grad_slots),
+        section=tick_sections(table),
+    )
 
 
 def tick_sections(table) -> np.ndarray:
@@ -111,8 +122,9 @@ def executor_bubble_fraction(table, t_f: float, t_b: float, t_w: float | None = 
     return float(1 - table.busy_time(t_f, t_b, t_w) / (table.stages * cost.sum()))
 
 
-def pipeline_grads(model: nnx.Module, ids: jax.Array, targets: jax.Array, table, /, *, mesh,
-                   losses: Callable) -> PipelineResult:
+def pipeline_grads(
+    model: nnx.Module, ids: jax.Array, targets: jax.Array, table, /, *, mesh, losses: Callable
+) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
     ``table``; the same as accumulating over the m microbatches on one device.
 
@@ -123,17 +135,23 @@ def pipeline_grads(model: nnx.Module, ids: jax.Array, targets: jax.Array, table,
     graphdef, sp, op, sr, orest = nnx.split(model, nnx.All(nnx.Param, in_stack), nnx.Param, in_stack, ...)
     num_layers = jax.tree.leaves(sp)[0].shape[0]
     order = layer_order(num_layers, p, v)
-    if v > 1:                                     # interleaved: stage s's chunks side by side
+    if v > 1:  # interleaved: stage s's chunks side by side
         sp, sr = jax.tree.map(lambda a: jnp.take(a, order, axis=0), (sp, sr))
     stored = model.storage_order(ids.shape[-1])
-    if stored is not None:               # zig-zag: tokens and targets in storage order, once, outside the stages
+    if stored is not None:  # zig-zag: tokens and targets in storage order, once, outside the stages
         ids, targets = ids[..., stored], targets[..., stored]
     prefixed = model.prefix_stack is not None
     body = _stage_body(graphdef, model.pipeline_stack, table, num_layers // (p * v), losses, prefixed)
     specs = (P(AXIS), P(), P(AXIS), P(), P(), P())
-    run = jax.shard_map(body, mesh=mesh, axis_names={AXIS}, check_vma=False, in_specs=specs + (P(),) * prefixed,
-                        out_specs=(P(AXIS), P(), P(), P(), P(AXIS)) + (P(AXIS),) * prefixed)
-    if prefixed:                       # the embedding and the dense prefix, before the schedule
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        axis_names={AXIS},
+        check_vma=False,
+        in_specs=specs + (P(),) * prefixed,
+        out_specs=(P(AXIS), P(), P(), P(), P(AXIS)) + (P(AXIS),) * prefixed,
+    )
+    if prefixed:  # the embedding and the dense prefix, before the schedule
         start, prologue_vjp = jax.vjp(lambda o: _prologue(graphdef, sp, o, sr, orest, ids, mesh=mesh), op)
         dsp, dop, ce, z, stats, dstart = run(sp, op, sr, orest, ids, targets, start)
         dop = jax.tree.map(jnp.add, dop, prologue_vjp(dstart[0])[0])
@@ -143,7 +161,7 @@ def pipeline_grads(model: nnx.Module, ids: jax.Array, targets: jax.Array, table,
         inverse = np.argsort(order)
         dsp, stats = jax.tree.map(lambda a: jnp.take(a, inverse, axis=0), (dsp, stats))
     grads = nnx.merge_state(dsp, dop)
-    grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, nnx.merge_state(sp, op))   # seeded with 1/m
+    grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, nnx.merge_state(sp, op))  # seeded with 1/m
     stats = None if stats is None else jax.tree.map(lambda a: a / m, stats)
     return PipelineResult(ce / m, z / m, stats, grads)
 
@@ -152,14 +170,23 @@ def _prologue(graphdef, sp, op, sr, orest, ids, *, mesh):
     """What enters model chunk 0 for every microbatch, ids [m, b, T] -> [m, b, T, D]: the embedding and
     the layers before the pipelined stack. Each stage runs m/p of the microbatches (the stage axis is a
     batch axis here); the result is gathered for stage 0."""
+
     def local(sp, op, sr, orest, ids):
         def one(ids_i):
             model = nnx.merge(graphdef, *_here((sp, op, sr, orest)))
             ids_i, positions, index, _ = model.inputs(ids_i, stored=True)
             return model.prefix(model.embed(ids_i), positions, index)
+
         return jax.lax.map(one, ids)
-    return jax.shard_map(local, mesh=mesh, axis_names={AXIS}, check_vma=False,
-                         in_specs=(P(AXIS), P(), P(AXIS), P(), P(AXIS)), out_specs=P(AXIS))(sp, op, sr, orest, ids)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        axis_names={AXIS},
+        check_vma=False,
+        in_specs=(P(AXIS), P(), P(AXIS), P(), P(AXIS)),
+        out_specs=P(AXIS),
+    )(sp, op, sr, orest, ids)
 
 
 def _here(tree):
@@ -175,9 +202,11 @@ def _rows(tree, j, n: int):
 
 def _add_rows(acc, tree, j, n: int, keep):
     """acc[j·n:(j+1)·n] += tree where ``keep`` (float32 accumulators)."""
+
     def add(a, g):
         part = jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=0) + jnp.where(keep, g.astype(a.dtype), 0)
         return jax.lax.dynamic_update_slice_in_dim(a, part, j * n, axis=0)
+
     return jax.tree.map(add, acc, tree)
 
 
@@ -192,6 +221,7 @@ def _zeros_f32(tree):
 def _chunk_programs(graphdef, stack_name: str, sr, orest, ids, targets, losses: Callable, n: int, prefixed: bool):
     """(forward, objective) of one model chunk on this stage, for the action ``k`` (a dict of the tick's
     microbatch i, local chunk j and whether the chunk is the model's first or last)."""
+
     def forward(sp_c, op_, x_in, k):
         """Chunk ``k["j"]`` from x_in (or microbatch i's embedding on model chunk 0):
         (model, x_out, weighted auxiliary loss, MoE statistics); ids and targets are in storage order."""
@@ -209,6 +239,7 @@ def _chunk_programs(graphdef, stack_name: str, sr, orest, ids, targets, losses: 
         ce, z = losses(model.head(x), targets[k["i"]])
         ce, z = jnp.where(k["last"], ce, 0.0), jnp.where(k["last"], z, 0.0)
         return (x, ce + z + aux), (ce, z, stats)
+
     return forward, objective
 
 
@@ -240,12 +271,11 @@ def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callab
             gradient (and the weight gradient unless the schedule splits it off), W the weight gradient."""
             x_in, dy, w = chunk_input(c, k), _cotangent(c, k), _rows(sp, k["j"], n)
             if weights:
-                (x, _), vjp, (ce, z, stats) = jax.vjp(lambda w, o, x: objective(w, o, x, k), w, op, x_in,
-                                                      has_aux=True)
+                (x, _), vjp, (ce, z, stats) = jax.vjp(lambda w, o, x: objective(w, o, x, k), w, op, x_in, has_aux=True)
                 dw, do, dx = vjp((dy, jnp.float32(1 / m)))
                 keep = k["op"] == (W if split else B)
                 c = c | {"dsp": _add_rows(c["dsp"], dw, k["j"], n, keep), "dop": _add(c["dop"], do, keep)}
-            else:                                 # input gradients only: the weights are constants here
+            else:  # input gradients only: the weights are constants here
                 (x, _), vjp, (ce, z, stats) = jax.vjp(lambda x: objective(w, op, x, k), x_in, has_aux=True)
                 (dx,) = vjp((dy, jnp.float32(1 / m)))
             keep = k["op"] == B
@@ -254,20 +284,21 @@ def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callab
             c = c | {"ce": c["ce"] + jnp.where(keep, ce, 0.0), "z": c["z"] + jnp.where(keep, z, 0.0)}
             return _kept_stats(c, k, stats), x, dx
 
-        def _kept_stats(c, k, stats):      # MoE statistics count at the microbatch's forward
+        def _kept_stats(c, k, stats):  # MoE statistics count at the microbatch's forward
             if stats is None:
                 return c
             return c | {"stats": _add_rows(c["stats"], stats, k["j"], n, k["op"] == F)}
 
-        def _cotangent(c, k):             # the last chunk's output goes nowhere: its loss is the seed
+        def _cotangent(c, k):  # the last chunk's output goes nowhere: its loss is the seed
             return jnp.where(k["last"], jnp.zeros_like(c["grads"][0]), c["grads"][k["grad"]])
 
         def idle(c, k):
             zero = jnp.zeros_like(c["grads"][0])
             return c, zero, zero
 
-        sections = [idle, f_section] + [lambda c, k: vjp_section(c, k, False)] * split + [
-            lambda c, k: vjp_section(c, k, True)]
+        sections = (
+            [idle, f_section] + [lambda c, k: vjp_section(c, k, False)] * split + [lambda c, k: vjp_section(c, k, True)]
+        )
 
         def tick(c, row):
             k = {name: row[name][s] for name in ("op", "mb", "chunk", "act", "grad")}
@@ -275,8 +306,10 @@ def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callab
             k |= {"i": k["mb"], "j": k["chunk"], "first": g == 0, "last": g == last_chunk}
             c, send_f, send_b = jax.lax.switch(row["section"], sections, c, k)
             fwd, bwd = _send(row["send_f"], fwd_sends, send_f), _send(row["send_b"], bwd_sends, send_b)
-            return c | {"acts": c["acts"].at[row["frecv"][s]].set(fwd),
-                        "grads": c["grads"].at[row["brecv"][s]].set(bwd)}, None
+            return c | {
+                "acts": c["acts"].at[row["frecv"][s]].set(fwd),
+                "grads": c["grads"].at[row["brecv"][s]].set(bwd),
+            }, None
 
         carry = _initial_carry(graphdef, stack_name, sp, op, sr, orest, ids, table, n)
         if prefixed:
@@ -285,6 +318,7 @@ def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callab
         psum = lambda x: jax.lax.psum(x, AXIS)
         out = carry["dsp"], psum(carry["dop"]), psum(carry["ce"]), psum(carry["z"]), carry["stats"]
         return out + ((carry["dstart"][None],) if prefixed else ())
+
     return body
 
 
@@ -317,10 +351,20 @@ def _initial_carry(graphdef, stack_name, sp, op, sr, orest, ids, table, n: int) 
         model = nnx.merge(graphdef, *_here(parts))
         index = jnp.zeros((b, t), jnp.int32)
         return model.run_stack(getattr(model, stack_name), jnp.zeros(x.shape, x.dtype), index, index)[2]
+
     stats = jax.eval_shape(stack_stats, parts)
-    stats = None if stats is None else jax.tree.map(
-        lambda a: jnp.zeros((table.virtual_stages * n, *a.shape[1:]), jnp.float32), stats)
+    stats = (
+        None
+        if stats is None
+        else jax.tree.map(lambda a: jnp.zeros((table.virtual_stages * n, *a.shape[1:]), jnp.float32), stats)
+    )
     buffer = lambda k: constrain(jnp.zeros((k + 1, *x.shape), x.dtype), (None, "batch", "length", "act_embed"))
-    return {"acts": buffer(table.act_slots), "grads": buffer(table.grad_slots), "dsp": _zeros_f32(sp),
-            "dop": _zeros_f32(op), "ce": jnp.zeros((), jnp.float32), "z": jnp.zeros((), jnp.float32),
-            "stats": stats}
+    return {
+        "acts": buffer(table.act_slots),
+        "grads": buffer(table.grad_slots),
+        "dsp": _zeros_f32(sp),
+        "dop": _zeros_f32(op),
+        "ce": jnp.zeros((), jnp.float32),
+        "z": jnp.zeros((), jnp.float32),
+        "stats": stats,
+    }

@@ -67,6 +67,7 @@ slots as the most entries live at once: never fewer than the in-flight peak (an 
 holds its slot), equal to it for gpipe (m), 1f1b and zero_bubble (p), up to p more for interleaved
 (inputs arrive before the stage is free to run them). Only gpipe's grow with m.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,6 +83,7 @@ from jaxpar.errors import ConfigError
 
 class Schedule(Choice):
     """A pipeline schedule (see the module docstring)."""
+
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
@@ -91,6 +93,7 @@ class Schedule(Choice):
 class Op(enum.IntEnum):
     """What a stage runs in a tick. ``B`` is the input gradient alone when the schedule has ``W`` ops,
     else the whole backward."""
+
     IDLE = 0
     F = 1
     B = 2
@@ -126,25 +129,31 @@ def check_pipeline(schedule: Schedule | str, stages: int, microbatches: int, vir
     if v < 1:
         raise ConfigError(f"pipeline.virtual_stages={v}: each stage needs at least 1 model chunk")
     if v > 1 and schedule != Schedule.INTERLEAVED:
-        raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved (got "
-                          f"pipeline.schedule={schedule}, which runs one model chunk per stage)")
+        raise ConfigError(
+            f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved (got "
+            f"pipeline.schedule={schedule}, which runs one model chunk per stage)"
+        )
     if schedule == Schedule.INTERLEAVED and v < 2:
-        raise ConfigError(f"pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 (got {v}); "
-                          f"with one model chunk per stage use pipeline.schedule=1f1b")
+        raise ConfigError(
+            f"pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 (got {v}); "
+            f"with one model chunk per stage use pipeline.schedule=1f1b"
+        )
     need = min_microbatches(schedule, p, v)
     if m < need:
         why = "" if need == 1 else " (one per stage, so that every stage reaches its steady state)"
-        raise ConfigError(f"pipeline.microbatches={m}: pipeline.schedule={schedule} on mesh stage={p} needs "
-                          f"at least {need}{why}")
+        raise ConfigError(
+            f"pipeline.microbatches={m}: pipeline.schedule={schedule} on mesh stage={p} needs at least {need}{why}"
+        )
     if schedule == Schedule.INTERLEAVED and m % p:
-        raise ConfigError(f"pipeline.microbatches={m}: pipeline.schedule=interleaved needs a multiple of "
-                          f"mesh stage={p} (microbatches go through the chunks in groups of {p}); "
-                          f"try {m // p * p} or {(m // p + 1) * p}")
+        raise ConfigError(
+            f"pipeline.microbatches={m}: pipeline.schedule=interleaved needs a multiple of "
+            f"mesh stage={p} (microbatches go through the chunks in groups of {p}); "
+            f"try {m // p * p} or {(m // p + 1) * p}"
+        )
 
 
 # ------------------------------------------------------------------------------ durations, closed forms
-def durations(split_backward: bool, t_f: float = 1.0, t_b: float | None = None,
-              t_w: float | None = None) -> np.ndarray:
+def durations(split_backward: bool, t_f: float = 1.0, t_b: float | None = None, t_w: float | None = None) -> np.ndarray:
     """The duration of each ``Op`` (index ``Op``; idle lasts 0). With a split backward B and W default to
     ``t_f``. Without one, B is the whole backward: ``t_b`` (default ``2·t_f``), or ``t_b + t_w`` when a
     ``t_w`` is given (``t_b`` then defaults to ``t_f``), so one (t_f, t_b, t_w) compares every schedule on
@@ -156,14 +165,23 @@ def durations(split_backward: bool, t_f: float = 1.0, t_b: float | None = None,
     else:
         f, b, w = t_f, (t_f if t_b is None else t_b) + t_w, 0.0
     for name, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                                  or not math.isfinite(value) or value <= 0):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0
+        ):
             raise ConfigError(f"pipeline times: {name}={value!r} must be a positive number of time units")
     return np.array([0.0, f, b, w])
 
 
-def bubble_formula(schedule: Schedule | str, stages: int, microbatches: int, virtual_stages: int = 1, *,
-                   t_f: float = 1.0, t_b: float | None = None, t_w: float | None = None) -> float:
+def bubble_formula(
+    schedule: Schedule | str,
+    stages: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    *,
+    t_f: float = 1.0,
+    t_b: float | None = None,
+    t_w: float | None = None,
+) -> float:
     """The closed-form bubble fraction (module docstring): (p-1)/(m+p-1) for gpipe and 1f1b,
     (p-1)/(v·m+p-1) for interleaved, and for zero_bubble x/(m·(t_f+t_b+t_w)+x), x = (p-1)(t_f+t_b-t_w),
     which is (p-1)/(3m+p-1) at the default t_f = t_b = t_w. The zero_bubble form holds for
@@ -171,12 +189,14 @@ def bubble_formula(schedule: Schedule | str, stages: int, microbatches: int, vir
     check_pipeline(schedule, stages, microbatches, virtual_stages)
     schedule, p, m, v = Schedule(schedule), stages, microbatches, virtual_stages
     if schedule != Schedule.ZERO_BUBBLE:
-        durations(False, t_f, t_b, t_w)                     # refuses bad numbers; the form needs none
+        durations(False, t_f, t_b, t_w)  # refuses bad numbers; the form needs none
         return (p - 1) / (v * m + p - 1)
     _, f, b, w = durations(True, t_f, t_b, t_w)
     if w > min(f, b):
-        raise ConfigError(f"pipeline times: t_w={w:g} above min(t_f={f:g}, t_b={b:g}): the zero_bubble "
-                          f"closed form holds for t_w <= min(t_f, t_b) only")
+        raise ConfigError(
+            f"pipeline times: t_w={w:g} above min(t_f={f:g}, t_b={b:g}): the zero_bubble "
+            f"closed form holds for t_w <= min(t_f, t_b) only"
+        )
     x = (p - 1) * (f + b - w)
     return x / (m * (f + b + w) + x)
 
@@ -205,7 +225,7 @@ def _one_f_one_b_order(p: int, m: int, v: int, s: int) -> list[tuple[Op, int, in
     order = [(Op.F, i, j) for i, j in forwards[:warmup]]
     for k in range(len(forwards) - warmup):
         order += [(Op.F, *forwards[warmup + k]), (Op.B, *backwards[k])]
-    return order + [(Op.B, i, j) for i, j in backwards[len(forwards) - warmup:]]
+    return order + [(Op.B, i, j) for i, j in backwards[len(forwards) - warmup :]]
 
 
 def _zero_bubble_order(p: int, m: int, v: int, s: int) -> list[tuple[Op, int, int]]:
@@ -219,8 +239,12 @@ def _zero_bubble_order(p: int, m: int, v: int, s: int) -> list[tuple[Op, int, in
     return order + [(Op.W, i, 0) for i in range(max(m - s, 0), m)]
 
 
-ORDERS = {Schedule.GPIPE: _gpipe_order, Schedule.ONE_F_ONE_B: _one_f_one_b_order,
-          Schedule.INTERLEAVED: _one_f_one_b_order, Schedule.ZERO_BUBBLE: _zero_bubble_order}
+ORDERS = {
+    Schedule.GPIPE: _gpipe_order,
+    Schedule.ONE_F_ONE_B: _one_f_one_b_order,
+    Schedule.INTERLEAVED: _one_f_one_b_order,
+    Schedule.ZERO_BUBBLE: _zero_bubble_order,
+}
 
 
 # -------------------------------------------------------------------------------------------- timing
@@ -233,8 +257,9 @@ def _dependencies(op: Op, mb: int, g: int, chunks: int) -> list[tuple[Op, int, i
     return [(Op.B, mb, g)]
 
 
-def simulate(orders: list[list[tuple[Op, int, int]]], stages: int, virtual_stages: int,
-             duration: np.ndarray) -> tuple[list[list[float]], float]:
+def simulate(
+    orders: list[list[tuple[Op, int, int]]], stages: int, virtual_stages: int, duration: np.ndarray
+) -> tuple[list[list[float]], float]:
     """Start times of every op of ``orders`` (per stage, (op, microbatch, local chunk)), each placed as
     soon as its stage is free and its dependencies have finished, never reordering a stage's ops; and the
     makespan. Communication takes no time. ``ConfigError`` when the orders wait on each other forever."""
@@ -255,8 +280,11 @@ def simulate(orders: list[list[tuple[Op, int, int]]], stages: int, virtual_stage
                 starts[s].append(start)
                 progressed = True
         if not progressed:
-            waiting = [f"stage {s}: {_name(*order[len(st)])}" for s, (st, order) in enumerate(zip(starts, orders))
-                       if len(st) < len(order)]
+            waiting = [
+                f"stage {s}: {_name(*order[len(st)])}"
+                for s, (st, order) in enumerate(zip(starts, orders))
+                if len(st) < len(order)
+            ]
             raise ConfigError(f"pipeline order deadlocks; stuck at {', '.join(waiting)}")
     return starts, max(free, default=0.0)
 
@@ -288,6 +316,7 @@ def op_ticks(op: np.ndarray, mb: np.ndarray, chunk: np.ndarray) -> dict[tuple[Op
 class Table:
     """A schedule as arrays [ticks, stages] (module docstring). ``chunk`` is the stage's local chunk j:
     the model chunk is ``j·stages + s``. Slots: -1 where there is none."""
+
     schedule: Schedule
     stages: int
     microbatches: int
@@ -315,13 +344,16 @@ class Table:
         """``ConfigError`` naming the stage, tick and ops of the first broken rule: the sizes, the cells,
         one F, B (and W iff split) per (stage, microbatch, chunk), the dependencies, the buffer slots
         (the rules: ``jaxpar.pipeline.validate``)."""
-        from jaxpar.pipeline.validate import check_table    # validate imports this module
+        from jaxpar.pipeline.validate import check_table  # validate imports this module
+
         check_table(self)
 
     def orders(self) -> list[list[tuple[Op, int, int]]]:
         """Per stage, its ops (op, microbatch, local chunk) in tick order."""
-        return [[(Op(self.op[t, s]), int(self.mb[t, s]), int(self.chunk[t, s]))
-                 for t in np.nonzero(self.op[:, s])[0]] for s in range(self.stages)]
+        return [
+            [(Op(self.op[t, s]), int(self.mb[t, s]), int(self.chunk[t, s])) for t in np.nonzero(self.op[:, s])[0]]
+            for s in range(self.stages)
+        ]
 
     def makespan(self, t_f: float = 1.0, t_b: float | None = None, t_w: float | None = None) -> float:
         """The time the step takes when every op starts as soon as its stage is free and its inputs
@@ -337,8 +369,7 @@ class Table:
         """1 - work / (stages × makespan): the share of stage time spent idle."""
         return float(1 - self.busy_time(t_f, t_b, t_w) / (self.stages * self.makespan(t_f, t_b, t_w)))
 
-    def lockstep_bubble_fraction(self, t_f: float = 1.0, t_b: float | None = None,
-                                 t_w: float | None = None) -> float:
+    def lockstep_bubble_fraction(self, t_f: float = 1.0, t_b: float | None = None, t_w: float | None = None) -> float:
         """As ``bubble_fraction`` for an executor that runs the ticks in lockstep: a tick lasts as long
         as its slowest op."""
         time = durations(self.split_backward, t_f, t_b, t_w)[self.op].max(axis=1).sum()
@@ -359,8 +390,10 @@ class Table:
         """Per stage, one string per tick: ``F3`` (op, microbatch), with the local chunk as a letter
         when there are several (``F3a`` chunk 0, ``F3b`` chunk 1), ``.`` for idle."""
         letters = self.virtual_stages > 1
-        return [[_cell(self.op[t, s], self.mb[t, s], self.chunk[t, s], letters) for t in range(self.ticks)]
-                for s in range(self.stages)]
+        return [
+            [_cell(self.op[t, s], self.mb[t, s], self.chunk[t, s], letters) for t in range(self.ticks)]
+            for s in range(self.stages)
+        ]
 
     def gantt(self) -> str:
         """A text Gantt chart: one row per stage, one column per tick."""
@@ -369,29 +402,37 @@ class Table:
         label = len(f"stage {self.stages - 1}")
         head = " ".join(f"{t:<{width}}" if t % 5 == 0 else " " * width for t in range(self.ticks))
         lines = [f"{'tick':<{label}}  {head}".rstrip()]
-        lines += [f"{f'stage {s}':<{label}}  " + " ".join(f"{c:<{width}}" for c in row).rstrip()
-                  for s, row in enumerate(rows)]
+        lines += [
+            f"{f'stage {s}':<{label}}  " + " ".join(f"{c:<{width}}" for c in row).rstrip() for s, row in enumerate(rows)
+        ]
         return "\n".join(lines)
 
     def to_json(self, t_f: float = 1.0, t_b: float | None = None, t_w: float | None = None) -> dict:
         """The table and its measures as JSON data (``table``: one row of ``cells`` per stage)."""
         duration = durations(self.split_backward, t_f, t_b, t_w)
         try:
-            formula = bubble_formula(self.schedule, self.stages, self.microbatches, self.virtual_stages,
-                                     t_f=t_f, t_b=t_b, t_w=t_w)
-        except ConfigError:                                   # no closed form for these durations
+            formula = bubble_formula(
+                self.schedule, self.stages, self.microbatches, self.virtual_stages, t_f=t_f, t_b=t_b, t_w=t_w
+            )
+        except ConfigError:  # no closed form for these durations
             formula = None
-        return {"schedule": str(self.schedule), "stages": self.stages, "microbatches": self.microbatches,
-                "virtual_stages": self.virtual_stages, "ticks": self.ticks,
-                "split_backward": self.split_backward,
-                "times": {op.name: float(duration[op]) for op in (Op.F, Op.B, Op.W)
-                          if op != Op.W or self.split_backward},
-                "makespan": self.makespan(t_f, t_b, t_w),
-                "bubble_fraction": self.bubble_fraction(t_f, t_b, t_w),
-                "lockstep_bubble_fraction": self.lockstep_bubble_fraction(t_f, t_b, t_w),
-                "formula_bubble_fraction": formula,
-                "peak_in_flight": [int(n) for n in self.peak_in_flight],
-                "act_slots": self.act_slots, "grad_slots": self.grad_slots, "table": self.cells()}
+        return {
+            "schedule": str(self.schedule),
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages,
+            "ticks": self.ticks,
+            "split_backward": self.split_backward,
+            "times": {op.name: float(duration[op]) for op in (Op.F, Op.B, Op.W) if op != Op.W or self.split_backward},
+            "makespan": self.makespan(t_f, t_b, t_w),
+            "bubble_fraction": self.bubble_fraction(t_f, t_b, t_w),
+            "lockstep_bubble_fraction": self.lockstep_bubble_fraction(t_f, t_b, t_w),
+            "formula_bubble_fraction": formula,
+            "peak_in_flight": [int(n) for n in self.peak_in_flight],
+            "act_slots": self.act_slots,
+            "grad_slots": self.grad_slots,
+            "table": self.cells(),
+        }
 
 
 def _cell(op: int, mb: int, chunk: int, letters: bool) -> str:
@@ -409,8 +450,8 @@ def build(schedule: Schedule | str, stages: int, microbatches: int, virtual_stag
     p, m, v = int(stages), int(microbatches), int(virtual_stages)
     orders = [ORDERS[schedule](p, m, v, s) for s in range(p)]
     op, mb, chunk = _place(orders, p, v)
-    from jaxpar.pipeline.slots import assign_slots      # it reads this module's Op and op_ticks
-    table = Table(schedule, p, m, v, op, mb, chunk, **assign_slots(op, mb, chunk, p, v,
-                                                                       schedule in SPLIT_BACKWARD))
+    from jaxpar.pipeline.slots import assign_slots  # it reads this module's Op and op_ticks
+
+    table = Table(schedule, p, m, v, op, mb, chunk, **assign_slots(op, mb, chunk, p, v, schedule in SPLIT_BACKWARD))
     table.validate()
     return table

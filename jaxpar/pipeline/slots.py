@@ -3,6 +3,7 @@
 Interval colouring per stage: an entry lives from the tick it is written (its message arrives) to the
 tick of its last reader; slots are reused as soon as their last reader has run.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,7 +38,7 @@ def _colour(entries: list) -> tuple[dict[tuple[int, int], int], int]:
     slot = {}
     for w, u, i, j in sorted(entries):
         k = next((k for k, until in enumerate(busy_until) if until <= w), len(busy_until))
-        busy_until[k:k + 1] = [u]
+        busy_until[k : k + 1] = [u]
         slot[(i, j)] = k
     return slot, len(busy_until)
 
@@ -45,20 +46,22 @@ def _colour(entries: list) -> tuple[dict[tuple[int, int], int], int]:
 def assign_slots(op, mb, chunk, p: int, v: int, split: bool) -> dict:
     """The four slot arrays of a table and the two buffer sizes (``Table`` fields)."""
     ticks = op_ticks(op, mb, chunk)
-    arrays = {name: np.full(op.shape, -1, np.int32)
-              for name in ("act_slot", "grad_slot", "fwd_recv_slot", "bwd_recv_slot")}
+    arrays = {
+        name: np.full(op.shape, -1, np.int32) for name in ("act_slot", "grad_slot", "fwd_recv_slot", "bwd_recv_slot")
+    }
     readers = (Op.F, Op.B, Op.W) if split else (Op.F, Op.B)
     sizes = {"act_slots": 1, "grad_slots": 1}
     act, grad = _buffer_entries(op, mb, chunk, p, v, split)
     for s in range(p):
         for entries, slot_name, recv_name, size_name, ops in (
-                (act[s], "act_slot", "fwd_recv_slot", "act_slots", readers),
-                (grad[s], "grad_slot", "bwd_recv_slot", "grad_slots", readers[1:])):
+            (act[s], "act_slot", "fwd_recv_slot", "act_slots", readers),
+            (grad[s], "grad_slot", "bwd_recv_slot", "grad_slots", readers[1:]),
+        ):
             slot_of, used = _colour(entries)
             sizes[size_name] = max(sizes[size_name], used)
             for w, _, i, j in entries:
                 for o in ops:
                     arrays[slot_name][ticks[(o, i, j * p + s)], s] = slot_of[(i, j)]
-                if slot_name == "grad_slot" or j * p + s > 0:     # chunk 0's input: the executor's
+                if slot_name == "grad_slot" or j * p + s > 0:  # chunk 0's input: the executor's
                     arrays[recv_name][w, s] = slot_of[(i, j)]
     return {**arrays, **sizes}

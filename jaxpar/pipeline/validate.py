@@ -18,6 +18,7 @@ tick and ops):
                   entry frees its slot after its last read (W when split, else B), in time for a write
                   at the end of that tick.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,11 +47,16 @@ def _check_shapes(table: Table) -> None:
     ticks = table.op.shape[0] if isinstance(table.op, np.ndarray) and table.op.ndim == 2 else None
     for name in ("op", "mb", "chunk", "act_slot", "grad_slot", "fwd_recv_slot", "bwd_recv_slot"):
         array = getattr(table, name)
-        if (not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.integer)
-                or array.shape != (ticks, table.stages)):
+        if (
+            not isinstance(array, np.ndarray)
+            or not np.issubdtype(array.dtype, np.integer)
+            or array.shape != (ticks, table.stages)
+        ):
             shape = getattr(array, "shape", type(array).__name__)
-            raise ConfigError(f"pipeline table ({table.schedule}): {name} is {shape}, expected integers of "
-                              f"shape [ticks, stages] = [{ticks}, {table.stages}]")
+            raise ConfigError(
+                f"pipeline table ({table.schedule}): {name} is {shape}, expected integers of "
+                f"shape [ticks, stages] = [{ticks}, {table.stages}]"
+            )
     for name in ("act_slots", "grad_slots"):
         if _count(getattr(table, name), f"pipeline table {name}") < 1:
             raise ConfigError(f"pipeline table ({table.schedule}): {name}={getattr(table, name)} must be >= 1")
@@ -70,17 +76,27 @@ def _check_cells(table: Table) -> None:
     rules = [
         ((op < 0) | (op > Op.W), "op {op} is not an Op (0 idle, 1 F, 2 B, 3 W)"),
         ((op == Op.W) & (not table.split_backward), f"a W op, but {table.schedule} has no split backward"),
-        (idle & ((table.mb != -1) | (table.chunk != -1) | (table.act_slot != -1) | (table.grad_slot != -1)),
-         "an idle cell with mb {mb}, chunk {chunk}, act_slot {act}, grad_slot {grad} (all must be -1)"),
+        (
+            idle & ((table.mb != -1) | (table.chunk != -1) | (table.act_slot != -1) | (table.grad_slot != -1)),
+            "an idle cell with mb {mb}, chunk {chunk}, act_slot {act}, grad_slot {grad} (all must be -1)",
+        ),
         (busy & ((table.mb < 0) | (table.mb >= table.microbatches)), f"mb {{mb}} outside 0..{table.microbatches - 1}"),
-        (busy & ((table.chunk < 0) | (table.chunk >= table.virtual_stages)),
-         f"chunk {{chunk}} outside 0..{table.virtual_stages - 1}"),
-        (busy & ((table.act_slot < 0) | (table.act_slot >= table.act_slots)),
-         f"act_slot {{act}} outside 0..{table.act_slots - 1}"),
-        (reads_grad & ((table.grad_slot < 0) | (table.grad_slot >= table.grad_slots)),
-         f"grad_slot {{grad}} outside 0..{table.grad_slots - 1}"),
-        (busy & ~reads_grad & (table.grad_slot != -1),
-         "grad_slot {grad} on an op with no incoming cotangent (an F, or the last model chunk's B/W)"),
+        (
+            busy & ((table.chunk < 0) | (table.chunk >= table.virtual_stages)),
+            f"chunk {{chunk}} outside 0..{table.virtual_stages - 1}",
+        ),
+        (
+            busy & ((table.act_slot < 0) | (table.act_slot >= table.act_slots)),
+            f"act_slot {{act}} outside 0..{table.act_slots - 1}",
+        ),
+        (
+            reads_grad & ((table.grad_slot < 0) | (table.grad_slot >= table.grad_slots)),
+            f"grad_slot {{grad}} outside 0..{table.grad_slots - 1}",
+        ),
+        (
+            busy & ~reads_grad & (table.grad_slot != -1),
+            "grad_slot {grad} on an op with no incoming cotangent (an F, or the last model chunk's B/W)",
+        ),
         ((table.fwd_recv_slot < -1) | (table.fwd_recv_slot >= table.act_slots), "fwd_recv_slot {fwd} out of range"),
         ((table.bwd_recv_slot < -1) | (table.bwd_recv_slot >= table.grad_slots), "bwd_recv_slot {bwd} out of range"),
     ]
@@ -88,8 +104,15 @@ def _check_cells(table: Table) -> None:
         cell = _first_cell(mask)
         if cell is not None:
             t, s = cell
-            values = dict(op=op[t, s], mb=table.mb[t, s], chunk=table.chunk[t, s], act=table.act_slot[t, s],
-                          grad=table.grad_slot[t, s], fwd=table.fwd_recv_slot[t, s], bwd=table.bwd_recv_slot[t, s])
+            values = dict(
+                op=op[t, s],
+                mb=table.mb[t, s],
+                chunk=table.chunk[t, s],
+                act=table.act_slot[t, s],
+                grad=table.grad_slot[t, s],
+                fwd=table.fwd_recv_slot[t, s],
+                bwd=table.bwd_recv_slot[t, s],
+            )
             raise ConfigError(f"{_where(table, t, s)}: {message.format(**values)}")
 
 
@@ -102,11 +125,12 @@ def _check_counts(table: Table) -> None:
     bad = np.argwhere(counts != expected)
     if len(bad):
         s, i, j, o = (int(x) for x in bad[0])
-        at = [int(x) for x in np.nonzero((table.op[:, s] == o) & (table.mb[:, s] == i)
-                                         & (table.chunk[:, s] == j))[0]]
-        raise ConfigError(f"pipeline table ({table.schedule}): stage {s} has {counts[s, i, j, o]} "
-                          f"{Op(o).name} ops of (mb {i}, chunk {j}) (ticks {at}); each (stage, microbatch, "
-                          f"chunk) needs exactly {expected[o]}")
+        at = [int(x) for x in np.nonzero((table.op[:, s] == o) & (table.mb[:, s] == i) & (table.chunk[:, s] == j))[0]]
+        raise ConfigError(
+            f"pipeline table ({table.schedule}): stage {s} has {counts[s, i, j, o]} "
+            f"{Op(o).name} ops of (mb {i}, chunk {j}) (ticks {at}); each (stage, microbatch, "
+            f"chunk) needs exactly {expected[o]}"
+        )
 
 
 def _check_dependencies(table: Table, ticks: dict) -> None:
@@ -115,9 +139,11 @@ def _check_dependencies(table: Table, ticks: dict) -> None:
     for (o, i, g), t in sorted(ticks.items(), key=lambda item: item[1]):
         for d in _dependencies(o, i, g, chunks):
             if ticks[d] >= t:
-                raise ConfigError(f"{_where(table, t, g % p)}: {_name(o, i, g // p)} needs "
-                                  f"{d[0].name}(mb {i}, model chunk {d[2]}) on stage {d[2] % p} at an earlier "
-                                  f"tick; it runs at tick {ticks[d]}")
+                raise ConfigError(
+                    f"{_where(table, t, g % p)}: {_name(o, i, g // p)} needs "
+                    f"{d[0].name}(mb {i}, model chunk {d[2]}) on stage {d[2] % p} at an earlier "
+                    f"tick; it runs at tick {ticks[d]}"
+                )
 
 
 class _Buffer:
@@ -127,28 +153,34 @@ class _Buffer:
 
     def __init__(self, table: Table, stage: int, name: str, recv_field: str, last_use: dict):
         self.table, self.stage, self.name, self.recv_field = table, stage, name, recv_field
-        self.last_use = last_use                                # {(microbatch, chunk): tick of its last read}
+        self.last_use = last_use  # {(microbatch, chunk): tick of its last read}
         self.held: dict[int, tuple[int, int]] = {}
 
     def write(self, t: int, slot: int, entry: tuple[int, int], sender: str) -> None:
         """``sender`` delivers ``entry`` into ``slot`` at the end of tick ``t``."""
         where, (i, j) = _where(self.table, t, self.stage), entry
         if slot < 0:
-            raise ConfigError(f"{where}: {sender} sends the {self.name} of (mb {i}, chunk {j}) but "
-                              f"{self.recv_field} is -1: it would be lost")
+            raise ConfigError(
+                f"{where}: {sender} sends the {self.name} of (mb {i}, chunk {j}) but "
+                f"{self.recv_field} is -1: it would be lost"
+            )
         if slot in self.held:
             old = self.held[slot]
-            raise ConfigError(f"{where}: the {self.name} of (mb {i}, chunk {j}) from {sender} overwrites "
-                              f"{self.name} slot {slot}, which holds (mb {old[0]}, chunk {old[1]}) until "
-                              f"tick {self.last_use[old]}")
+            raise ConfigError(
+                f"{where}: the {self.name} of (mb {i}, chunk {j}) from {sender} overwrites "
+                f"{self.name} slot {slot}, which holds (mb {old[0]}, chunk {old[1]}) until "
+                f"tick {self.last_use[old]}"
+            )
         self.held[slot] = entry
 
     def read(self, t: int, slot: int, entry: tuple[int, int], reader: str) -> None:
         held = self.held.get(int(slot))
         if held != entry:
             holds = "nothing" if held is None else f"(mb {held[0]}, chunk {held[1]})"
-            raise ConfigError(f"{_where(self.table, t, self.stage)}: {reader} reads {self.name} slot {slot}, "
-                              f"which holds {holds}, not (mb {entry[0]}, chunk {entry[1]})")
+            raise ConfigError(
+                f"{_where(self.table, t, self.stage)}: {reader} reads {self.name} slot {slot}, "
+                f"which holds {holds}, not (mb {entry[0]}, chunk {entry[1]})"
+            )
         if self.last_use[entry] == t:
             del self.held[int(slot)]
 
@@ -186,5 +218,7 @@ def _check_arrival(table: Table, t: int, s: int, buffer: _Buffer, kind: Op, send
     if o == kind and 0 <= target < chunks:
         buffer.write(t, int(slot), (i, target // p), f"{_name(o, i, j)} on stage {sender}")
     elif slot != -1:
-        raise ConfigError(f"{_where(table, t, s)}: {buffer.recv_field} is {slot}, but stage {sender} sends "
-                          f"nothing stage {s} uses at this tick")
+        raise ConfigError(
+            f"{_where(table, t, s)}: {buffer.recv_field} is {slot}, but stage {sender} sends "
+            f"nothing stage {s} uses at this tick"
+        )

@@ -11,6 +11,7 @@ notebook's metadata (``jaxpar.seconds``) and listed in colab/README.md.
 tests/test_tutorial_*.py execute the committed notebooks again (the same way) and assert their key
 numbers: every notebook leaves a dict ``key_numbers`` in its namespace.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 SOURCES = HERE / "src"
 
 # The one place that says where a Colab runtime installs jaxpar from. Change it to your fork.
-INSTALL_CELL = '''\
+INSTALL_CELL = """\
 # Install jaxpar. On Colab it comes from JAXPAR_SOURCE; from a checkout (this notebook in colab/), the
 # checkout itself is installed. Skipped when jaxpar is already importable.
 JAXPAR_SOURCE = "git+https://github.com/jaxpar/jaxpar.git"
@@ -30,7 +31,7 @@ import importlib.util, pathlib, subprocess, sys
 if importlib.util.find_spec("jaxpar") is None:
     checkout = pathlib.Path("..", "pyproject.toml").exists()
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                           *(["-e", "..[plot]"] if checkout else [f"jaxpar[plot] @ {JAXPAR_SOURCE}"])])'''
+                           *(["-e", "..[plot]"] if checkout else [f"jaxpar[plot] @ {JAXPAR_SOURCE}"])])"""
 
 # What the test appends to read the notebook's key numbers back.
 READ_KEY_NUMBERS = "import json as _json; print(_json.dumps(key_numbers, sort_keys=True))"
@@ -47,10 +48,12 @@ def source_notebook(name: str):
 
     nb = jupytext.read(SOURCES / f"{name}.py", fmt="py:percent")
     nb.cells.insert(0, nbformat.v4.new_code_cell(INSTALL_CELL))
-    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-                   "language_info": {"name": "python"}}
+    nb.metadata = {
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "language_info": {"name": "python"},
+    }
     for i, cell in enumerate(nb.cells):
-        cell.metadata, cell.id = {}, f"cell-{i:02d}"      # stable ids: a rebuild diffs only in outputs
+        cell.metadata, cell.id = {}, f"cell-{i:02d}"  # stable ids: a rebuild diffs only in outputs
     return nb
 
 
@@ -62,8 +65,9 @@ def execute(nb, *, timeout: int = 900):
     """Run every cell in a fresh kernel with colab/ as the working directory; raises on the first error."""
     from nbclient import NotebookClient
 
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(HERE)}}).execute()
+    NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(HERE)}}
+    ).execute()
     return nb
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from pipeline_cases import invariance_test
+from pipeline_cases import check_dropped_microbatch, invariance_test
 from pipeline_cases import model as _model
 
 from jaxpar.errors import ConfigError, JaxparError
@@ -45,6 +45,11 @@ CASES = [
 ]
 
 test_pipeline_equals_one_device = invariance_test(CASES)
+
+
+def test_a_dropped_microbatch_is_caught():
+    """With m=8 a lost microbatch moves the gradient least (1/8 of it): still far outside the bound."""
+    check_dropped_microbatch("tiny", "1f1b", 4, 8, "stage=4")
 
 
 def _plan(*overrides: str, model: str = "tiny", mesh: str = "stage=2,tensor=4"):

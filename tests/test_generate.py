@@ -21,7 +21,7 @@ from jaxpar.inference.generate import Generator, bucket
 from jaxpar.models import build_model, get_model_preset
 
 NEW = 8
-LOGIT_TOL = 1e-4  # decode logits vs the training forward's, float32 (README: Generation)
+LOGIT_TOL = 1e-4  # decode logits vs the training forward's, float32 (docs/generation.md)
 BELOW_MARGIN: list = []  # (case, prompt, step, margin, error): reported, never hidden
 
 

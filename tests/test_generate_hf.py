@@ -25,7 +25,7 @@ from jaxpar.inference.generate import Generator
 
 pytest.importorskip("transformers")  # test-only dependency, installed by the [dev] extra
 FAMILIES = sorted(hf_models.CONFIGS)
-ATOL = 1e-4  # the README's number: max |logit difference| with transformers
+ATOL = 1e-4  # docs/generation.md: max |logit difference| with transformers
 NEW = 8
 PROMPTS = [np.random.default_rng(1).integers(0, 250, n).tolist() for n in (12, 7, 3)]
 REPORT: dict[str, dict] = {}  # case -> measured numbers, printed by test_report (last)
@@ -169,7 +169,7 @@ def test_mistral_past_the_sliding_window(hf):
 
 
 def test_report():
-    """Prints the measured numbers of this module's cases (``-s``): the README's table."""
+    """Prints the measured numbers of this module's cases (``-s``): how far under the tolerances they are."""
     if not REPORT:
         pytest.skip("the generation cases ran in another process")
     print("\ncase                       max|Δ| HF generate   max|Δ| HF forward   near ties   same tokens")

@@ -6,7 +6,10 @@
 Each notebook is its source with one install cell put first (the same for all, kept here once), executed
 top to bottom in a fresh kernel from colab/ (nbclient), and written with its outputs and figures, so a
 reader on a code host sees them without running anything. The wall time of the run is kept in the
-notebook's metadata (``jaxpar.seconds``) and listed in colab/README.md.
+notebook's metadata (``jaxpar.seconds``); the index table of colab/README.md (between its ``<!-- notebooks -->``
+markers) is rendered from that metadata and ``SUMMARIES`` after every build:
+
+    python colab/build.py --index         # only re-render the index table
 
 tests/test_tutorial_*.py execute the committed notebooks again (the same way) and assert their key
 numbers: every notebook leaves a dict ``key_numbers`` in its namespace.
@@ -32,6 +35,35 @@ if importlib.util.find_spec("jaxpar") is None:
     checkout = pathlib.Path("..", "pyproject.toml").exists()
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
                            *(["-e", "..[plot]"] if checkout else [f"jaxpar[plot] @ {JAXPAR_SOURCE}"])])"""
+
+# One line per notebook for the index table: what it shows.
+SUMMARIES = {
+    "00_start": "devices, a mesh, logical axes → rules → what each device holds for Llama-3-8B; one step gives "
+    "the same loss on 1 and 8 devices",
+    "01_data_fsdp": "16Ψ bytes per parameter and the ZeRO stages; memory per device of dp / fsdp / hsdp from the "
+    "compiled step; the gradient all-reduce against 2(n−1)/n·P·b; when FSDP pays",
+    "02_tensor_sequence": "column- then row-parallel matmuls; the collectives of one layer with and without "
+    "sequence parallelism; the texts' TP-on-PCIe claim against the layout lab for a 70B model",
+    "03_pipeline": "GPipe, 1F1B, interleaved and zero-bubble schedule tables as Gantt charts; the bubble against m, "
+    'counted and by formula; activation memory against m from the compiled step; "PP=4 with 4 microbatches '
+    'wastes 43%"',
+    "04_context": "ring attention hop by hop; zig-zag vs contiguous work per device; memory per device against L; "
+    "Ulysses' all-to-alls; ring = dense",
+    "05_experts": "routing; capacity factor against dropped tokens with hot experts; all-to-all bytes against the "
+    "formula; token choice vs expert choice; dropless = dense",
+    "06_combining": "five axes at once on 32 devices and the collectives of each; `jaxpar plan --search` for "
+    "Mixtral-8x7B on 64 H100s; the texts' \"what is your bottleneck?\" list answered from the lab's numbers",
+    "07_inference": "KV bytes per token of real models from jaxpar's cache; \"65k more tokens at 70B cost ~2 GB per "
+    'GPU" checked; prefill vs decode intensity against the ridge point; decode_tp vs decode_dp from the '
+    "compiled decode step; generation from a freshly trained model",
+    "08_checkpoints": "a local Hugging Face checkpoint and tokenizer → `jaxpar convert` → fine-tune on a text file, "
+    "interrupted and resumed bit for bit → export → `transformers` gives the same logits → generate",
+    "09_serving": "what a memory budget holds with a dense vs a paged cache (Llama-3-8B pages); page tables with the "
+    "null page and shared prefix pages; continuous vs static batching as slot timelines, same tokens; prompt "
+    "tokens the prefix cache saves; preemption when pages run out",
+}
+INDEX = HERE / "README.md"
+INDEX_MARKERS = ("<!-- notebooks -->", "<!-- /notebooks -->")
 
 # What the test appends to read the notebook's key numbers back.
 READ_KEY_NUMBERS = "import json as _json; print(_json.dumps(key_numbers, sort_keys=True))"
@@ -81,6 +113,31 @@ def key_numbers(nb) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def index_rows() -> list[tuple[str, str, float]]:
+    """(name, what it shows, recorded seconds) of every notebook, the seconds from its metadata."""
+    rows = []
+    for name in names():
+        metadata = json.loads((HERE / f"{name}.ipynb").read_text())["metadata"]
+        rows.append((name, SUMMARIES[name], metadata["jaxpar"]["seconds"]))
+    return rows
+
+
+def index_table() -> str:
+    """The index table of colab/README.md: each notebook, what it shows, and its recorded run time."""
+    lines = ["| notebook | what it shows | run time |", "|---|---|---:|"]
+    lines += [f"| [`{name}`]({name}.ipynb) | {shows} | {seconds} s |" for name, shows, seconds in index_rows()]
+    return "\n".join(lines)
+
+
+def write_index() -> None:
+    """Replace the table between the index markers of colab/README.md with ``index_table()``."""
+    start, end = INDEX_MARKERS
+    text = INDEX.read_text()
+    before, rest = text.split(start, 1)
+    _, after = rest.split(end, 1)
+    INDEX.write_text(f"{before}{start}\n{index_table()}\n{end}{after}")
+
+
 def build(name: str) -> float:
     import nbformat
 
@@ -94,6 +151,9 @@ def build(name: str) -> float:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["--index"]:
+        write_index()
+        return 0
     wanted = argv or names()
     unknown = sorted(set(wanted) - set(names()))
     if unknown:
@@ -101,6 +161,7 @@ def main(argv: list[str]) -> int:
         return 2
     for name in wanted:
         print(f"{name}: {build(name)} s", flush=True)
+    write_index()
     return 0
 
 

@@ -43,7 +43,7 @@ MODEL_DIMS = {D, V, L, F, N, K, H}
 
 
 def test_parameter_bookkeeping():
-    assert P == P_EMBED + P_HEAD + P_NORM + P_BLOCKS == 102_720  # README
+    assert P == P_EMBED + P_HEAD + P_NORM + P_BLOCKS == 102_720  # tiny's count (docs/models.md)
     assert T not in MODEL_DIMS  # so "has a T dimension" marks an activation below
     assert A < P_EMBED  # vocab-parallel embedding regime (see test_tp_*)
 
@@ -107,7 +107,7 @@ def gathered_bytes(report, axis):
 # ------------------------------------------------------------------------------------------ dp
 def test_dp_gradient_all_reduce(dp):
     """data=8: one all-reduce of all gradients, P·b result bytes, plus the loss scalar: 410,884 B,
-    exactly (README); a ring sends 2(n-1)/n of that. Block gradients are reduced inside the scanned
+    exactly (docs/benchmarks.md); a ring sends 2(n-1)/n of that. Block gradients are reduced inside the scanned
     backward loop, L times."""
     assert dp.collectives.trip_counts_known
     assert {c.axes for c in dp.ops} == {("data",)} and {c.kind for c in dp.ops} <= {
@@ -144,7 +144,7 @@ def test_fsdp_gathers_and_gradient_reduction(fsdp):
     assert fsdp.collectives.trip_counts_known and {c.axes for c in ops} == {("fsdp",)}
     ids = B * T * 4  # the token ids, gathered once
     scalars = b * scalars_reduced(ops, "fsdp")  # loss, grad-norm partial sums
-    assert scalars == 68  # 17 scalars, as measured (README)
+    assert scalars == 68  # 17 scalars, as measured
     assert gathered_bytes(fsdp, "fsdp") == b * (2 * P_BLOCKS + P_HEAD) + ids
     assert reduced_bytes(ops, "fsdp") == b * (P - P_EMBED) + scalars
     assert fsdp.collectives.bytes("all-to-all", axes=("fsdp",)) == 2 * A * b // n

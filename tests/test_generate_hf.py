@@ -180,7 +180,7 @@ def test_mistral_past_the_sliding_window(hf):
 
 
 def test_report():
-    """Prints the measured numbers of this module's cases (``-s``): the README's table."""
+    """Prints the measured numbers of this module's cases (``-s``)."""
     if not REPORT:
         pytest.skip("the generation cases ran in another process")
     print("\ncase                       max|Δ| HF generate   max|Δ| HF forward   near ties   same tokens")

@@ -25,7 +25,7 @@ import pytest
 from jaxpar.meshes import PRESETS as MESH_PRESETS
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import get_model_preset
-from jaxpar.rules import ACTIVATION_AXES, LOGICAL_AXES, PARAM_AXES
+from jaxpar.rules import ACTIVATION_AXES, CACHE_AXES, LOGICAL_AXES, PARAM_AXES
 from jaxpar.rules_report import preset_golden, readable_json
 from jaxpar.shardings import default_layout, param_shardings
 
@@ -205,14 +205,21 @@ def test_update_switch_refuses_under_ci_and_xdist(env, refused):
             golden_update_mode(env)
 
 
-def test_readme_counts_the_logical_axes():
-    """The README's "Logical axes and rules" names every axis of jaxpar.rules and says how many."""
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Logical axes and rules", 1)[1].split("\n## ", 1)[0]
-    assert f"all {len(LOGICAL_AXES)} logical axes" in section
-    assert f"{len(PARAM_AXES)} for parameters" in section and f"{len(ACTIVATION_AXES)} for activations" in section
-    named = set(re.findall(r"[a-z_]+", " ".join(re.findall(r"`([a-z_, ]+)`", section))))
-    assert not set(LOGICAL_AXES) - named, f"axes the README does not name: {set(LOGICAL_AXES) - named}"
+def test_docs_name_every_logical_axis_by_group():
+    """The logical-axes table of docs/mesh-and-rules.md, rendered from the golden rules files, names every
+    axis of jaxpar.rules once, in its group, and counts each group."""
+    from rendered import render, table_rows
+
+    table = table_rows(render.logical_axes())
+    rows = {group: (int(count), re.findall(r"`([a-z_]+)`", names)) for group, count, names in table}
+    assert rows["parameters"] == (len(PARAM_AXES), list(PARAM_AXES))
+    assert rows["activations"] == (len(ACTIVATION_AXES), list(ACTIVATION_AXES))
+    assert rows["KV cache"] == (len(CACHE_AXES), list(CACHE_AXES))
+    assert rows["**all**"][0] == len(LOGICAL_AXES)
+    # the preset matrix has a row for every axis and a column for every preset
+    matrix = table_rows(render.rules_matrix())
+    assert [r[0].strip("`") for r in matrix[1:]] == list(LOGICAL_AXES)
+    assert all(len(r) == 1 + len(MESH_PRESETS) for r in matrix)
 
 
 # Spot checks against the rules tables, independent of the stored files.

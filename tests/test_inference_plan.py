@@ -8,7 +8,7 @@ import pytest
 
 from jaxpar.analysis.calibration import CALIBRATED
 from jaxpar.analysis.hardware import HARDWARE
-from jaxpar.analysis.inference_plan import plan_inference
+from jaxpar.analysis.inference_plan import format_inference_plan, plan_inference
 from jaxpar.cli import main
 from jaxpar.models import get_model_preset
 
@@ -139,12 +139,12 @@ def test_the_command_prints_json(capsys):
     assert out["tokens_per_s"] == pytest.approx(8 / out["decode_step_s"]) and math.isfinite(out["prefill_s"])
 
 
-def _readme_serving_table() -> list[list[str]]:
-    """The rows of the README's serving search table (mesh, weights, KV, fits, step, TTFT, tokens/s, batch)."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = text.index("| mesh | weights GB | KV GB | fits | step ms | TTFT ms | tokens/s | max batch |")
-    rows = text[start : text.index("\n\n", start)].splitlines()[2:]
-    return [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+SEARCH_JSON = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "serve_plan_llama3-70b_h100x8.json"
+
+
+def _stored_search() -> list[dict]:
+    """The candidates of ``jaxpar plan --inference --search --json`` as stored for docs/layout-lab.md."""
+    return json.loads(SEARCH_JSON.read_text())["candidates"]
 
 
 def test_search_ranks_serving_layouts_under_a_latency_bound(tmp_path, capsys):
@@ -156,28 +156,17 @@ def test_search_ranks_serving_layouts_under_a_latency_bound(tmp_path, capsys):
     assert refused == [] and [p.mesh.get("tensor", 1) for p in ranked] == [8, 4, 2, 1]
     assert [p.fits for p in ranked] == [True, True, False, False]
     assert ranked[0].decode_step_s <= 0.012 < ranked[1].decode_step_s
-    assert _readme_serving_table() == [
-        [
-            ",".join(f"{a}={n}" for a, n in p.mesh.items()),
-            f"{p.weight_bytes_per_device / 1e9:.2f}",
-            f"{p.kv_bytes_per_device / 1e9:.2f}",
-            "yes" if p.fits else "no",
-            f"{p.decode_step_s * 1e3:.2f}",
-            f"{p.time_to_first_token_s * 1e3:.0f}",
-            f"{p.tokens_per_s:,.0f}",
-            str(p.max_batch),
-        ]
-        for p in ranked
-    ]
-    # the README's single-layout example is the search's tensor=8 plan, part by part
-    best, readme = ranked[0], (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    t, ms = best.decode_times, lambda s: f"{s * 1e3:.2f} ms"
-    assert (
-        f"# decode step {ms(best.decode_step_s)} = max(HBM {ms(t['memory_s'])} for "
-        f"{best.decode_bytes_read_per_device / 1e9:.2f} GB, compute {ms(t['compute_s'])}) + collectives "
-        f"{ms(sum(t['communication_s'].values()))}\n#   + their latency {ms(sum(t['latency_s'].values()))}: "
-        f"{best.tokens_per_s:,.0f} tokens/s"
-    ) in readme
+    # the stored search the docs render (its table and its best layout's plan) is this search, field by field
+    stored = _stored_search()
+    assert [c["mesh"] for c in stored] == [p.mesh for p in ranked]
+    for c, p in zip(stored, ranked):
+        for key in ("weight_bytes_per_device", "kv_bytes_per_device", "fits", "max_batch", "decode_bytes_by_axis"):
+            assert c[key] == getattr(p, key), (p.mesh, key)
+        for key in ("decode_step_s", "time_to_first_token_s", "tokens_per_s", "prefill_s"):
+            assert c[key] == pytest.approx(getattr(p, key), rel=1e-9), (p.mesh, key)
+    from rendered import render
+
+    assert format_inference_plan(ranked[0]) in render.serve_plan_example()
     assert ranked[1].weight_bytes_per_device == pytest.approx(2 * ranked[0].weight_bytes_per_device, rel=1e-3)
     assert [p.tokens_per_s for p in ranked[1:]] == sorted((p.tokens_per_s for p in ranked[1:]), reverse=True)
     assert (

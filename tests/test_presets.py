@@ -1,8 +1,7 @@
 """Published presets: shapes give the published parameter counts exactly; big ones build abstractly; the
-README's "Models" tables state the counts we compute."""
+tables of docs/models.md, rendered by docs/render.py, state the counts we compute and the published ones."""
 
 import re
-from pathlib import Path
 
 import jax
 import pytest
@@ -34,27 +33,26 @@ def test_parameter_count_is_the_published_one(name):
         assert router_biases == stored
 
 
-def _readme_rows():
-    """(preset, parameters, published) of every row of the README's "Models" tables."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("\n## Models\n") : text.index("\n## Training\n")]
+def _docs_rows():
+    """(preset, parameters, published) of every row of the model tables docs/models.md renders."""
+    from rendered import render, table_rows
+
     number = lambda cell: int(cell.replace(",", "")) if re.fullmatch(r"[\d,]+", cell) else None
-    rows = []
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| `") and len(cells) == 3:
-            for name in re.findall(r"`([^`]+)`", cells[0]):
-                rows.append((name, number(cells[1].split(" ")[0]), number(cells[2])))
-    return rows
+    return [
+        (re.fullmatch(r"`([^`]+)`.*", name).group(1), number(ours), number(published.split(" ")[0]))
+        for table in (render.models_dense(), render.models_moe())
+        for name, ours, published in table_rows(table)
+    ]
 
 
-def test_readme_tables_state_our_counts():
-    rows = _readme_rows()
-    assert {name for name, _, _ in rows} == set(PRESETS)
+def test_docs_tables_state_our_counts():
+    rows = _docs_rows()
+    assert sorted(name for name, _, _ in rows) == sorted(PRESETS)
     for name, ours, published in rows:
-        if ours is not None:
-            assert ours == PRESETS[name].num_params(), name
+        assert ours == PRESETS[name].num_params(), name
         assert published == PUBLISHED_PARAMS.get(name), name
+        if published is not None and published != ours:  # the values a checkpoint keeps as state
+            assert published - ours == SELECTION_BIASES[name], name
 
 
 def test_variants_switch_their_parameters():

@@ -39,15 +39,17 @@ def test_install_cell(checkout, tmp_path, monkeypatch):
     assert os.path.isabs(args[0])
 
 
-def test_readme_run_times_are_the_recorded_ones():
-    import re
-
+def test_index_run_times_are_the_recorded_ones():
+    """The index table of colab/README.md (and of docs/tutorials.md) is rendered from the notebooks' recorded
+    run times (``metadata.jaxpar.seconds``), and colab/README.md holds the current rendering."""
     import nbformat
+    from rendered import render, table_rows
 
-    rows = re.findall(
-        r"^\| \[`(\d\d_\w+)`\]\(\1\.ipynb\) \|.*\| ([\d.]+) s \|$", (COLAB / "README.md").read_text(), re.M
-    )
-    assert sorted(name for name, _ in rows) == build.names()
-    for name, seconds in rows:
-        recorded = nbformat.read(COLAB / f"{name}.ipynb", as_version=4).metadata["jaxpar"]["seconds"]
-        assert float(seconds) == recorded, name
+    rows = build.index_rows()
+    assert [name for name, _, _ in rows] == build.names()
+    for name, shows, seconds in rows:
+        assert shows, name
+        assert seconds == nbformat.read(COLAB / f"{name}.ipynb", as_version=4).metadata["jaxpar"]["seconds"], name
+    assert build.index_table() in (COLAB / "README.md").read_text(), "run python colab/build.py --index"
+    docs = table_rows(render.tutorials())
+    assert [(row[0].split("`")[1], row[2]) for row in docs] == [(name, f"{seconds} s") for name, _, seconds in rows]

@@ -81,3 +81,17 @@ def value_and_grads(q, k, v, cotangent, allowed):
     Compiled once per shape and shared by every test that calls it."""
     out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, allowed), q, k, v)
     return (out, *vjp(cotangent))
+
+
+def own_noise(q, k, v, cotangent, allowed, *, seed: int = 0) -> float:
+    """The oracle's own float noise: ``value_and_grads`` again with the keys (and values, and the mask's
+    key columns) in another order, which is the same attention summed in another order; the worst over
+    out, dq, dk and dv of max |Δ| / max |first|."""
+    perm = np.random.default_rng(seed).permutation(np.asarray(k).shape[1])
+    inv = np.argsort(perm)
+    first = [np.asarray(a) for a in value_and_grads(q, k, v, cotangent, allowed)]
+    out, dq, dk, dv = (
+        np.asarray(a) for a in value_and_grads(q, k[:, perm], v[:, perm], cotangent, allowed[:, :, perm])
+    )
+    second = [out, dq, dk[:, inv], dv[:, inv]]
+    return max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(second, first))

@@ -126,6 +126,28 @@ def check_run(got, want, bound: Bound, case: str) -> float:
     return max(worst / bound.grad, loss / bound.loss)
 
 
+def array_ratios(got, want, names) -> dict[str, float]:
+    """{name: max |got − want| / max |want|} over paired arrays (a kernel's outputs and gradients)."""
+    return {
+        k: v
+        for (_, k), v in grad_ratios(
+            [dict(zip(names, map(np.asarray, got)))], [dict(zip(names, map(np.asarray, want)))]
+        ).items()
+    }
+
+
+def check_arrays(got, want, noise: float, family: str, case: str, names=("out", "dq", "dk", "dv")) -> float:
+    """Each of ``got``'s arrays within max(MULTIPLE · noise, FLOOR) of ``want``'s, measured as max |Δ| over
+    the largest |want| of that array; ``noise`` is the oracle's own (the same measure between two valid
+    ways of computing it). Returns the worst error as a fraction of the tolerance."""
+    tol = max(MULTIPLE * noise, FLOOR["grad"])
+    ratios = array_ratios(got, want, names)
+    name, worst = max(ratios.items(), key=lambda kv: kv[1])
+    record(family, case, noise=dict(array=noise), tolerance=dict(array=tol), error=dict(array=worst))
+    assert worst <= tol, f"{case}: {name} error {worst:.3g} · max|want| > {tol:.3g} (noise {noise:.3g})"
+    return worst / tol
+
+
 def check_mutation_caught(got, want, bound: Bound, mutation: str, gap: float = MUTATION_GAP) -> float:
     """A run with a deliberate bug (``mutation``) must miss ``bound`` by at least ``gap``× in its losses
     or gradients. Returns (and records) that factor: how far the smallest such error lies above the

@@ -1,9 +1,9 @@
 """Ring attention (jaxpar.parallel.ring) against ``tests/attention_oracle.py``, forward and gradients.
 
 The oracle shares no code with jaxpar: explicit numpy masks from token indices and einsums over
-repeated K/V, on one device, in natural order. Tolerance: fp32 everywhere,
-``np.testing.assert_allclose(rtol=1e-5, atol=1e-5)`` on outputs and on the gradients w.r.t. q, k, v
-(largest absolute error measured over all cases: 2.9e-6, in dv; outputs 6e-7). Each feature is
+repeated K/V, on one device, in natural order. Tolerance: fp32 everywhere, outputs and the gradients
+w.r.t. q, k, v each within a multiple of the oracle's own noise (its keys in another order:
+``attention_oracle.own_noise``, tests/noise.py), measured per case. Each feature is
 covered by a few cases that together hit n = 1, 2, 4, 8, both storage orders (contiguous, zig-zag) and
 MHA / GQA / MQA.
 """
@@ -15,13 +15,13 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from noise import check_arrays
 
 from jaxpar.parallel.common import dense_attention, zigzag_order
 from jaxpar.parallel.ring import ring_attention, ring_work
 
 AXIS = "sequence"
 B, T, N, H = 2, 64, 8, 8
-TOL = dict(rtol=1e-5, atol=1e-5)
 QKV, IDX = P(None, AXIS, None, None), P(None, AXIS)
 
 
@@ -100,8 +100,10 @@ def test_ring_matches_oracle(n, order, kv_heads, causal, window, segments):
     mask = dict(causal=causal, window=window)
     got = _ring_results(n, order, q, k, v, ct, idx, seg, **mask)
     want = _oracle_results(q, k, v, ct, idx, seg, **mask)
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        np.testing.assert_allclose(g, w, err_msg=name, **TOL)
+    noise = oracle.own_noise(q, k, v, ct, oracle.mask(idx, idx, seg, seg, **mask))
+    check_arrays(
+        got, want, noise, "context", f"ring n={n} {order} K={kv_heads} causal={causal} w={window} seg={segments}"
+    )
 
 
 def _per_device_hlo(attn_body, kv_heads, n=8):

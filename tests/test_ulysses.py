@@ -3,8 +3,8 @@
 The oracle shares no code with jaxpar: explicit numpy masks from token indices and einsums over
 repeated K/V. Every case runs the kernel inside ``jax.shard_map`` over a 1-D ``sequence`` mesh of n
 simulated CPU devices, in float32, and compares the output and the gradients of sum(out · cotangent)
-with respect to q, k and v with the oracle on the full arrays (natural token order), within
-rtol = atol = 1e-5 (largest absolute error measured over all cases: 1.9e-6, in dv; outputs 5e-7).
+with respect to q, k and v with the oracle on the full arrays (natural token order), within a multiple
+of the oracle's own noise (its keys in another order: ``attention_oracle.own_noise``, tests/noise.py).
 Zig-zag cases store the sequence permuted by ``zigzag_order`` (inputs, indices and segments) and
 un-permute the results.
 GQA cases also check the head bookkeeping directly: with v constant per kv head, query head h must
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from noise import check_arrays
 
 from jaxpar.analysis.hlo import parse_collectives
 from jaxpar.parallel.common import zigzag_order
@@ -27,7 +28,6 @@ from jaxpar.parallel.ulysses import ulysses_attention, ulysses_check
 from jaxpar.rules import LayoutError
 
 B, T, H = 2, 32, 8
-ATOL = RTOL = 1e-5
 SEQ = P(None, "sequence", None, None)
 IDX = P(None, "sequence")
 
@@ -90,7 +90,8 @@ def test_matches_oracle(case):
     mask_kw = dict(causal=causal, window=window)
 
     # Oracle: natural order, one device.
-    want_out, *want_grads = oracle.value_and_grads(q, k, v, ct, oracle.mask(index, index, seg, seg, **mask_kw))
+    allowed = oracle.mask(index, index, seg, seg, **mask_kw)
+    want = oracle.value_and_grads(q, k, v, ct, allowed)
 
     # Kernel: stored order (zig-zag or natural), sharded over n devices.
     order = zigzag_order(T, n) if zigzag else np.arange(T)
@@ -103,9 +104,8 @@ def test_matches_oracle(case):
     seg_args = (store(seg), store(seg)) if segments else ()
     got_out, got_grads = kernel(store(q), store(k), store(v), store(ct), idx, idx, *seg_args)
 
-    np.testing.assert_allclose(unstore(got_out), want_out, atol=ATOL, rtol=RTOL)
-    for name, g, w in zip("qkv", got_grads, want_grads):
-        np.testing.assert_allclose(unstore(g), w, atol=ATOL, rtol=RTOL, err_msg=f"d{name}")
+    got = [unstore(got_out), *map(unstore, got_grads)]
+    check_arrays(got, want, oracle.own_noise(q, k, v, ct, allowed), "context", f"ulysses {case[0]}")
 
     # Head bookkeeping: v = kv-head number everywhere, so query head h must output h // G.
     v_label = np.broadcast_to(np.arange(nkv, dtype=np.float32)[None, None, :, None], v.shape).copy()

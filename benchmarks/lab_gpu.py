@@ -1,5 +1,5 @@
 """The layout lab's predictions beside one accelerator's measurements: a ~1B model's train step in three
-settings and its prefill and decode steps at two batches (issue 18's GPU check).
+settings and its prefill and decode steps at two batches, on one GPU.
 
     python benchmarks/lab_gpu.py --out $OUT/lab_gpu.json     # one H100/H200: llama3.2-1b, bf16
     python benchmarks/lab_gpu.py --quick                      # the same code on CPU with tiny (~1 min)

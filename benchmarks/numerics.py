@@ -3,6 +3,7 @@ and every bound they checked is written down with the noise it was set from and 
 
     python benchmarks/numerics.py                              # -> benchmarks/results/numerics_cpu.json
     python benchmarks/numerics.py --files tests/test_invariance.py --out /tmp/n.json
+    python benchmarks/numerics.py --files tests/test_ring.py --add   # more files into the same JSON
 
 Each configuration is a separate pytest run (``-n 2``) with ``JAXPAR_NUMERICS_LOG`` set: every check in
 tests/noise.py appends one JSON line (family, case, the reference's measured noise, the tolerance set
@@ -44,6 +45,13 @@ FILES = [
     "tests/test_generate.py",
     "tests/test_generate_hf.py",
     "tests/test_convert.py",
+    "tests/test_convert_cli.py",
+    "tests/test_ring.py",
+    "tests/test_ulysses.py",
+    "tests/test_context_attention.py",
+    "tests/test_mla.py",
+    "tests/test_expert_parallel.py",
+    "tests/test_dropless.py",
 ]
 CONFIGS = {
     "suite": {},
@@ -113,8 +121,19 @@ def main(argv=None) -> int:
     parser.add_argument("--files", nargs="+", default=FILES)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "numerics_cpu.json")
+    parser.add_argument("--add", action="store_true", help="add these files' checks to --out's runs")
     args = parser.parse_args(argv)
     runs = {name: run_config(name, CONFIGS[name], args.files) for name in args.configs}
+    if args.add:
+        old = json.loads(args.out.read_text())
+        for name, run in runs.items():
+            prior = old["runs"][name]
+            run.update(
+                exit_status=max(run["exit_status"], prior["exit_status"]),
+                seconds=round(run["seconds"] + prior["seconds"], 1),
+                records=prior["records"] + run["records"],
+            )
+        args.files = [*old["files"], *(f for f in args.files if f not in old["files"])]
     result = dict(
         benchmark="numerics",
         cpu=cpu_model(),

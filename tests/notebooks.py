@@ -8,7 +8,7 @@ _spec = importlib.util.spec_from_file_location("colab_build", COLAB / "build.py"
 build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)
 
-LIMIT_S = 180  # each notebook on a 2-core CPU runtime (the limit), as recorded by build.py
+LIMIT_S = 180  # the most a notebook may take on a 2-core CPU runtime, as recorded by build.py
 
 
 def run_tutorial(name: str) -> dict:

@@ -1,4 +1,5 @@
-"""Collectives of the compiled train step against the physical formulas (DESIGN.md, "Physical limits").
+"""Collectives of the compiled train step against the physical formulas (docs/benchmarks.md; the formulas
+themselves: ``jaxpar.analysis.costmodel``).
 
 The tiny model (fp32, remat FULL), one step compiled per mesh preset on 8 simulated CPU devices.
 

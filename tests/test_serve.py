@@ -2,7 +2,7 @@
 
 One server for the module: a tiny checkpoint, a word-level tokenizer with a chat template beside it,
 two engine replicas on two simulated devices. Completions and streaming, chat, 32 concurrent requests
-against the same requests one by one, every bad request of the issue (400 and the server goes on),
+against the same requests one by one, every malformed request in ``BAD`` (400 and the server goes on),
 the metrics, a client that goes away, and last SIGTERM with requests in flight (they complete, exit 0).
 Prompts are shorter than a page, so no request shares cached pages with another: each computes the
 same chunks in the same shapes wherever it runs, and greedy text is then exactly reproducible.

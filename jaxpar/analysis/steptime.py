@@ -44,7 +44,7 @@ busy × bubble/(1 − bubble). jaxpar's own executor (``Workload.executor``) rec
 its backward and runs the LM head (masked) in every chunk's backward on every stage; its sends on the
 critical path are read from the compiled program (``Workload.stage_bytes``, ``jaxpar.analysis.plan``).
 
-Communication, and what hides it (the mechanisms the issue names; nothing is a global overlap share):
+Communication, and what hides it (per mechanism; nothing is a global overlap share):
     fsdp       weights gathered forward and again backward, gradients reduce-scattered: a layer's gather
                is prefetched behind the previous layer's forward, the backward's gather and
                reduce-scatter behind the layer's backward (async collective fusion on TPU, the latency-

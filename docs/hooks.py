@@ -22,4 +22,4 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     try:
         return render.substitute(markdown)
     except KeyError as err:
-        raise PluginError(f"{page.file.src_path}: no table or value named {err} (docs/render.py)") from None
+        raise PluginError(f"{page.file.src_path}: no table or value named {err} (docs/render*.py)") from None

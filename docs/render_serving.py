@@ -1,0 +1,141 @@
+"""Tables of docs/render.py: Hugging Face conversion; generation and serving."""
+
+from __future__ import annotations
+
+from render_kit import gb_text, load, markdown, pct, table
+
+# --- Hugging Face -------------------------------------------------------------------------------------------
+
+
+@table("convert-memory")
+def convert_memory() -> str:
+    data = load("convert_memory_cpu8.json")
+    by = {(r["checkpoint_dtype"], r["layers"], r["mesh"]): r for r in data["rows"]}
+    rows = []
+    for dtype, layers in sorted({k[:2] for k in by}, key=lambda k: (k[0] != "float32", k[1])):
+        first = by[dtype, layers, "fsdp=8"]
+        rows.append(
+            [
+                dtype if dtype == "float32" else f"{dtype} (imported as float32)",
+                layers,
+                gb_text(first["checkpoint_bytes"]),
+                f"{first['peak_over_model']:.2f}×",
+                f"{by[dtype, layers, 'none']['peak_over_model']:.2f}×",
+            ]
+        )
+    return markdown(
+        ["checkpoint", "layers", "on disk", "`fsdp=8` peak / model", "one device peak / model"], rows, "lrrrr"
+    )
+
+
+@table("convert-growth")
+def convert_growth() -> str:
+    data = load("convert_memory_cpu8.json")["marginal"]
+    rows = [[r["checkpoint_dtype"], r["mesh"], f"{r['peak_growth_over_model_growth']:.2f}"] for r in data]
+    return markdown(["checkpoint", "mesh", "peak growth ÷ model growth, 12 → 24 layers"], rows, "llr")
+
+
+# --- Generation and serving ---------------------------------------------------------------------------------
+
+
+@table("generate-cpu")
+def generate_cpu() -> str:
+    data = load("generate_cpu.json")
+    rows = []
+    for model, m in data["models"].items():
+        for b in m["batches"]:
+            kv, roof = b["kv"], b["roofline"]
+            rows.append(
+                [
+                    f"`{model}`",
+                    b["batch"],
+                    f"{b['prefill_tokens_per_s']:,.0f}",
+                    f"{b['ttft_s']:.3f}",
+                    f"{b['decode_tokens_per_s']:,.1f} ({b['decode_tokens_per_s_per_sequence']:,.1f})",
+                    f"{b['inter_token_ms_p50']:.2f} / {b['inter_token_ms_p99']:.2f}",
+                    f"{kv['kv_bytes_per_token']:,} = {kv['kv_bytes_per_token_formula']:,}",
+                    f"{roof['achieved_gb_s']:.2f}",
+                    f"{roof['ratio']:.3f}",
+                ]
+            )
+    header = [
+        "model",
+        "batch",
+        "prefill tok/s",
+        "time to first token s",
+        "decode tok/s (per sequence)",
+        "inter-token p50 / p99 ms",
+        "KV bytes/token: cache = formula",
+        "achieved GB/s",
+        "roofline ratio",
+    ]
+    return markdown(header, rows, "lr" + "r" * 7)
+
+
+@table("serve-load")
+def serve_load() -> str:
+    load_ = load("serve_cpu.json")["load"]
+    rows = []
+    for policy in ("continuous", "static"):
+        r = load_[policy]
+        p = lambda key, scale=1.0, fmt=".2f", r=r: f"{r[key]['p50'] * scale:{fmt}} / {r[key]['p99'] * scale:{fmt}}"
+        rows.append(
+            [
+                policy,
+                f"{r['throughput_tokens_per_s']:,.0f}",
+                p("ttft_s") + " s",
+                p("inter_token_s", 1e3, ".1f") + " ms",
+                p("end_to_end_s") + " s",
+            ]
+        )
+    return markdown(
+        ["policy", "tokens/s", "TTFT p50 / p99", "inter-token p50 / p99", "end-to-end p50 / p99"], rows, "lrrrr"
+    )
+
+
+@table("serve-pages")
+def serve_pages() -> str:
+    data = load("serve_cpu.json")["load"]
+    pages, ratio = data["pages"], data["continuous_over_static"]
+    rows = [
+        ["throughput, continuous ÷ static", f"{ratio['throughput']:.2f}×"],
+        ["page pool used, mean / peak", f"{pct(pages['utilization_mean'], 0)} / {pct(pages['utilization_peak'], 0)}"],
+        [
+            "internal fragmentation, mean / peak",
+            f"{pct(pages['fragmentation_mean'])} / {pct(pages['fragmentation_peak'])}",
+        ],
+    ]
+    return markdown(["continuous batching", ""], rows, "lr")
+
+
+@table("serve-prefix")
+def serve_prefix() -> str:
+    data = load("serve_cpu.json")["prefix"]
+    rows = [
+        [
+            label,
+            f"{r['seconds']:.2f}",
+            f"{r['prompt_tokens_computed']:,}",
+            pct(r["hit_rate"]),
+        ]
+        for label, r in (("prefix cache on", data["with_cache"]), ("prefix cache off", data["without_cache"]))
+    ]
+    return markdown(["run", "seconds", "prompt tokens computed", "prefix pages found"], rows, "lrrr")
+
+
+@table("serve-speculative")
+def serve_speculative() -> str:
+    data = load("serve_cpu.json")["speculative"]
+    rows = [["plain decoding", f"{data['plain_tokens_per_s']:,.0f}", "1.00×", f"{data['plain_step_ms']:.1f}", "–"]]
+    for label, key in (("n-gram prompt lookup", "ngram"), ("draft model (1 layer)", "draft_model")):
+        r = data[key]
+        rows.append(
+            [
+                f"{label}, k = {r['k']}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['speedup']:.2f}×",
+                f"{r['step_ms']:.1f}",
+                pct(r["acceptance"]["rate"]),
+            ]
+        )
+    return markdown(["decoding", "tokens/s", "against plain", "step ms", "guesses kept"], rows, "lrrrr")

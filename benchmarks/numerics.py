@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from overhead import cpu_name  # benchmarks/, this script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [
     "tests/test_invariance.py",
@@ -58,16 +60,6 @@ CONFIGS = {
     "xla-default": {"JAXPAR_TESTS_PLAIN_XLA": "1"},
     "eigen-1-thread": {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"},
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_config(name: str, env: dict, files: list[str]) -> dict:
@@ -136,7 +128,7 @@ def main(argv=None) -> int:
         args.files = [*old["files"], *(f for f in args.files if f not in old["files"])]
     result = dict(
         benchmark="numerics",
-        cpu=cpu_model(),
+        cpu=cpu_name(),
         cores=os.cpu_count(),
         python=platform.python_version(),
         jax=importlib.metadata.version("jax"),

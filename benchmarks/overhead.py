@@ -348,7 +348,8 @@ def bench_mesh(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, rounds:
     )
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux), or what ``platform`` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -406,7 +407,7 @@ def main(argv=None) -> int:
         ref_constraints=args.ref_constraints,
         results=rows,
         jax=jax.__version__,
-        cpu=dict(name=_cpu_name(), machine=platform.machine(), cpus=os.cpu_count()),
+        cpu=dict(name=cpu_name(), machine=platform.machine(), cpus=os.cpu_count()),
     )
     print(json.dumps(out, indent=1))
     return 0 if all(r["loss_match"] for r in rows) else 1

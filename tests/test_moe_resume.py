@@ -158,6 +158,17 @@ def _resumed_error(name, reference, resumed, snapshot) -> tuple[float, float]:
     return loss, state
 
 
+def _record(case, bound, state_bound, loss, state, **extra):
+    record(
+        "resume",
+        case,
+        noise=dict(loss=bound.noise.loss, state=state_bound / MULTIPLE),
+        tolerance=dict(loss=bound.loss, state=state_bound),
+        error=dict(loss=loss, state=state),
+        **extra,
+    )
+
+
 def test_restore_under_another_mesh_reshards_and_continues(runs, tmp_path):
     name, reference = runs
     snapshot = _interrupted_copy(reference.out_dir, tmp_path / "run")
@@ -171,13 +182,7 @@ def test_restore_under_another_mesh_reshards_and_continues(runs, tmp_path):
     resumed = train(_cfg(name, OTHER_MESH), snapshot)
     assert resumed.start_step == STOP
     (bound, state_bound), (loss, state) = _bound(name), _resumed_error(name, reference, resumed, snapshot)
-    record(
-        "resume",
-        f"{name} on {OTHER_MESH}",
-        noise=dict(loss=bound.noise.loss, state=state_bound / MULTIPLE),
-        tolerance=dict(loss=bound.loss, state=state_bound),
-        error=dict(loss=loss, state=state),
-    )
+    _record(f"{name} on {OTHER_MESH}", bound, state_bound, loss, state)
     assert loss <= bound.loss, (loss, bound)
     assert state <= state_bound, (state, state_bound)
 
@@ -197,12 +202,5 @@ def test_a_stale_router_bias_is_caught(runs, tmp_path, monkeypatch):
     resumed = train(_cfg(name, OTHER_MESH), snapshot)
     (bound, state_bound), (loss, state) = _bound(name), _resumed_error(name, reference, resumed, snapshot)
     factor = max(loss / bound.loss, state / state_bound)
-    record(
-        "resume",
-        f"mutation: {name}: stale router bias",
-        noise=dict(loss=bound.noise.loss, state=state_bound / MULTIPLE),
-        tolerance=dict(loss=bound.loss, state=state_bound),
-        error=dict(loss=loss, state=state),
-        factor=factor,
-    )
+    _record(f"mutation: {name}: stale router bias", bound, state_bound, loss, state, factor=factor)
     assert factor >= MUTATION_GAP, (loss, state, bound, state_bound)

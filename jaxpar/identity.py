@@ -27,8 +27,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
 from jaxpar.config import Choice, from_dict, to_dict
 from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.models import DenseConfig
 
 # Model fields that may differ between a saved run and the current one, and why.
 EXECUTION_FIELDS = {
@@ -71,8 +76,6 @@ def _diff(saved, now, path: str, skip) -> list[str]:
 
 def _normalized_model(data, where) -> dict:
     """A saved model config as the current code writes it (tagged with its class, defaults filled)."""
-    from jaxpar.models import DenseConfig
-
     if not isinstance(data, dict):
         raise CheckpointError(f"{where} holds no jaxpar model config (a JSON object); nothing was written")
     try:
@@ -100,9 +103,6 @@ def stream_differences(saved: dict, current: dict, /) -> list[str]:
 
 def saved_arrays(checkpoints: Path, step: int, /) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{path: (shape, dtype)}`` of every array of checkpoint ``step``'s state, from its metadata."""
-    import jax
-    import orbax.checkpoint as ocp
-
     handlers = {
         "state": ocp.StandardCheckpointHandler(),
         "data": ocp.JsonCheckpointHandler(),
@@ -127,8 +127,6 @@ def saved_arrays(checkpoints: Path, step: int, /) -> dict[str, tuple[tuple[int, 
 
 def abstract_arrays(state, /, *, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
     """``{path: (shape, dtype)}`` of an abstract ``nnx.State`` (from ``nnx.eval_shape``)."""
-    from flax import nnx
-
     out = {}
     for keys, var in nnx.to_flat_state(state):
         value = var.get_value()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import NamedSharding
@@ -59,3 +60,13 @@ def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> 
             mesh_shape=shape,
         )
     return Layout(mesh, rules)
+
+
+def default_batch_seq(preset, num_devices: int, /) -> tuple[int, int]:
+    """The smallest batch and sequence length the mesh preset can split: its batch and length ways."""
+    shape = preset.mesh.resolve(num_devices).shape()
+
+    def ways(logical):
+        return math.prod(shape[a] for a in preset.rules[logical])
+
+    return ways("batch"), math.lcm(ways("length"), ways("inner_length"))

@@ -16,6 +16,11 @@ import dataclasses
 import json
 import math
 
+import jax
+
+from jaxpar.errors import MeshError
+from jaxpar.layout import default_batch_seq, make_layout
+from jaxpar.models import get_model_preset
 from jaxpar.rules import ACTIVATION_AXES, CACHE_AXES, LOGICAL_AXES, PARAM_AXES, Dim, Rules
 
 GROUPS = (
@@ -132,13 +137,6 @@ def rules_report(
     if model is None:
         shape = preset.mesh.resolve(num_devices).shape()
         return RulesReport(preset, num_devices, shape, preset.rules)
-    import jax
-
-    from jaxpar.layout import make_layout
-    from jaxpar.mesh import MeshError
-    from jaxpar.models import get_model_preset
-    from jaxpar.shardings import default_batch_seq
-
     if jax.device_count() != num_devices:
         raise MeshError(
             f"--devices {num_devices}: jax has {jax.device_count()} devices; simulate them before any JAX operation"

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.mesh import AXES, MeshConfig, suggest
+from jaxpar.errors import suggest
+from jaxpar.mesh import AXES, MeshConfig
 from jaxpar.rules import LOGICAL_AXES, LayoutError, Rules
 
 

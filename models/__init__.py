@@ -11,11 +11,10 @@ import dataclasses
 from flax import nnx
 
 from jaxpar.config import from_dict, to_dict
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, suggest
 from jaxpar.layers.mla import MLAConfig
 from jaxpar.layers.moe import MoEConfig
 from jaxpar.layers.rope import RopeScaling, YarnScaling
-from jaxpar.mesh import suggest
 from jaxpar.models.dense import DenseConfig, DenseLM, Remat
 from jaxpar.models.moe import MoELM, MoEModelConfig
 

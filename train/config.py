@@ -25,7 +25,7 @@ from jaxpar.config import Choice, check_choices, config_classes, from_dict, hint
 from jaxpar.data import DataConfig
 from jaxpar.errors import ConfigError
 from jaxpar.models import DenseConfig, get_model_preset
-from jaxpar.pipeline.schedules import Schedule
+from jaxpar.pipeline.ops import Schedule
 from jaxpar.train.guard import NonFinite
 from jaxpar.train.optim import OptimizerConfig
 

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
+from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.rules import constrain, partly_manual
 
 Batch = dict[str, jax.Array]  # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
@@ -166,8 +167,6 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int):
 
 def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float):
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
-    from jaxpar.pipeline.executor import pipeline_grads
-
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
     out = pipeline_grads(

@@ -42,6 +42,8 @@ from collections import defaultdict
 import numpy as np
 
 from jaxpar.mesh import AXES as AXIS_ORDER  # outermost (slowest links) to innermost
+from jaxpar.pipeline.schedules import build
+from jaxpar.pipeline.timing import executor_bubble_fraction
 
 
 def group_key(axes) -> str:
@@ -250,8 +252,6 @@ def memory_estimate(cfg, report, acts: Activations, mesh: dict, token_axes: set)
 @functools.lru_cache(maxsize=512)
 def schedule_table(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1):
     """``jaxpar.pipeline.build``'s table (cached: the search asks for the same few many times)."""
-    from jaxpar.pipeline.schedules import build
-
     return build(schedule, stages, microbatches, virtual_stages)
 
 
@@ -286,8 +286,6 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
     one its most expensive action needs (forward, input-gradient vjp, full vjp; module docstring of
     ``jaxpar.pipeline.executor``). ``flops_per_device``: the work the stages do (recomputation and the
     head included), without the masked sections; the step's compute is that over 1 − executor bubble."""
-    from jaxpar.pipeline.executor import executor_bubble_fraction
-
     p, m, v, n = mesh["stage"], a.microbatches, a.virtual_stages, math.prod(mesh.values())
     table = schedule_table(a.schedule, p, m, v)
     head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # forward FLOPs per token

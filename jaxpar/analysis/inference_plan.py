@@ -36,9 +36,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+from flax import nnx
+
+from jaxpar.analysis.calibration import CALIBRATED
 from jaxpar.analysis.costmodel import measured_bytes
+from jaxpar.analysis.hardware import get_hardware
+from jaxpar.analysis.hlo import analyze_compiled
 from jaxpar.analysis.links import latency_by_axis
 from jaxpar.analysis.plan import cpu_compilable, link_of
+from jaxpar.errors import JaxparError
+from jaxpar.inference.generate import abstract_cache, compile_programs, generation_config
+from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout
+from jaxpar.models import build_model, get_model_preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,18 +83,11 @@ class InferencePlan:
 
 def _per_device(tree) -> float:
     """Bytes one device holds of a tree of ``jax.ShapeDtypeStruct`` with shardings (the largest shard)."""
-    import jax
-
     return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 def _abstract(cfg, layout):
     """The model (abstract) and its state as ``ShapeDtypeStruct`` placed on ``layout``'s decode rules."""
-    import jax
-    from flax import nnx
-
-    from jaxpar.models import build_model
-
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     with layout.phase("decode").activate():
         state = nnx.state(model)
@@ -105,15 +108,6 @@ def plan_inference(
 ) -> InferencePlan:
     """Compile and read ``model``'s prefill and decode under ``mesh`` (module doc) and predict them;
     ``efficiency`` defaults to the chip family's calibrated matmul share (``calibration.CALIBRATED``)."""
-    import jax
-
-    from jaxpar.analysis import analyze_compiled
-    from jaxpar.analysis.calibration import CALIBRATED
-    from jaxpar.analysis.hardware import get_hardware
-    from jaxpar.inference.generate import abstract_cache, compile_programs, generation_config
-    from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout
-    from jaxpar.models import get_model_preset
-
     hw = get_hardware(hardware)
     efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
     cfg = get_model_preset(model, **({"dtype": "bfloat16", "param_dtype": "bfloat16"} | model_overrides))
@@ -266,9 +260,6 @@ def search_inference(
     by ``plan_inference``. Returns (ranked plans, refused (mesh, reason) pairs): first the layouts that fit
     and meet ``max_step_s`` (the decode step, i.e. the inter-token latency), by tokens/s, best first; then
     the others, by tokens/s."""
-    from jaxpar.errors import JaxparError
-    from jaxpar.models import get_model_preset
-
     moe = hasattr(get_model_preset(model), "moe")
     plans, refused = [], []
     for tensor in [t for t in range(1, devices + 1) if devices % t == 0]:
@@ -316,10 +307,10 @@ def format_search(ranked, refused, *, max_step_s: float | None) -> str:
 
 def plot_search(ranked, path: str, *, title: str) -> None:
     """Tokens/s and decode step of each ranked layout, side by side (saved to ``path``)."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib is the optional `plot` extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     labels = [",".join(f"{a[0]}{n}" for a, n in p.mesh.items()) or "1" for p in ranked]
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(8, len(ranked) * 0.9), 4))

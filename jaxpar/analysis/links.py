@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from jaxpar.analysis.costmodel import AXIS_ORDER, group_key
+
 
 def torus_split(chip, chips: int) -> list[int]:
     """A slice's torus sides: chip counts are powers of two; the smallest side doubles first
@@ -80,8 +82,6 @@ def collective_latency(kind: str, n: int, domains: int, chip) -> float:
 def group_span(axes, mesh: dict) -> int:
     """Devices in the block an axis group's collectives cross: devices are numbered with the last mesh axis
     fastest, so a group spans its outermost axis times every axis inside it."""
-    from jaxpar.analysis.costmodel import AXIS_ORDER
-
     outer = min(AXIS_ORDER.index(a) for a in axes)
     return math.prod(mesh.get(a, 1) for a in AXIS_ORDER[outer:])
 
@@ -89,8 +89,6 @@ def group_span(axes, mesh: dict) -> int:
 def latency_by_axis(ops, mesh: dict, chip) -> dict[str, float]:
     """The collectives' latency per axis group of a compiled program's collectives (``ops``: executions
     counted), in seconds: a group meets ceil(``group_span`` / fast_domain) domains."""
-    from jaxpar.analysis.costmodel import group_key
-
     out: dict[str, float] = {}
     for op in ops:
         if not op.axes:

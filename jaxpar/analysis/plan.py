@@ -55,6 +55,10 @@ import dataclasses
 import functools
 import math
 
+import jax
+import numpy as np
+
+from jaxpar.analysis.calibration import CALIBRATED
 from jaxpar.analysis.costmodel import (
     Activations,
     flash_attention,
@@ -66,7 +70,20 @@ from jaxpar.analysis.costmodel import (
     schedule_table,
     stage_input_bytes,
 )
-from jaxpar.analysis.hardware import Hardware
+from jaxpar.analysis.hardware import Hardware, get_hardware
+from jaxpar.analysis.hlo import analyze_compiled
+from jaxpar.analysis.links import group_span
+from jaxpar.analysis.steptime import mechanism_times
+from jaxpar.analysis.workload import workload_of
+from jaxpar.errors import ConfigError
+from jaxpar.layout import make_layout
+from jaxpar.meshes import resolve_mesh_arg
+from jaxpar.models import build_model, get_model_preset
+from jaxpar.pipeline.executor import check_stack
+from jaxpar.shardings import param_shardings
+from jaxpar.train.config import PipelineConfig
+from jaxpar.train.optim import OptimizerConfig, make_optimizer
+from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
 
 WEIGHT_AXES = {"data", "fsdp"}
 FLAG_RATIO = 1.2
@@ -113,13 +130,6 @@ def cpu_compilable(cfg):
 def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
     """The train step compiled for ``layout`` from abstract state and batch (nothing allocated);
     ``pipeline``: the schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``); ``cpu_compilable``."""
-    import jax
-    import numpy as np
-
-    from jaxpar.models import build_model
-    from jaxpar.train.optim import OptimizerConfig, make_optimizer
-    from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
-
     cfg = cpu_compilable(cfg)
     program = init_program(
         lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
@@ -136,8 +146,6 @@ def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
 
 def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) -> Activations:
     """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1."""
-    import numpy as np
-
     moe, mla = getattr(cfg, "moe", None), getattr(cfg, "mla", None)
     slots = None
     if moe is not None and moe.capacity_factor is not None:
@@ -161,8 +169,6 @@ def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) 
 
 def check_microbatches(batch: int, microbatches: int, ways: int, split: str) -> None:
     """Refuses a batch the pipeline's microbatches, split ``ways`` ways (``split`` names the axes), cannot cut."""
-    from jaxpar.errors import ConfigError
-
     if batch % microbatches or batch // microbatches % ways:
         raise ConfigError(
             f"batch={batch} / pipeline.microbatches={microbatches} = {batch / microbatches:g} rows "
@@ -173,8 +179,6 @@ def check_microbatches(batch: int, microbatches: int, ways: int, split: str) -> 
 
 def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatches: int, virtual_stages: int):
     """The table a mesh with ``stage`` > 1 runs (None without), refused as the train loop refuses it."""
-    from jaxpar.pipeline.executor import check_stack
-
     p = mesh.get("stage", 1)
     if p == 1:
         return None
@@ -190,8 +194,6 @@ def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatc
 def link_of(key: str, mesh: dict, hw: Hardware) -> tuple[str, float]:
     """The link an axis group's collectives cross: the fast one when the block it spans
     (``links.group_span``) fits one fast domain."""
-    from jaxpar.analysis.links import group_span
-
     fits = group_span(key.split("+"), mesh) <= hw.fast_domain
     return ("fast", hw.fast_link) if fits else ("slow", hw.slow_link)
 
@@ -281,10 +283,6 @@ def step_times(
     the calibrated matmul share of the chip's family (or ``efficiency``) and ``overlap`` (default 0.8).
     ``pipeline``: the executor's costs (``pipeline_costs``) where the mesh has ``stage`` > 1: its bubble
     stretches the step."""
-    from jaxpar.analysis.calibration import CALIBRATED
-    from jaxpar.analysis.steptime import mechanism_times
-    from jaxpar.analysis.workload import workload_of
-
     base = dict(compute_dtype=cfg.dtype, remat=cfg.remat.value)
     ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}
     bubble = pipeline["executor_bubble_fraction"] if pipeline else 0.0
@@ -300,7 +298,7 @@ def step_times(
         else None
     )
     if work is not None:
-        times = mechanism_times(work, hw)
+        times = mechanism_times(work, hw, CALIBRATED)
         return times, base | dict(model="mechanisms", calibration=times["calibration"])
     efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
     overlap = 0.8 if overlap is None else overlap
@@ -337,16 +335,6 @@ def plan(
     ``devices``) and predict it on ``hardware`` (see the module docstring). With ``stage`` > 1 the step
     runs ``schedule`` over ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s).
     ``efficiency``/``overlap``: force the roofline with these (``step_times``)."""
-    import jax
-
-    from jaxpar.analysis import analyze_compiled
-    from jaxpar.analysis.hardware import get_hardware
-    from jaxpar.layout import make_layout
-    from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.models import get_model_preset
-    from jaxpar.shardings import param_shardings
-    from jaxpar.train.config import PipelineConfig
-
     hw = get_hardware(hardware)
     cfg = get_model_preset(model, **({"dtype": "bfloat16"} | model_overrides))
     preset = resolve_mesh_arg(mesh)

@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from jaxpar.analysis.costmodel import flash_attention
+from jaxpar.analysis.hardware import HARDWARE, get_hardware
+from jaxpar.errors import LayoutError, MeshError
+from jaxpar.mesh import simulate_cpu_devices
+
 HELP = "compile a model's train step for a layout and predict it on named hardware"
 MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 compiles in 49 s, 1.35 GB;
 # at 4096 XLA:CPU refuses ("Multiprocess computations aren't implemented")
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
-    from jaxpar.analysis.hardware import HARDWARE
-
     parser.add_argument("--model", required=True, help="model preset")
     parser.add_argument("--mesh", default=None, help="mesh preset or axis spec, e.g. fsdp=32,tensor=8")
     parser.add_argument(
@@ -105,8 +108,6 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
 
 
 def _overrides(items: list[str]) -> dict:
-    from jaxpar.rules import LayoutError
-
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -117,9 +118,6 @@ def _overrides(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace, /) -> int:
-    from jaxpar.analysis.hardware import get_hardware
-    from jaxpar.mesh import MeshError, simulate_cpu_devices
-
     get_hardware(args.hardware)  # unknown names fail before any work
     if args.search == bool(args.mesh):
         raise MeshError("give either --mesh (compile and analyse one layout) or --search (rank them all)")
@@ -134,7 +132,7 @@ def run(args: argparse.Namespace, /) -> int:
         return _inference(args)
     if args.search:
         return _search(args)
-    from jaxpar.analysis.plan import plan
+    from jaxpar.analysis.plan import plan  # deferred: imports jax, flax and the model zoo
 
     result = plan(
         args.model,
@@ -157,8 +155,6 @@ def run(args: argparse.Namespace, /) -> int:
 
 
 def _check_mode(args) -> None:
-    from jaxpar.mesh import MeshError
-
     if args.inference:
         if not args.context or args.context < 1 or args.batch < 1:
             raise MeshError(f"--inference needs --context ≥ 1 (got {args.context}) and --batch ≥ 1 (got {args.batch})")
@@ -169,7 +165,7 @@ def _check_mode(args) -> None:
 
 
 def _inference(args) -> int:
-    from jaxpar.analysis.inference_plan import (
+    from jaxpar.analysis.inference_plan import (  # deferred: imports jax, flax and the model zoo
         format_inference_plan,
         format_search,
         plan_inference,
@@ -223,7 +219,7 @@ def _inference(args) -> int:
 
 
 def _search(args) -> int:
-    from jaxpar.analysis.search import search
+    from jaxpar.analysis.search import search  # deferred: imports jax, flax and the model zoo
 
     ranked, refused = search(
         args.model,
@@ -274,8 +270,7 @@ def _search(args) -> int:
 
 def _attention_line(args) -> str:
     """Which attention kernel the ranking priced (``costmodel.flash_attention``)."""
-    from jaxpar.analysis.costmodel import flash_attention
-    from jaxpar.models import get_model_preset
+    from jaxpar.models import get_model_preset  # deferred: imports flax
 
     if flash_attention(get_model_preset(args.model, **_overrides(args.overrides))):
         return "attention: a flash kernel (cuDNN or ring)"
@@ -287,7 +282,7 @@ def _attention_line(args) -> str:
 
 def plot_candidates(ranked, path: str, *, title: str) -> None:
     """``candidates_figure`` saved to ``path`` (the CLI's ``--plot``; no display needed)."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib is the optional `plot` extra
 
     matplotlib.use("Agg")
 
@@ -297,7 +292,7 @@ def plot_candidates(ranked, path: str, *, title: str) -> None:
 def candidates_figure(ranked, *, title: str):
     """Memory and analytic traffic per axis group of each candidate, as two stacked bar charts (a matplotlib
     Figure, drawn with the current backend: a notebook shows it inline)."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib is the optional `plot` extra
 
     short = {"stage": "p"}  # s is sequence
     labels = [",".join(f"{short.get(a, a[0])}{n}" for a, n in c.mesh.items()) or "1" for c in ranked]

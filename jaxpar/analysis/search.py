@@ -27,7 +27,9 @@ import dataclasses
 import math
 import types
 
+import jax
 import numpy as np
+from jax.sharding import AxisType
 
 from jaxpar.analysis.costmodel import (
     hbm_bytes,
@@ -40,7 +42,13 @@ from jaxpar.analysis.costmodel import (
 from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.plan import activations_of, pipeline_for, step_times
 from jaxpar.errors import JaxparError
+from jaxpar.layout import Layout
 from jaxpar.mesh import AXES
+from jaxpar.meshes import compose_rules
+from jaxpar.models import get_model_preset
+from jaxpar.pipeline.ops import Schedule
+from jaxpar.rules import Dim, check_layout
+from jaxpar.shardings import normalize_spec, param_shardings
 
 SEARCH_AXES = AXES
 
@@ -89,9 +97,6 @@ def estimate(
 ):
     """One candidate's ``Candidate`` (raises ``LayoutError``/``ConfigError`` when the layout cannot divide
     the model, or the pipeline the batch). ``base``: ``base_report(cfg)``, built once for many candidates."""
-    from jaxpar.meshes import compose_rules
-    from jaxpar.rules import Dim, check_layout
-
     hw = get_hardware(hardware)
     full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
     spec = ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
@@ -177,10 +182,6 @@ def _pipeline(cfg, mesh: dict, rules, *, batch: int, seq: int, schedule: str, mi
 
 def base_report(cfg):
     """The model's parameters (paths, shapes, logical names) from one abstract build on one device."""
-    from jaxpar.layout import Layout
-    from jaxpar.meshes import compose_rules
-    from jaxpar.shardings import param_shardings
-
     return param_shardings(cfg, Layout(_abstract_mesh({}), compose_rules("data=1", set())))
 
 
@@ -188,8 +189,6 @@ def resharded(base, rules, mesh: dict) -> types.SimpleNamespace:
     """``base``'s parameters with the specs and shard shapes ``rules`` give them on ``mesh``: what
     ``jaxpar.shardings.param_shardings`` reports for that layout (names and shapes do not depend on it;
     tests/test_plan.py checks the two agree), without building the model again for every candidate."""
-    from jaxpar.shardings import normalize_spec
-
     params = []
     for p in base.params:
         spec = tuple(normalize_spec(rules.spec(p.names), len(p.shape)))
@@ -206,15 +205,9 @@ def resharded(base, rules, mesh: dict) -> types.SimpleNamespace:
 def _abstract_mesh(shape: dict):
     """A mesh over the first N devices JAX has when there are enough, else an abstract one (shapes and
     shardings only: the search never places arrays)."""
-    import jax
-
-    from jaxpar.mesh import AXES
-
     sizes = tuple(shape.get(a, 1) for a in AXES)
     n = math.prod(sizes)
     if n <= jax.device_count():
-        from jax.sharding import AxisType
-
         return jax.make_mesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=jax.devices()[:n])
     return jax.sharding.AbstractMesh(sizes, AXES)
 
@@ -237,9 +230,6 @@ def search(
     factorizations with their reasons). ``schedule``, ``microbatches``, ``virtual_stages``: the pipeline of
     candidates with ``stage`` > 1 (defaults: every schedule, each a candidate of its own,
     ``default_microbatches``, 1 chunk a device, 2 interleaved)."""
-    from jaxpar.models import get_model_preset
-    from jaxpar.pipeline.schedules import Schedule
-
     cfg = get_model_preset(model, **({"dtype": "bfloat16"} | overrides))
     schedules = [Schedule.parse(schedule, field="--schedule")] if schedule else list(Schedule)
     axes = SEARCH_AXES if getattr(cfg, "moe", None) is not None else tuple(a for a in SEARCH_AXES if a != "expert")

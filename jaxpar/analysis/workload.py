@@ -12,6 +12,8 @@ import math
 import numpy as np
 
 from jaxpar.analysis.costmodel import flash_attention
+from jaxpar.errors import ConfigError
+from jaxpar.parallel.ring import ring_work
 
 AXES = ("data", "fsdp", "tensor", "stage", "expert", "sequence")
 CONTEXT = ("ring", "ulysses", "allgather")
@@ -139,8 +141,6 @@ class Workload:
             return 0.5
         if self.context_parallel == "allgather":  # zigzag: load-balanced as a ring's
             return (n - 0.5) / n if self.cp_order == "contiguous" else 0.5
-        from jaxpar.parallel.ring import ring_work
-
         if W and W < S:  # the tiles that meet the window, at the real length
             return float(ring_work(S, n, self.cp_order, window=W).max()) / (4 * n)
         return float(ring_work(4 * n, n, self.cp_order).max()) / (4 * n)
@@ -228,8 +228,6 @@ class Workload:
         return (self.params() - experts) / (split * (e if self.expert_fsdp else 1)) + experts / (split * e)
 
     def check(self) -> None:
-        from jaxpar.errors import ConfigError
-
         for axis, n in {**self.mesh, **{f"dcn.{a}": v for a, v in self.dcn.items()}}.items():
             if axis.removeprefix("dcn.") not in AXES or int(n) < 1:
                 raise ConfigError(f"mesh: {axis}={n}: the step-time model takes {', '.join(AXES)} sizes ≥ 1")

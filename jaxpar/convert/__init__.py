@@ -26,6 +26,8 @@ from jaxpar.convert.families import FAMILIES, Family, check_fields, family_of, g
 from jaxpar.convert.files import ConvertError, HFFolder, ShardWriter
 from jaxpar.convert.mapping import read_shard, write_pieces
 from jaxpar.errors import JaxparError
+from jaxpar.models import build_model
+from jaxpar.shardings import default_layout
 
 __all__ = ["from_hf", "to_hf", "hf_config", "ConvertError", "FAMILIES"]
 
@@ -102,9 +104,6 @@ def from_hf(folder: str | os.PathLike, mesh=None, *, param_dtype: str = "float32
     """A jaxpar model from a Hugging Face folder, its parameters placed shard by shard on ``mesh`` (a
     mesh preset name or spec such as ``"fsdp=4,tensor=2"``; None: one device). ``model(ids)`` with int32
     ids [B, T] returns float32 logits [B, T, V]. ``overrides`` set config fields (e.g. ``remat``)."""
-    from jaxpar.models import build_model
-    from jaxpar.shardings import default_layout
-
     cfg, fam, hf = hf_config(folder, param_dtype=param_dtype, **overrides)
     try:
         layout = default_layout(cfg, mesh or "dp", devices=None if mesh else jax.devices()[:1])

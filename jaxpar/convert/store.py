@@ -11,19 +11,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer, abstract_like, latest
 from jaxpar.convert.files import ConvertError
+from jaxpar.errors import ConfigError
 from jaxpar.identity import Entry, check_fits
+from jaxpar.models import build_model, config_from_dict, config_to_dict
 
 MODEL_JSON = "model.json"
 
 
 def save_model(model, out: str | Path, *, source: dict) -> Path:
     """Write ``model`` as a model checkpoint in the new folder ``out`` (refused if it exists)."""
-    from jaxpar.models import config_to_dict
-
     out = Path(out).resolve()
     if out.exists():
         raise ConvertError(f"{out}: exists; conversion writes a new folder and never overwrites")
@@ -41,9 +42,6 @@ def save_model(model, out: str | Path, *, source: dict) -> Path:
 
 def model_config(ckpt: str | Path):
     """(model config, step, whether ``ckpt`` is a training run) of a model checkpoint or a run folder."""
-    from jaxpar.errors import ConfigError
-    from jaxpar.models import config_from_dict
-
     ckpt = Path(ckpt).resolve()
     saved = latest(ckpt / "checkpoints")
     if saved is None:
@@ -61,10 +59,6 @@ def model_config(ckpt: str | Path):
 def load_model(ckpt: str | Path, layout, /):
     """The model of a model checkpoint or of a training run's newest checkpoint, restored onto
     ``layout`` (a ``jaxpar.layout.Layout``); the optimizer state of a run is not read."""
-    import orbax.checkpoint as ocp
-
-    from jaxpar.models import build_model
-
     cfg, step, is_run = model_config(ckpt)
     with layout.activate():
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))

@@ -36,6 +36,9 @@ from jaxpar.inference.layouts import (
     weight_layout,
 )
 from jaxpar.inference.sampling import SamplingParams, sample
+from jaxpar.models import build_model
+from jaxpar.models.dense import Remat
+from jaxpar.parallel.attention import ContextParallel, TokenOrder
 from jaxpar.rules import trace_layout
 
 MIN_BUCKET = 16
@@ -49,9 +52,6 @@ def bucket(n: int, /, minimum: int = MIN_BUCKET) -> int:
 def generation_config(cfg, *, sequence_split: bool = False):
     """``cfg`` with the settings generation needs: no remat, natural token order, dropless MoE routing,
     and ring attention for prefill when positions are split (``sequence_split``)."""
-    from jaxpar.models.dense import Remat
-    from jaxpar.parallel.attention import ContextParallel, TokenOrder
-
     changes = dict(remat=Remat.NONE, cp_order=TokenOrder.CONTIGUOUS)
     if sequence_split and cfg.context_parallel == ContextParallel.NONE:
         changes["context_parallel"] = ContextParallel.RING
@@ -62,8 +62,6 @@ def generation_config(cfg, *, sequence_split: bool = False):
 
 def for_generation(model, *, sequence_split: bool = False):
     """``model`` (its state shared, not copied) rebuilt with ``generation_config``."""
-    from jaxpar.models import build_model
-
     cfg = generation_config(model.cfg, sequence_split=sequence_split)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, nnx.state(model))

@@ -34,9 +34,10 @@ import math
 import jax
 from flax import nnx
 
-from jaxpar.errors import LayoutError
+from jaxpar.errors import LayoutError, suggest
 from jaxpar.layout import Layout
-from jaxpar.mesh import AXES, MeshConfig, build_mesh, suggest
+from jaxpar.mesh import AXES, MeshConfig, build_mesh
+from jaxpar.meshes import PRESETS as TRAINING
 from jaxpar.parallel.attention import check_context_parallel
 from jaxpar.rules import LOGICAL_AXES, Dim, Rules, check_layout
 
@@ -67,8 +68,6 @@ def compose_decode_rules(name: str, axes, /, *, prefill: bool) -> Rules:
 
 def mesh_config(value: str, /, *, flag: str = "--mesh") -> tuple[str, MeshConfig]:
     """(name, MeshConfig) of a decode preset, a training preset's mesh, or an axis spec."""
-    from jaxpar.meshes import PRESETS as TRAINING
-
     if "=" in value:
         return value, MeshConfig.parse(value)
     if value in PRESETS:

@@ -25,6 +25,8 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.config import Choice
 from jaxpar.parallel.common import zigzag_order
+from jaxpar.parallel.ring import ring_attention
+from jaxpar.parallel.ulysses import ulysses_attention, ulysses_check
 from jaxpar.rules import LayoutError, Rules, active_layout
 
 
@@ -70,8 +72,6 @@ def check_context_parallel(
             f"each device two chunks of seq / {2 * n} (or set model.cp_order=contiguous)"
         )
     if strategy == "ulysses":
-        from jaxpar.parallel.ulysses import ulysses_check
-
         heads_ways = math.prod(mesh_shape[a] for a in rules["act_heads"])
         kv_ways = math.prod(mesh_shape[a] for a in rules["act_kv_heads"])
         local_kv = num_kv_heads // kv_ways
@@ -145,9 +145,5 @@ def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.A
 def _kernel(strategy: str):
     strategy = ContextParallel.parse(strategy, field="model.context_parallel")
     if strategy == ContextParallel.RING:
-        from jaxpar.parallel.ring import ring_attention
-
         return ring_attention
-    from jaxpar.parallel.ulysses import ulysses_attention  # (none never gets here)
-
-    return ulysses_attention
+    return ulysses_attention  # (none never gets here)

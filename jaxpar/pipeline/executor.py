@@ -44,10 +44,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
+from jaxpar.pipeline.ops import Op
+from jaxpar.pipeline.timing import executor_bubble_fraction, tick_sections  # noqa: F401  (re-exported)
 from jaxpar.rules import constrain
 
 AXIS = "stage"
-F, B, W = 1, 2, 3  # jaxpar.pipeline.schedules.Op
+F, B, W = Op.F, Op.B, Op.W
 
 
 @jax.tree_util.register_dataclass
@@ -100,26 +102,6 @@ def _table_arrays(table) -> dict:
         brecv=clamp(table.bwd_recv_slot, table.grad_slots),
         section=tick_sections(table),
     )
-
-
-def tick_sections(table) -> np.ndarray:
-    """[ticks]: the one section each tick runs on every stage, as an index into the executor's list
-    (idle, forward, [input-gradient vjp when the table splits the backward,] full vjp): the cheapest that
-    covers every stage's op in the tick."""
-    op = table.op
-    any_f, any_b, any_w = ((op == o).any(1) for o in (F, B, W))
-    full = 3 if table.split_backward else 2
-    if table.split_backward:
-        return np.where(any_w, full, np.where(any_b, 2, np.where(any_f, 1, 0))).astype(np.int32)
-    return np.where(any_b, full, np.where(any_f, 1, 0)).astype(np.int32)
-
-
-def executor_bubble_fraction(table, t_f: float, t_b: float, t_w: float | None = None) -> float:
-    """The idle share of stage time when this executor runs ``table``: a tick lasts as long as its
-    section (``tick_sections``): ``t_f`` the forward, ``t_b`` the vjp (in split tables the input-gradient
-    one, and ``t_w`` the full one, which W actions need). Each action's own time is its useful work."""
-    cost = np.array([0.0, t_f, t_b] + ([t_w] if table.split_backward else []))[tick_sections(table)]
-    return float(1 - table.busy_time(t_f, t_b, t_w) / (table.stages * cost.sum()))
 
 
 def pipeline_grads(

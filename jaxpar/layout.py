@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import NamedSharding
@@ -46,20 +47,37 @@ def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> 
             f"mesh {preset.mesh}: axis {', '.join(idle)} is used by no rule of preset "
             f"{preset.rules.name!r}; every device on it would repeat the same work"
         )
-    dims = dict(model_cfg.logical_dims())
-    dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
-    rules = check_layout(dims, preset.rules, shape)
-    if hasattr(model_cfg, "context_parallel"):
-        check_context_parallel(
-            model_cfg.context_parallel,
-            model_cfg.cp_order,
-            seq=seq,
-            num_heads=model_cfg.num_heads,
-            num_kv_heads=model_cfg.num_kv_heads,
-            rules=rules,
-            mesh_shape=shape,
-        )
+    rules = check_model_layout(model_cfg, preset.rules, shape, batch=Dim(batch, "batch"), seq=Dim(seq, "seq"))
     return Layout(mesh, rules)
+
+
+def layout_dims(model_cfg, /, *, batch: Dim, seq: Dim) -> dict[str, Dim]:
+    """What the layout check measures: the model's dimensions (``logical_dims``), the batch, and the
+    positions between blocks and inside them."""
+    return dict(model_cfg.logical_dims()) | dict(batch=batch, length=seq, inner_length=seq)
+
+
+def check_model_layout(
+    model_cfg, rules: Rules, mesh_shape: Mapping[str, int], /, *, batch: Dim, seq: Dim, extra_dims=None, cp_order=None
+) -> Rules:
+    """The layout check, the one place a model meets a rules table (training, generation, the layout lab
+    and its search): every dimension the rules shard (``layout_dims``, plus ``extra_dims`` such as a KV
+    cache's) divides its mesh axes, and the model's context-parallel kernel runs on the split positions
+    (``cp_order``: the token order, default the model's). Returns the rules to use (kv heads fewer than
+    the tensor size replicated: ``jaxpar.rules.check_layout``); raises ``LayoutError`` naming the field,
+    the mesh axis and the numbers."""
+    dims = layout_dims(model_cfg, batch=batch, seq=seq) | dict(extra_dims or {})
+    rules = check_layout(dims, rules, mesh_shape)
+    check_context_parallel(
+        model_cfg.context_parallel,
+        model_cfg.cp_order if cp_order is None else cp_order,
+        seq=seq.size,
+        num_heads=model_cfg.num_heads,
+        num_kv_heads=model_cfg.num_kv_heads,
+        rules=rules,
+        mesh_shape=mesh_shape,
+    )
+    return rules
 
 
 def default_batch_seq(preset, num_devices: int, /) -> tuple[int, int]:

@@ -91,6 +91,12 @@ class DenseConfig:
     context_parallel: ContextParallel = ContextParallel.NONE  # attention when positions are split over `sequence`
     cp_order: TokenOrder = TokenOrder.ZIGZAG  # ring: how tokens are stored over the devices
 
+    # The parts other families add, as every family answers them (plain class attributes, not fields:
+    # the dense config's data holds none of them). ``MoEModelConfig`` declares them as fields.
+    moe = None  # the MoE layers' MoEConfig
+    mla = None  # DeepSeek's Multi-head Latent Attention (an MLAConfig) instead of GQA
+    first_dense_layers = 0  # layers before the MoE stack that keep a dense SwiGLU
+
     def __post_init__(self):
         check_choices(self, "model")
         for name in SIZE_FIELDS:  # before any division by them
@@ -109,8 +115,13 @@ class DenseConfig:
 
     @property
     def uses_mla(self) -> bool:
-        """Whether the attention is DeepSeek's Multi-head Latent Attention (families that have it say so)."""
-        return False
+        """Whether the attention is DeepSeek's Multi-head Latent Attention."""
+        return self.mla is not None
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose feed-forward is a mixture of experts (0 for a dense model)."""
+        return 0 if self.moe is None else self.num_layers - self.first_dense_layers
 
     @property
     def padded_vocab(self) -> int:
@@ -349,7 +360,7 @@ class DenseLM(nnx.Module):
         cfg = self.cfg
         out = {}
         for name in self.cache_stacks():
-            prefix = getattr(cfg, "first_dense_layers", 0)
+            prefix = cfg.first_dense_layers
             n = prefix if name == self.prefix_stack else cfg.num_layers - prefix
             if cfg.uses_mla:
                 mla = cfg.mla

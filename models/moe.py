@@ -31,7 +31,7 @@ from jaxpar.rules import Dim, constrain
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEModelConfig(DenseConfig):
-    moe: MoEConfig  # the MoE layers' router, experts and capacity
+    moe: MoEConfig = dataclasses.field()  # the MoE layers' router, experts and capacity (required)
     first_dense_layers: int = 0  # DeepSeek: the first layers keep a dense SwiGLU of width mlp_dim
     mla: MLAConfig | None = None  # DeepSeek: Multi-head Latent Attention instead of GQA
 
@@ -44,10 +44,6 @@ class MoEModelConfig(DenseConfig):
                 f"model.first_dense_layers={self.first_dense_layers} must be in [0, model.num_layers={self.num_layers})"
             )
 
-    @property
-    def uses_mla(self) -> bool:
-        return self.mla is not None
-
     def attention_module(self, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Module:
         if self.mla is None:
             return super().attention_module(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -57,10 +53,6 @@ class MoEModelConfig(DenseConfig):
         """Parameters of one layer's attention as the dense count has them (GQA)."""
         d, h, n, k = self.embed_dim, self.head_dim, self.num_heads, self.num_kv_heads
         return d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_dense_layers
 
     def logical_dims(self) -> dict[str, Dim]:
         experts = Dim(self.moe.num_experts, "model.moe.num_experts")

@@ -41,13 +41,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from jaxpar.mesh import AXES as AXIS_ORDER  # outermost (slowest links) to innermost
+from jaxpar.mesh import AXES  # the physical order: outermost (slowest links) to innermost
 from jaxpar.pipeline.schedules import build
 from jaxpar.pipeline.timing import executor_bubble_fraction
 
 
 def group_key(axes) -> str:
-    return "+".join(a for a in AXIS_ORDER if a in set(axes))
+    return "+".join(a for a in AXES if a in set(axes))
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -176,7 +176,7 @@ def kept_bytes(cfg, b: int, t: int) -> float:
     norms' float32 internals (6·D·4 + 16 B) and the softmax's float32 max and sum (8·N B) (its scores:
     ``score_bytes``). A MoE layer's MLP width is its top-k experts' and the shared ones'; MLA's widths
     are its heads' (the latents are left out): both approximate."""
-    mla, moe = getattr(cfg, "mla", None), getattr(cfg, "moe", None)
+    mla, moe = cfg.mla, cfg.moe
     n, d = cfg.num_heads, cfg.embed_dim
     if mla is not None:
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
@@ -201,7 +201,7 @@ def flash_attention(cfg) -> bool:
     """Whether jaxpar's attention for ``cfg`` runs blockwise, never holding a [S, S] score matrix: the cuDNN
     kernel, or the ring's blocks. ``jax.nn.dot_product_attention`` without an implementation is XLA's,
     which materializes every score (causal or not) of a layer."""
-    return str(cfg.attention_impl) == "cudnn" or str(getattr(cfg, "context_parallel", "none")) == "ring"
+    return str(cfg.attention_impl) == "cudnn" or str(cfg.context_parallel) == "ring"
 
 
 def score_bytes(cfg, acts: Activations, tokens: float, t: int) -> tuple[float, float]:

@@ -260,7 +260,7 @@ def search_inference(
     by ``plan_inference``. Returns (ranked plans, refused (mesh, reason) pairs): first the layouts that fit
     and meet ``max_step_s`` (the decode step, i.e. the inter-token latency), by tokens/s, best first; then
     the others, by tokens/s."""
-    moe = hasattr(get_model_preset(model), "moe")
+    moe = get_model_preset(model).moe is not None
     plans, refused = [], []
     for tensor in [t for t in range(1, devices + 1) if devices % t == 0]:
         rest = devices // tensor

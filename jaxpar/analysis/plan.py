@@ -146,7 +146,7 @@ def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
 
 def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) -> Activations:
     """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1."""
-    moe, mla = getattr(cfg, "moe", None), getattr(cfg, "mla", None)
+    moe, mla = cfg.moe, cfg.mla
     slots = None
     if moe is not None and moe.capacity_factor is not None:
         slots = moe.num_experts * max(1, math.ceil(moe.capacity_factor * seq * moe.top_k / moe.num_experts))
@@ -160,7 +160,7 @@ def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) 
         num_heads=cfg.num_heads,
         act_bytes=np.dtype(cfg.dtype).itemsize,
         context_parallel=cfg.context_parallel,
-        moe_layers=getattr(cfg, "num_moe_layers", 0),
+        moe_layers=cfg.num_moe_layers,
         top_k=moe.top_k if moe else 0,
         capacity_slots=slots,
         **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}),

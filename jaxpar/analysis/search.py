@@ -42,12 +42,12 @@ from jaxpar.analysis.costmodel import (
 from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.plan import activations_of, pipeline_for, step_times
 from jaxpar.errors import JaxparError
-from jaxpar.layout import Layout
+from jaxpar.layout import Layout, check_model_layout
 from jaxpar.mesh import AXES
 from jaxpar.meshes import compose_rules
 from jaxpar.models import get_model_preset
 from jaxpar.pipeline.ops import Schedule
-from jaxpar.rules import Dim, check_layout
+from jaxpar.rules import Dim
 from jaxpar.shardings import normalize_spec, param_shardings
 
 SEARCH_AXES = AXES
@@ -101,9 +101,7 @@ def estimate(
     full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
     spec = ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
     rules = compose_rules(spec, {a for a, n in mesh.items() if n > 1})
-    dims = dict(cfg.logical_dims())
-    dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
-    rules = check_layout(dims, rules, full)
+    rules = check_model_layout(cfg, rules, full, batch=Dim(batch, "batch"), seq=Dim(seq, "seq"))
     acts, costs = _pipeline(
         cfg,
         full,
@@ -232,7 +230,7 @@ def search(
     ``default_microbatches``, 1 chunk a device, 2 interleaved)."""
     cfg = get_model_preset(model, **({"dtype": "bfloat16"} | overrides))
     schedules = [Schedule.parse(schedule, field="--schedule")] if schedule else list(Schedule)
-    axes = SEARCH_AXES if getattr(cfg, "moe", None) is not None else tuple(a for a in SEARCH_AXES if a != "expert")
+    axes = SEARCH_AXES if cfg.moe is not None else tuple(a for a in SEARCH_AXES if a != "expert")
     ranked, refused, base = [], [], base_report(cfg)
     for mesh in factorizations(devices, axes):
         piped = mesh.get("stage", 1) > 1

@@ -505,7 +505,7 @@ def sources(cfg: DenseConfig, fam: Family) -> dict[tuple[str, ...], Source]:
 
 def _attention(cfg, s) -> dict:
     a = "self_attn."
-    if getattr(cfg, "mla", None) is not None:
+    if cfg.mla is not None:
         out = {
             ("kv_a",): s([a + "kv_a_proj_with_mqa.weight"], ("d", "c"), ("c", "d")),
             ("kv_a_norm", "scale"): s([a + "kv_a_layernorm.weight"], ("r",), ("r",)),

@@ -35,12 +35,13 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.inference.generate import bucket, for_generation
-from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, compose_decode_rules, placed_state
+from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, placed_state
 from jaxpar.inference.pages import PagedAllocator
 from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
 from jaxpar.inference.scheduler import Request, Scheduler
 from jaxpar.inference.speculative import acceptance, distribution, host_rng, ngram_draft, one_hot, verify
 from jaxpar.layers.kvcache import with_table
+from jaxpar.meshes import Phase, compose_rules
 from jaxpar.rules import trace_layout
 
 GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
@@ -87,7 +88,7 @@ def engine_layout(cfg, mesh: str | None, devices=None, *, slots: int, length: in
             f"(use tensor, data or expert)"
         )
     layout = check_inference_layout(cfg, built, name, batch=slots, prompt=1, slots=length)
-    wanted = compose_decode_rules(name, {a for a, n in built.shape.items() if n > 1}, prefill=False)
+    wanted = compose_rules(name, {a for a, n in built.shape.items() if n > 1}, phase=Phase.DECODE)
     ways = math.prod(built.shape[a] for a in wanted["cache_kv_heads"])
     if not cfg.uses_mla and cfg.num_kv_heads % ways:
         raise LayoutError(

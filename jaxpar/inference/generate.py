@@ -55,7 +55,7 @@ def generation_config(cfg, *, sequence_split: bool = False):
     changes = dict(remat=Remat.NONE, cp_order=TokenOrder.CONTIGUOUS)
     if sequence_split and cfg.context_parallel == ContextParallel.NONE:
         changes["context_parallel"] = ContextParallel.RING
-    if hasattr(cfg, "moe"):
+    if cfg.moe is not None:
         changes["moe"] = dataclasses.replace(cfg.moe, capacity_factor=None)
     return dataclasses.replace(cfg, **changes)
 

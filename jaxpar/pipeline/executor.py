@@ -64,7 +64,7 @@ class PipelineResult:
 def check_stack(model_cfg, stages: int, virtual: int, microbatches: int | None = None) -> None:
     """Refuses, naming the fields, a model whose pipelined stack does not split into stages × virtual
     stages equal chunks, or (with a dense prefix) whose microbatches do not split over the stages."""
-    prefix = getattr(model_cfg, "first_dense_layers", 0)
+    prefix = model_cfg.first_dense_layers
     layers = model_cfg.num_layers - prefix
     if layers % (stages * virtual):
         field = "model.num_layers - first_dense_layers" if prefix else "model.num_layers"

@@ -26,6 +26,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.layers import Attention, AttentionConfig, AttentionImpl, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
+from jaxpar.model_api import ForwardOutput
 from jaxpar.parallel.attention import ContextParallel, TokenOrder, storage_order
 from jaxpar.parallel.common import inverse_order
 from jaxpar.rules import Dim, constrain
@@ -210,19 +211,6 @@ class Block(nnx.Module):
         return out if cache is None else (out, cache)
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardOutput:
-    """What ``forward`` returns (inside a traced function): logits in the layout's storage order,
-    that order (position p holds token ``order[p]``; None = natural), the weighted auxiliary losses
-    the objective adds (MoE balancing and router z-loss; 0 for dense models), and MoE statistics
-    stacked over the MoE layers (None for dense models)."""
-
-    logits: jax.Array
-    order: np.ndarray | None
-    aux_loss: jax.Array
-    moe: object = None
-
-
 def stacked(n: int, make, rngs: nnx.Rngs, axis: str = "layers"):
     """``n`` blocks made by ``make(rngs)``, created once with ``nnx.vmap``: every parameter gains a
     leading stacked axis (logical name ``axis``), and ``nnx.scan`` runs them."""
@@ -263,6 +251,8 @@ def scan_cached(blocks, x, positions, cache, step: Step):
 
 
 class DenseLM(nnx.Module):
+    """The dense family's ``jaxpar.model_api.LanguageModel``."""
+
     def __init__(self, cfg: DenseConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self._init_io(cfg, rngs)
@@ -292,6 +282,9 @@ class DenseLM(nnx.Module):
         """The layers: (x, weighted auxiliary loss, statistics)."""
         x = self.prefix(x, positions, index)
         return self.run_stack(getattr(self, self.pipeline_stack), x, positions, index)
+
+    def update_router_bias(self, expert_load: jax.Array) -> None:
+        """No routers: nothing to balance (``MoELM`` balances its own)."""
 
     def storage_order(self, length: int) -> np.ndarray | None:
         """How the current layout stores a sequence: position p holds token ``order[p]`` (None: natural)."""

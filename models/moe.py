@@ -116,6 +116,8 @@ class MoEBlock(Block):
 
 
 class MoELM(DenseLM):
+    """The MoE family's ``jaxpar.model_api.LanguageModel``: ``DenseLM`` with another layer stack."""
+
     def __init__(self, cfg: MoEModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self._init_io(cfg, rngs)

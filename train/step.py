@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
+from jaxpar.model_api import LanguageModel
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.rules import constrain, partly_manual
 
@@ -51,7 +52,7 @@ class LossParts:
     moe: Any = None  # MoE statistics of the forward pass (None for dense models)
 
 
-def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
+def next_token_loss(model: LanguageModel, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
     """Objective = mean float32 cross-entropy of the model's logits against ``targets`` plus
     ``z_loss · mean(log Z²)`` (PaLM's z-loss: keeps the softmax normaliser near 1, so logits don't drift
     in low precision) plus the model's own weighted auxiliary losses (MoE balancing and router z-loss).

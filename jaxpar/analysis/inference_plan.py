@@ -48,6 +48,7 @@ from jaxpar.analysis.plan import cpu_compilable, link_of
 from jaxpar.errors import JaxparError
 from jaxpar.inference.generate import abstract_cache, compile_programs, generation_config
 from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout
+from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model, get_model_preset
 
 
@@ -86,7 +87,7 @@ def _per_device(tree) -> float:
     return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-def _abstract(cfg, layout):
+def _abstract(cfg, layout) -> tuple[LanguageModel, object]:
     """The model (abstract) and its state as ``ShapeDtypeStruct`` placed on ``layout``'s decode rules."""
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     with layout.phase("decode").activate():

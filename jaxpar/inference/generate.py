@@ -36,6 +36,7 @@ from jaxpar.inference.layouts import (
     weight_layout,
 )
 from jaxpar.inference.sampling import SamplingParams, sample
+from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model
 from jaxpar.models.dense import Remat
 from jaxpar.parallel.attention import ContextParallel, TokenOrder
@@ -60,7 +61,7 @@ def generation_config(cfg, *, sequence_split: bool = False):
     return dataclasses.replace(cfg, **changes)
 
 
-def for_generation(model, *, sequence_split: bool = False):
+def for_generation(model: LanguageModel, *, sequence_split: bool = False) -> LanguageModel:
     """``model`` (its state shared, not copied) rebuilt with ``generation_config``."""
     cfg = generation_config(model.cfg, sequence_split=sequence_split)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
@@ -137,7 +138,7 @@ class GenerationResult:
         return out
 
 
-def abstract_cache(model, layout: InferenceLayout, batch: int, slots: int) -> dict:
+def abstract_cache(model: LanguageModel, layout: InferenceLayout, batch: int, slots: int) -> dict:
     """The cache's shapes and dtypes, each placed by its logical names under ``layout``."""
 
     def placed(c):
@@ -153,7 +154,7 @@ def abstract_cache(model, layout: InferenceLayout, batch: int, slots: int) -> di
     return {k: placed(c) for k, c in jax.eval_shape(lambda: model.empty_cache(batch, slots)).items()}
 
 
-def compile_programs(model, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
+def compile_programs(model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
     """(prefill, decode) of ``model`` compiled for ``layout`` from ``state``, a tree of
     ``jax.ShapeDtypeStruct`` with shardings (``model`` may be abstract: ``nnx.eval_shape``; nothing the
     size of the model is allocated)."""
@@ -192,7 +193,7 @@ class Generator:
     """Generation from ``model`` on ``mesh`` (a decode layout name, a training preset, an axis spec; None:
     one device). The weights are moved onto the decode layout with one reshard."""
 
-    def __init__(self, model, mesh: str | None = None, *, devices=None, eos_ids: Sequence[int] = ()):
+    def __init__(self, model: LanguageModel, mesh: str | None = None, *, devices=None, eos_ids: Sequence[int] = ()):
         if mesh is None:  # one device
             devices = list(jax.devices() if devices is None else devices)[:1]
         self.mesh_name, self.mesh = build_inference_mesh(mesh or "decode_dp", devices=devices)

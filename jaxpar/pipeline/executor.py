@@ -44,6 +44,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
+from jaxpar.model_api import LanguageModel
 from jaxpar.pipeline.ops import Op
 from jaxpar.pipeline.timing import executor_bubble_fraction, tick_sections  # noqa: F401  (re-exported)
 from jaxpar.rules import constrain
@@ -105,7 +106,7 @@ def _table_arrays(table) -> dict:
 
 
 def pipeline_grads(
-    model: nnx.Module, ids: jax.Array, targets: jax.Array, table, /, *, mesh, losses: Callable
+    model: LanguageModel, ids: jax.Array, targets: jax.Array, table, /, *, mesh, losses: Callable
 ) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
     ``table``; the same as accumulating over the m microbatches on one device.

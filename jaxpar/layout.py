@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import jax
 from jax.sharding import NamedSharding
 
+from jaxpar.execution import ExecutionConfig
 from jaxpar.mesh import build_mesh
 from jaxpar.parallel.attention import check_context_parallel
 from jaxpar.rules import Dim, LayoutError, Rules, check_layout, trace_layout, use_layout
@@ -33,8 +34,11 @@ class Layout:
         return trace_layout(self.mesh, self.rules)
 
 
-def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> Layout:
-    """Build the mesh of ``preset`` (a ``jaxpar.meshes.MeshPreset``) and check the model against it.
+def make_layout(
+    model_cfg, preset, /, *, batch: int, seq: int, devices=None, execution: ExecutionConfig | None = None
+) -> Layout:
+    """Build the mesh of ``preset`` (a ``jaxpar.meshes.MeshPreset``) and check the model, run as
+    ``execution`` says (default ``ExecutionConfig()``), against it.
 
     Raises ``LayoutError``/``MeshError`` naming the field, the mesh axis and the numbers.
     """
@@ -47,7 +51,9 @@ def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> 
             f"mesh {preset.mesh}: axis {', '.join(idle)} is used by no rule of preset "
             f"{preset.rules.name!r}; every device on it would repeat the same work"
         )
-    rules = check_model_layout(model_cfg, preset.rules, shape, batch=Dim(batch, "batch"), seq=Dim(seq, "seq"))
+    rules = check_model_layout(
+        model_cfg, execution, preset.rules, shape, batch=Dim(batch, "batch"), seq=Dim(seq, "seq")
+    )
     return Layout(mesh, rules)
 
 
@@ -58,19 +64,28 @@ def layout_dims(model_cfg, /, *, batch: Dim, seq: Dim) -> dict[str, Dim]:
 
 
 def check_model_layout(
-    model_cfg, rules: Rules, mesh_shape: Mapping[str, int], /, *, batch: Dim, seq: Dim, extra_dims=None, cp_order=None
+    model_cfg,
+    execution: ExecutionConfig | None,
+    rules: Rules,
+    mesh_shape: Mapping[str, int],
+    /,
+    *,
+    batch: Dim,
+    seq: Dim,
+    extra_dims=None,
 ) -> Rules:
     """The layout check, the one place a model meets a rules table (training, generation, the layout lab
     and its search): every dimension the rules shard (``layout_dims``, plus ``extra_dims`` such as a KV
-    cache's) divides its mesh axes, and the model's context-parallel kernel runs on the split positions
-    (``cp_order``: the token order, default the model's). Returns the rules to use (kv heads fewer than
+    cache's) divides its mesh axes, and ``execution``'s context-parallel kernel (default
+    ``ExecutionConfig()``: none) runs on the split positions. Returns the rules to use (kv heads fewer than
     the tensor size replicated: ``jaxpar.rules.check_layout``); raises ``LayoutError`` naming the field,
     the mesh axis and the numbers."""
+    execution = ExecutionConfig() if execution is None else execution
     dims = layout_dims(model_cfg, batch=batch, seq=seq) | dict(extra_dims or {})
     rules = check_layout(dims, rules, mesh_shape)
     check_context_parallel(
-        model_cfg.context_parallel,
-        model_cfg.cp_order if cp_order is None else cp_order,
+        execution.context_parallel,
+        execution.cp_order,
         seq=seq.size,
         num_heads=model_cfg.num_heads,
         num_kv_heads=model_cfg.num_kv_heads,

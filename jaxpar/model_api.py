@@ -22,6 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from jaxpar.execution import ExecutionConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class ForwardOutput:
@@ -41,6 +43,7 @@ class LanguageModel(Protocol):
     """A decoder-only language model as train, the pipeline, inference and the layout lab call it."""
 
     cfg: Any  # the model config (``jaxpar.models``): what the model is, its run identity
+    execution: ExecutionConfig  # how it runs: remat, compute dtype, attention kernel, MoE capacity, ...
     pipeline_stack: str  # the stack a pipeline splits over ``stage``, by attribute name
     prefix_stack: str | None  # the stack that runs before it (None: none), by attribute name
 

@@ -147,13 +147,17 @@ class ShardingReport:
 
 
 # ------------------------------------------------------------------------------------------ building
-def default_layout(model_cfg, preset, /, *, batch: int | None = None, seq: int | None = None, devices=None) -> Layout:
+def default_layout(
+    model_cfg, preset, /, *, batch: int | None = None, seq: int | None = None, devices=None, execution=None
+) -> Layout:
     """``make_layout`` with the smallest batch / seq the preset (a name, spec or MeshPreset) accepts."""
     if isinstance(preset, str):
         preset = resolve_mesh_arg(preset)
     n = len(jax.devices() if devices is None else devices)
     min_batch, min_seq = default_batch_seq(preset, n)
-    return make_layout(model_cfg, preset, batch=batch or min_batch, seq=seq or min_seq, devices=devices)
+    return make_layout(
+        model_cfg, preset, batch=batch or min_batch, seq=seq or min_seq, devices=devices, execution=execution
+    )
 
 
 def param_shardings(model_cfg, layout: Layout, /) -> ShardingReport:

@@ -12,7 +12,7 @@ filled from the device count, so each preset works on any device count its fixed
     hsdp    hybrid sharded data parallel: replicas (data=2) of FSDP groups (fsdp=-1)
     3d      data=2 × fsdp=2 × tensor=-1
     cp      context parallelism: sequence=-1; activations split along positions, attention by the
-            model's kernel (``model.context_parallel``: ring or ulysses; GSPMD gathers K/V with none)
+            kernel ``execution.context_parallel`` chooses (ring or ulysses; GSPMD gathers K/V with none)
     fsdp_cp fsdp=2 × sequence=-1
     tp_cp   sequence=-1 × tensor=2; between blocks positions are split over sequence × tensor
     pp      pipeline parallelism: stage=-1; the stacked ``layers`` split over ``stage``, run by a schedule

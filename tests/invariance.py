@@ -47,13 +47,17 @@ def flat(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def train_steps(cfg, preset, tokens: np.ndarray, *, devices=None, grad_accum: int = 1, pipeline=None) -> Run:
-    """Trains ``cfg`` under ``preset`` on ``tokens`` [steps, B, T + 1] (step i: inputs tokens[i, :, :-1],
-    targets tokens[i, :, 1:]), recording each step's loss, MoE statistics and gradients. ``grad_accum``
-    and ``pipeline`` (a schedule table) go to the train step and the gradient function."""
+def train_steps(
+    cfg, preset, tokens: np.ndarray, *, devices=None, grad_accum: int = 1, pipeline=None, execution=None
+) -> Run:
+    """Trains ``cfg``, run as ``execution`` says (default ``ExecutionConfig()``), under ``preset`` on
+    ``tokens`` [steps, B, T + 1] (step i: inputs tokens[i, :, :-1], targets tokens[i, :, 1:]), recording
+    each step's loss, MoE statistics and gradients. ``grad_accum`` and ``pipeline`` (a schedule table) go
+    to the train step and the gradient function."""
     steps, batch, seq = tokens.shape[0], tokens.shape[1], tokens.shape[2] - 1
-    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices)
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OPTIMIZER), layout)
+    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=execution)
+    make = lambda r: build_model(cfg, execution=execution, rngs=r)
+    ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout)
     kw = dict(grad_accum=grad_accum, pipeline=pipeline)
     step, grad_fn = make_train_step(ts, layout, **kw), make_grad_fn(ts, layout, **kw)
     state, losses, grads, moe = ts.state, [], [], []
@@ -67,9 +71,9 @@ def train_steps(cfg, preset, tokens: np.ndarray, *, devices=None, grad_accum: in
     return Run(losses, grads, moe, state, {a: n for a, n in layout.mesh.shape.items() if n > 1})
 
 
-def one_device(cfg, tokens: np.ndarray, *, grad_accum: int = 1) -> Run:
+def one_device(cfg, tokens: np.ndarray, *, grad_accum: int = 1, execution=None) -> Run:
     """``train_steps`` on the first device alone: the reference a parallel layout must reproduce."""
-    return train_steps(cfg, ONE_DEVICE, tokens, devices=jax.devices()[:1], grad_accum=grad_accum)
+    return train_steps(cfg, ONE_DEVICE, tokens, devices=jax.devices()[:1], grad_accum=grad_accum, execution=execution)
 
 
 def assert_same_gradients(got: list[dict], want: list[dict], label: str, *, rtol: float = 1e-5) -> float:

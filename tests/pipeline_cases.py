@@ -16,14 +16,14 @@ import pytest
 from invariance import assert_same_gradients, one_device, train_steps
 
 from jaxpar.meshes import resolve_mesh_arg
-from jaxpar.models import get_model_preset
+from jaxpar.models import get_execution_preset, get_model_preset
 from jaxpar.pipeline import build
 
 STEPS, BATCH, SEQ = 3, 16, 16
-MODELS = {  # name: (preset, model fields, MoE fields)
+MODELS = {  # name: (preset, model fields, execution fields)
     "tiny": ("tiny", dict(num_layers=8), {}),
-    "tiny-ring": ("tiny", dict(num_layers=8, context_parallel="ring"), {}),  # zig-zag token order
-    "tiny-ulysses": ("tiny", dict(num_layers=8, context_parallel="ulysses"), {}),
+    "tiny-ring": ("tiny", dict(num_layers=8), dict(context_parallel="ring")),  # zig-zag token order
+    "tiny-ulysses": ("tiny", dict(num_layers=8), dict(context_parallel="ulysses")),
     "tiny-moe": ("tiny-moe", dict(num_layers=4), {}),
     "tiny-moe-dropless": ("tiny-moe", dict(num_layers=4), dict(capacity_factor=None)),
     "tiny-deepseek": ("tiny-deepseek", dict(num_layers=5, first_dense_layers=1), {}),  # 1 dense + 4 MoE
@@ -44,9 +44,14 @@ def case_id(case) -> str:
 
 
 def model(name: str):
-    preset, fields, moe = MODELS[name]
-    cfg = dataclasses.replace(get_model_preset(preset), **fields)
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe)) if moe else cfg
+    preset, fields, _ = MODELS[name]
+    return dataclasses.replace(get_model_preset(preset), **fields)
+
+
+def execution(name: str):
+    """The execution of case ``name``: its preset's, with the case's changes."""
+    preset, _, changes = MODELS[name]
+    return get_execution_preset(preset, **changes)
 
 
 def tokens(name: str) -> np.ndarray:
@@ -56,7 +61,7 @@ def tokens(name: str) -> np.ndarray:
 def reference(name: str, m: int):
     """One device, gradient accumulated over the same m microbatches (built once per model and m)."""
     if (name, m) not in _REFERENCES:
-        _REFERENCES[name, m] = one_device(model(name), tokens(name), grad_accum=m)
+        _REFERENCES[name, m] = one_device(model(name), tokens(name), grad_accum=m, execution=execution(name))
     return _REFERENCES[name, m]
 
 
@@ -74,7 +79,8 @@ def invariance_test(cases):
 def check_case(name: str, schedule: str, p: int, m: int, v: int, mesh: str) -> None:
     preset = resolve_mesh_arg(mesh)
     devices = jax.devices()[: int(np.prod([n for n in dataclasses.astuple(preset.mesh)[:6]]))]
-    got = train_steps(model(name), preset, tokens(name), devices=devices, pipeline=build(schedule, p, m, v))
+    table = build(schedule, p, m, v)
+    got = train_steps(model(name), preset, tokens(name), devices=devices, pipeline=table, execution=execution(name))
     want = reference(name, m)
     label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}"
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5, err_msg=label)

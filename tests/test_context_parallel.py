@@ -14,6 +14,7 @@ from invariance import assert_same_gradients, one_device, train_steps
 
 from jaxpar.analysis import analyze_compiled
 from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.layout import make_layout
 from jaxpar.meshes import get_mesh_preset, resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
@@ -42,8 +43,8 @@ def reference():
 def test_same_losses_and_gradients_as_one_device(reference, strategy, order, mesh):
     """3 steps: losses rtol 1e-5, and at every step each parameter's gradient within 1e-5 of its largest
     entry (``invariance.assert_same_gradients``)."""
-    cfg = get_model_preset("tiny", context_parallel=strategy, cp_order=order)
-    run = train_steps(cfg, resolve_mesh_arg(mesh), TOKENS)
+    cfg, execution = get_model_preset("tiny"), ExecutionConfig(context_parallel=strategy, cp_order=order)
+    run = train_steps(cfg, resolve_mesh_arg(mesh), TOKENS, execution=execution)
     np.testing.assert_allclose(run.losses, reference.losses, rtol=1e-5)
     assert_same_gradients(run.grads, reference.grads, f"{strategy} {order} {mesh}")
     assert abs(reference.losses[0] - reference.losses[-1]) > 1e-3  # the steps really change the model
@@ -51,12 +52,12 @@ def test_same_losses_and_gradients_as_one_device(reference, strategy, order, mes
 
 def test_logits_come_back_in_natural_order():
     """Under zig-zag the model stores tokens permuted; ``model(ids)`` still returns natural order."""
-    cfg = get_model_preset("tiny", context_parallel="ring")
+    cfg, ring = get_model_preset("tiny"), ExecutionConfig(context_parallel="ring")
     ids = TOKENS[0, :, :-1]
     want = np.asarray(build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))(ids))
-    layout = make_layout(cfg, get_mesh_preset("cp"), batch=B, seq=T)
+    layout = make_layout(cfg, get_mesh_preset("cp"), batch=B, seq=T, execution=ring)
     with layout.activate():
-        model = build_model(cfg, rngs=nnx.Rngs(0))
+        model = build_model(cfg, execution=ring, rngs=nnx.Rngs(0))
         got = np.asarray(nnx.jit(lambda m, x: m(x))(model, ids))
         order = model.forward(ids).order
     assert order is not None and not np.array_equal(order, np.arange(T))
@@ -68,11 +69,11 @@ def test_ring_moves_exactly_the_kv_blocks():
     (n−1)/n · 2·B·L·K·H·bytes (K and V) plus the int32 token indices that travel with them, within
     10% of the K/V term alone; and no device ever gathers a full-length K or V. (The one all-gather
     left is of the int32 ids [B, T], for the zig-zag permutation on entry.)"""
-    cfg = get_model_preset("tiny", context_parallel="ring")
+    cfg, ring = get_model_preset("tiny"), ExecutionConfig(context_parallel="ring")
     n, seq = 8, 128
-    layout = make_layout(cfg, get_mesh_preset("cp"), batch=B, seq=seq)
+    layout = make_layout(cfg, get_mesh_preset("cp"), batch=B, seq=seq, execution=ring)
     with layout.activate():
-        model = build_model(cfg, rngs=nnx.Rngs(0))
+        model = build_model(cfg, execution=ring, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
         forward = jax.jit(lambda s, x: nnx.merge(graphdef, s).forward(x).logits)
         ids = jax.ShapeDtypeStruct((B, seq), np.int32, sharding=layout.sharding(("batch", "length")))
@@ -95,10 +96,10 @@ def test_ring_moves_exactly_the_kv_blocks():
         ("ring", 8, "cp", 40, LayoutError, "seq=40 is not divisible by 2 × sequence=8 = 16"),
         ("ulysses", 8, "sequence=4,tensor=2", 32, LayoutError, "num_kv_heads (1 on this device) divisible by 4"),
         ("ulysses", 6, "data=2,sequence=4", 32, LayoutError, "num_heads (6 on this device) divisible by 4"),
-        ("spiral", 8, "cp", 32, ConfigError, "model.context_parallel='spiral'"),  # refused by the config itself
+        ("spiral", 8, "cp", 32, ConfigError, "execution.context_parallel='spiral'"),  # refused by the config itself
     ],
 )
 def test_layouts_a_strategy_cannot_run_are_refused(strategy, heads, mesh, seq, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
-        cfg = get_model_preset("tiny", context_parallel=strategy, num_heads=heads)
-        make_layout(cfg, resolve_mesh_arg(mesh), batch=B, seq=seq)
+        cfg = get_model_preset("tiny", num_heads=heads)
+        make_layout(cfg, resolve_mesh_arg(mesh), batch=B, seq=seq, execution=ExecutionConfig(context_parallel=strategy))

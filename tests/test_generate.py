@@ -7,8 +7,6 @@ top-two logit margin exceeds the measured logit error (the margin rule); positio
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.errors import ConfigError, LayoutError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.inference import layouts
 from jaxpar.inference.generate import Generator, bucket
 from jaxpar.meshes import Phase, compose_rules
@@ -27,10 +26,10 @@ BELOW_MARGIN: list = []  # (case, prompt, step, margin, error): reported, never 
 
 
 def _cfg(name: str, **kw):
-    cfg = get_model_preset(name, **kw)
-    if cfg.moe is not None:  # the oracle must route like decode: dropless
-        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
-    return cfg
+    return get_model_preset(name, **kw)
+
+
+DROPLESS = ExecutionConfig(capacity_factor=None)  # the oracle must route like decode: dropless
 
 
 VARIANTS = {
@@ -50,7 +49,7 @@ def _prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int
 
 
 def _model(cfg):
-    model = build_model(cfg, rngs=nnx.Rngs(0))
+    model = build_model(cfg, execution=DROPLESS, rngs=nnx.Rngs(0))
     if cfg.qkv_bias:  # zero-initialised: make them matter
         for name in ("q_bias", "k_bias", "v_bias"):
             p = getattr(model.blocks.attn, name)

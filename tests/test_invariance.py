@@ -13,7 +13,7 @@ import pytest
 from invariance import assert_same_gradients, one_device, train_steps
 
 from jaxpar.meshes import PRESETS
-from jaxpar.models import get_model_preset
+from jaxpar.models import ExecutionConfig, get_model_preset
 
 BATCH, SEQ, STEPS = 8, 16, 3
 CFG = get_model_preset("tiny")
@@ -42,7 +42,7 @@ BF16_LOSS_RTOL = 2 * 4 * U * math.sqrt(2 * DEPTH_FORWARD / 3) / math.sqrt(BATCH 
 
 
 def test_bf16_compute_under_3d_matches_one_device():
-    """tiny with ``dtype="bfloat16"`` (compute in bf16; parameters, optimizer state and the loss stay
+    """tiny with ``execution.dtype="bfloat16"`` (compute in bf16; parameters, optimizer state and the loss stay
     fp32) trains 3 steps under ``3d`` (data=2, fsdp=2, tensor=2) with the losses and gradients of bf16 on
     one device, within a tolerance derived from bf16's unit roundoff u = 2^-8 and the depth:
 
@@ -67,8 +67,8 @@ def test_bf16_compute_under_3d_matches_one_device():
     by the third (about 6u; bf16 against fp32 on one device differs by 0.0217, the same size); losses
     5.6e-5 relative at worst. The last check makes sure the case really ran in bf16: in fp32 the gradients
     agree to ~1e-6."""
-    cfg = get_model_preset("tiny", dtype="bfloat16")
-    ref, run = one_device(cfg, TOKENS), train_steps(cfg, PRESETS["3d"], TOKENS)
+    cfg, bf16 = get_model_preset("tiny"), ExecutionConfig(dtype="bfloat16")
+    ref, run = one_device(cfg, TOKENS, execution=bf16), train_steps(cfg, PRESETS["3d"], TOKENS, execution=bf16)
     np.testing.assert_allclose(run.losses, ref.losses, rtol=BF16_LOSS_RTOL)
     worst = assert_same_gradients(run.grads, ref.grads, "bf16 3d", rtol=BF16_GRAD_RTOL)
     assert worst > 1e-3, worst

@@ -134,10 +134,16 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
 def build_config(args: argparse.Namespace, /):
     """The resolved ``TrainConfig``: preset, then flags, then ``--set`` in order."""
     if getattr(args, "init_from", None):
-        from jaxpar.convert.store import model_config  # deferred: imports orbax and the converters
+        # deferred: imports orbax and the converters
+        from jaxpar.convert.store import model_config, saved_execution
 
         model, _, _ = model_config(args.init_from)
-        cfg = TrainConfig(model=model, model_preset=f"init-from:{args.init_from}", init_from=str(args.init_from))
+        cfg = TrainConfig(
+            model=model,
+            execution=saved_execution(args.init_from),
+            model_preset=f"init-from:{args.init_from}",
+            init_from=str(args.init_from),
+        )
     else:
         cfg = default_config(args.model)
     flags = {k: getattr(args, k) for k in ("mesh", "steps", "batch", "seq") if getattr(args, k) is not None}

@@ -70,7 +70,7 @@ class RunResult:
 def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     """The checked layout of ``cfg`` (mesh, rules, divisibility of the batch and of every dimension)."""
     preset = resolve_mesh_arg(cfg.mesh)
-    layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices)
+    layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices, execution=cfg.execution)
     if layout.mesh.shape["stage"] > 1:
         _check_pipelined(cfg, layout.mesh.shape)
     micro = cfg.batch // batch_slices(cfg, layout)
@@ -166,8 +166,8 @@ def _check_out_dir(out: Path, config: dict, abstract) -> SavedRun | None:
 
 
 def _check_init_from(cfg: TrainConfig) -> None:
-    """``cfg.init_from``'s model must be this run's (``jaxpar.identity``: every model field but the
-    execution settings, and every array's shape and dtype); checked abstractly, before any write."""
+    """``cfg.init_from``'s model must be this run's (``jaxpar.identity``: the model config, whole, and
+    every array's shape and dtype); checked abstractly, before any write."""
     ckpt = Path(cfg.init_from).resolve()
     saved = latest(ckpt / "checkpoints")
     if saved is None:
@@ -176,7 +176,7 @@ def _check_init_from(cfg: TrainConfig) -> None:
         )
     model = saved.config.get("model") if isinstance(saved.config, dict) else None
     is_run = isinstance(saved.config, dict) and saved.config.get("format") != "jaxpar-model"
-    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0))))
+    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, execution=cfg.execution, rngs=nnx.Rngs(0))))
     check_fits(
         Entry.INIT_FROM,
         saved_config=model,
@@ -265,7 +265,7 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     layout = plan_layout(cfg, devices=devices)
     config = to_dict(cfg)
     program = init_program(
-        lambda rngs: build_model(cfg.model, rngs=rngs),
+        lambda rngs: build_model(cfg.model, execution=cfg.execution, rngs=rngs),
         lambda model: make_optimizer(cfg.optimizer, model, total_steps=cfg.steps),
         layout,
         seed=cfg.seed,

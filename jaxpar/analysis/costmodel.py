@@ -165,12 +165,12 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
     return 3 * used + 28 * local + 20 * layers * tokens * a.embed_dim * a.act_bytes
 
 
-def kept_bytes(cfg, b: int, t: int) -> float:
-    """Bytes one layer keeps per token for the backward under ``cfg.remat``, in compute dtype bytes ``b``,
+def kept_bytes(cfg, execution, b: int, t: int) -> float:
+    """Bytes one layer keeps per token for the backward under ``execution.remat``, in compute dtype bytes ``b``,
     split over tensor ``t`` (heads and MLP columns by t, the D-wide values by tensor's sequence
     parallelism). What jax saves of a jaxpar block (``tests/test_plan.py`` reads it from the program's
     saved residuals): ``full`` the input; ``attn`` the input, q, k, v, the attention's context and the
-    attention block's output (``models.dense.ATTN_NAMES``); ``dots``
+    attention block's output (``jaxpar.execution.ATTN_NAMES``); ``dots``
     the input, q, k, v, the attention projection's output and the MLP's input products (its output no
     backward reads); ``none`` also the attention output, six F-wide products, two D-wide values, the
     norms' float32 internals (6·D·4 + 16 B) and the softmax's float32 max and sum (8·N B) (its scores:
@@ -193,30 +193,31 @@ def kept_bytes(cfg, b: int, t: int) -> float:
         "attn": (2 * d + named) * b,
         "dots": (2 * d + q + kv + 2 * f) * b,
         "none": (2 * d + q + kv + out + 6 * f) * b + 6 * d * 4 + 16 + 8 * n,
-    }[str(cfg.remat)]
+    }[str(execution.remat)]
     return kept / t
 
 
-def flash_attention(cfg) -> bool:
-    """Whether jaxpar's attention for ``cfg`` runs blockwise, never holding a [S, S] score matrix: the cuDNN
-    kernel, or the ring's blocks. ``jax.nn.dot_product_attention`` without an implementation is XLA's,
-    which materializes every score (causal or not) of a layer."""
-    return str(cfg.attention_impl) == "cudnn" or str(cfg.context_parallel) == "ring"
+def flash_attention(execution) -> bool:
+    """Whether jaxpar's attention run as ``execution`` (a ``jaxpar.execution.ExecutionConfig``) says runs
+    blockwise, never holding a [S, S] score matrix: the cuDNN kernel, or the ring's blocks.
+    ``jax.nn.dot_product_attention`` without an implementation is XLA's, which materializes every score
+    (causal or not) of a layer."""
+    return str(execution.attention_impl) == "cudnn" or str(execution.context_parallel) == "ring"
 
 
-def score_bytes(cfg, acts: Activations, tokens: float, t: int) -> tuple[float, float]:
+def score_bytes(cfg, execution, acts: Activations, tokens: float, t: int) -> tuple[float, float]:
     """(kept by all layers, one layer's working set) of non-flash attention's scores per device: a query's
     S scores per head (N/t heads), kept under remat none as the float32 softmax output its gradient reads
     and the probabilities in the compute dtype (4 + b_a bytes each), worked on as those and the float32
     logits (8 + b_a). Nothing under a flash kernel."""
-    if flash_attention(cfg):
+    if flash_attention(execution):
         return 0.0, 0.0
     scores = tokens * cfg.num_heads / t * acts.seq
-    kept = (4 + acts.act_bytes) * scores if str(cfg.remat) == "none" else 0.0
+    kept = (4 + acts.act_bytes) * scores if str(execution.remat) == "none" else 0.0
     return kept, (8 + acts.act_bytes) * scores
 
 
-def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> dict[str, float]:
+def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_axes: set) -> dict[str, float]:
     """Bytes per device: ``state``, 16 per local parameter element (float32 parameter, gradient, two Adam
     moments; under a pipeline a stage holds L/p of the layers and the embedding, norm and head whole);
     ``activations``: what the layers keep for the backward (layers × tokens × ``kept_bytes``, and under
@@ -232,9 +233,10 @@ def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) ->
     if stages > 1:
         layers, buffers, tokens = pipeline_memory(acts, stages, tokens, t)
     width = max(cfg.embed_dim, cfg.mlp_dim / t)
-    kept_scores, scores = score_bytes(cfg, acts, tokens, t)
-    kept = layers * (tokens * kept_bytes(cfg, acts.act_bytes, t) + kept_scores)
-    if str(cfg.remat) == "none" and str(cfg.dtype) != str(cfg.param_dtype):  # the layers' weights, cast
+    kept_scores, scores = score_bytes(cfg, execution, acts, tokens, t)
+    kept = layers * (tokens * kept_bytes(cfg, execution, acts.act_bytes, t) + kept_scores)
+    cast = str(execution.dtype) != str(cfg.param_dtype)
+    if str(execution.remat) == "none" and cast:  # the layers' weights, cast
         kept += acts.act_bytes * sum(
             math.prod(p.shard_shape) for p in report.params if p.names[:1] in (("layers",), ("prefix_layers",))
         )
@@ -242,9 +244,9 @@ def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) ->
     return dict(state=16 * local, activations=buffers + kept + working, kept=kept, stage_buffers=buffers)
 
 
-def memory_estimate(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> float:
+def memory_estimate(cfg, execution, report, acts: Activations, mesh: dict, token_axes: set) -> float:
     """Bytes per device (``memory_parts``: state and activations)."""
-    parts = memory_parts(cfg, report, acts, mesh, token_axes)
+    parts = memory_parts(cfg, execution, report, acts, mesh, token_axes)
     return parts["state"] + parts["activations"]
 
 

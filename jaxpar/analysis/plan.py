@@ -54,6 +54,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -76,9 +78,10 @@ from jaxpar.analysis.links import group_span
 from jaxpar.analysis.steptime import mechanism_times
 from jaxpar.analysis.workload import workload_of
 from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig, Remat
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
-from jaxpar.models import build_model, get_model_preset
+from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.pipeline.executor import check_stack
 from jaxpar.shardings import param_shardings
 from jaxpar.train.config import PipelineConfig
@@ -121,18 +124,26 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def cpu_compilable(cfg):
-    """``cfg`` as the lab compiles it on CPU: cuDNN attention as XLA's (the CPU has no cuDNN; a device's
+def plan_execution(model: str, changes: Mapping[str, Any] | None = None, /) -> ExecutionConfig:
+    """The execution the lab prices ``model`` under: the preset's, computing in bfloat16, with ``changes``
+    (``ExecutionConfig`` fields: ``--set execution.remat=dots``)."""
+    return get_execution_preset(model, **({"dtype": "bfloat16"} | dict(changes or {})))
+
+
+def cpu_compilable(execution: ExecutionConfig) -> ExecutionConfig:
+    """``execution`` as the lab compiles it on CPU: cuDNN attention as XLA's (the CPU has no cuDNN; a device's
     attention is local, so the program's collectives are the same). The pricing keeps the kernel."""
-    return dataclasses.replace(cfg, attention_impl=None) if str(cfg.attention_impl) == "cudnn" else cfg
+    cudnn = str(execution.attention_impl) == "cudnn"
+    return dataclasses.replace(execution, attention_impl=None) if cudnn else execution
 
 
-def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
-    """The train step compiled for ``layout`` from abstract state and batch (nothing allocated);
-    ``pipeline``: the schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``); ``cpu_compilable``."""
-    cfg = cpu_compilable(cfg)
+def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None, execution: ExecutionConfig | None = None):
+    """The train step compiled for ``layout`` from abstract state and batch (nothing allocated), the model
+    run as ``execution`` says (default ``ExecutionConfig()``; ``cpu_compilable``); ``pipeline``: the
+    schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``)."""
+    run = cpu_compilable(ExecutionConfig() if execution is None else execution)
     program = init_program(
-        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+        lambda r: build_model(cfg, execution=run, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
     )
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -144,12 +155,16 @@ def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
     return step.lower(state, data).compile()
 
 
-def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) -> Activations:
-    """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1."""
-    moe, mla = cfg.moe, cfg.mla
+def activations_of(
+    cfg, *, batch: int, seq: int, pipeline: tuple | None = None, execution: ExecutionConfig | None = None
+) -> Activations:
+    """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1; ``execution``:
+    how the model runs (default ``ExecutionConfig()``)."""
+    execution = ExecutionConfig() if execution is None else execution
+    moe, mla, cf = cfg.moe, cfg.mla, execution.capacity_factor
     slots = None
-    if moe is not None and moe.capacity_factor is not None:
-        slots = moe.num_experts * max(1, math.ceil(moe.capacity_factor * seq * moe.top_k / moe.num_experts))
+    if moe is not None and cf is not None:
+        slots = moe.num_experts * max(1, math.ceil(cf * seq * moe.top_k / moe.num_experts))
     return Activations(
         batch=batch,
         seq=seq,
@@ -158,8 +173,8 @@ def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) 
         kv_heads=cfg.num_heads if mla else cfg.num_kv_heads,
         head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) if mla else cfg.head_dim,
         num_heads=cfg.num_heads,
-        act_bytes=np.dtype(cfg.dtype).itemsize,
-        context_parallel=cfg.context_parallel,
+        act_bytes=np.dtype(execution.dtype).itemsize,
+        context_parallel=execution.context_parallel,
         moe_layers=cfg.num_moe_layers,
         top_k=moe.top_k if moe else 0,
         capacity_slots=slots,
@@ -264,6 +279,7 @@ def _pipeline_traffic(report, costs, acts, shape, rules, act_scale):
 
 def step_times(
     cfg,
+    execution: ExecutionConfig,
     shape: dict,
     dcn: dict,
     measured: dict,
@@ -283,7 +299,7 @@ def step_times(
     the calibrated matmul share of the chip's family (or ``efficiency``) and ``overlap`` (default 0.8).
     ``pipeline``: the executor's costs (``pipeline_costs``) where the mesh has ``stage`` > 1: its bubble
     stretches the step."""
-    base = dict(compute_dtype=cfg.dtype, remat=cfg.remat.value)
+    base = dict(compute_dtype=execution.dtype, remat=execution.remat.value)
     ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}
     bubble = pipeline["executor_bubble_fraction"] if pipeline else 0.0
     pipe = pipeline and dict(
@@ -293,7 +309,7 @@ def step_times(
         stage_bytes=stage_bytes,
     )
     work = (
-        workload_of(cfg, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe)
+        workload_of(cfg, execution, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe)
         if efficiency is None and overlap is None
         else None
     )
@@ -329,18 +345,19 @@ def plan(
     schedule: str | None = None,
     microbatches: int | None = None,
     virtual_stages: int | None = None,
+    execution: Mapping[str, Any] | None = None,
     **model_overrides,
 ) -> Plan:
-    """Compile and analyse ``model`` under ``mesh`` on the simulated devices JAX has (or the first
-    ``devices``) and predict it on ``hardware`` (see the module docstring). With ``stage`` > 1 the step
-    runs ``schedule`` over ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s).
-    ``efficiency``/``overlap``: force the roofline with these (``step_times``)."""
+    """Compile and analyse ``model`` (its preset with ``model_overrides``) under ``mesh`` on the simulated
+    devices JAX has (or the first ``devices``) and predict it on ``hardware`` (see the module docstring),
+    run as ``plan_execution(model, execution)`` says. With ``stage`` > 1 the step runs ``schedule`` over
+    ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s). ``efficiency``/``overlap``:
+    force the roofline with these (``step_times``)."""
     hw = get_hardware(hardware)
-    cfg = get_model_preset(model, **({"dtype": "bfloat16"} | model_overrides))
+    cfg, run = get_model_preset(model, **model_overrides), plan_execution(model, execution)
     preset = resolve_mesh_arg(mesh)
-    layout = make_layout(
-        cfg, preset, batch=batch, seq=seq, devices=None if devices is None else jax.devices()[:devices]
-    )
+    devices = None if devices is None else jax.devices()[:devices]
+    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=run)
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
     default = PipelineConfig()
     pipe = (
@@ -351,9 +368,10 @@ def plan(
     table = pipeline_for(
         cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2]
     )
-    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=pipe if table else None)
-    report = analyze_compiled(compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table), mesh=layout.mesh)
-    remat_full = cfg.remat.value == "full"
+    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=pipe if table else None, execution=run)
+    compiled = compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table, execution=run)
+    report = analyze_compiled(compiled, mesh=layout.mesh)
+    remat_full = run.remat == Remat.FULL
     costs = pipeline_costs(cfg, acts, shape, remat_full=remat_full) if table else None
     measured, stage_path = _pipeline_traffic(report, costs, acts, shape, layout.rules, acts.act_bytes / 4)
     shardings = param_shardings(cfg, layout)
@@ -369,11 +387,12 @@ def plan(
     model_flops = cfg.flops_per_token(seq) * batch * seq / layout.mesh.size
     train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if remat_full else 1.0)
     hbm = hbm_bytes(shardings, acts, shape, token_axes)
-    memory = memory_parts(cfg, shardings, acts, shape, token_axes)
+    memory = memory_parts(cfg, run, shardings, acts, shape, token_axes)
     if costs:
         costs["memory"] = memory
     times, assumptions = step_times(
         cfg,
+        run,
         shape,
         preset.mesh.dcn_sizes(),
         measured,
@@ -387,7 +406,7 @@ def plan(
         stage_bytes=stage_path,
         pipeline=costs,
     )
-    assumptions["attention"] = "flash" if flash_attention(cfg) else "xla: every score in HBM"
+    assumptions["attention"] = "flash" if flash_attention(run) else "xla: every score in HBM"
     return _make_plan(
         model,
         batch,

@@ -16,8 +16,11 @@ import json
 
 from jaxpar.analysis.costmodel import flash_attention
 from jaxpar.analysis.hardware import HARDWARE, get_hardware
-from jaxpar.errors import LayoutError, MeshError
+from jaxpar.config import hints
+from jaxpar.errors import ConfigError, LayoutError, MeshError
+from jaxpar.execution import MOVED_FROM_MODEL, ExecutionConfig
 from jaxpar.mesh import simulate_cpu_devices
+from jaxpar.train.config import parse_value
 
 HELP = "compile a model's train step for a layout and predict it on named hardware"
 MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 compiles in 49 s, 1.35 GB;
@@ -102,19 +105,31 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="model config field, e.g. remat=dots or context_parallel=ring",
+        help="a model config field (num_layers=4) or an execution setting (execution.remat=dots, "
+        "execution.context_parallel=ring, execution.attention_impl=cudnn)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _overrides(items: list[str]) -> dict:
-    out = {}
+    """``--set`` items as keyword arguments of ``plan``/``search``: model config fields as they are,
+    ``execution.<field>`` parsed by the field's type into ``execution``."""
+    out, execution = {}, {}
+    fields = hints(ExecutionConfig)
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise LayoutError(f"--set {item!r}: expected FIELD=VALUE")
-        out[key] = int(value) if value.isdigit() else value
-    return out
+        field = key.removeprefix("execution.")
+        if field != key:
+            if field not in fields:
+                raise ConfigError(f"--set {key}: unknown execution setting; they are {', '.join(fields)}")
+            execution[field] = parse_value(key, fields[field], value)
+        elif key in MOVED_FROM_MODEL:
+            raise ConfigError(f"--set {key}={value}: an execution setting now; use --set execution.{key}={value}")
+        else:
+            out[key] = int(value) if value.isdigit() else value
+    return out | ({"execution": execution} if execution else {})
 
 
 def run(args: argparse.Namespace, /) -> int:
@@ -270,12 +285,12 @@ def _search(args) -> int:
 
 def _attention_line(args) -> str:
     """Which attention kernel the ranking priced (``costmodel.flash_attention``)."""
-    from jaxpar.models import get_model_preset  # deferred: imports flax
+    from jaxpar.analysis.plan import plan_execution  # deferred: imports jax, flax and the model zoo
 
-    if flash_attention(get_model_preset(args.model, **_overrides(args.overrides))):
+    if flash_attention(plan_execution(args.model, _overrides(args.overrides).get("execution"))):
         return "attention: a flash kernel (cuDNN or ring)"
     return (
-        "attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set attention_impl=cudnn "
+        "attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set execution.attention_impl=cudnn "
         "prices cuDNN's flash kernel"
     )
 

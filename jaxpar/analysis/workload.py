@@ -272,20 +272,22 @@ class Workload:
 
 
 def workload_of(
-    cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None, pipeline: dict | None = None
+    cfg, execution, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None, pipeline: dict | None = None
 ) -> Workload | None:
     """The ``Workload`` of a jaxpar model config (any family: ``DenseConfig`` and the families that extend
-    it) under ``mesh`` (ICI axis sizes), or None where the step-time model does not describe it:
-    expert-choice routing. A split sequence without ring or Ulysses attention is GSPMD's: the full K/V
-    gathered on every device (``allgather``). ``pipeline`` (with ``stage`` > 1): microbatches,
-    virtual_stages, bubble and stage_bytes of the executor."""
+    it) run as ``execution`` (a ``jaxpar.execution.ExecutionConfig``) says, under ``mesh`` (ICI axis
+    sizes), or None where the step-time model does not describe it: expert-choice routing. A split
+    sequence without ring or Ulysses attention is GSPMD's: the full K/V gathered on every device
+    (``allgather``). ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and
+    stage_bytes of the executor."""
     if cfg.moe is not None and cfg.moe.router == "expert_choice":
         return None
     dcn = {a: int(n) for a, n in (dcn or {}).items() if int(n) > 1}
     sizes = {a: int(n) for a, n in mesh.items() if int(n) > 1}
     if set(sizes) - set(AXES) or set(dcn) - set(AXES):
         return None
-    w = Workload(batch=batch, seq=seq, mesh=sizes, dcn=dcn, **_model_fields(cfg), **_execution_fields(cfg))
+    run = _execution_fields(execution, cfg.moe is not None)
+    w = Workload(batch=batch, seq=seq, mesh=sizes, dcn=dcn, **_model_fields(cfg), **run)
     if pipeline and w.size("stage") > 1:
         w = dataclasses.replace(
             w,
@@ -327,15 +329,15 @@ def _model_fields(cfg) -> dict:
     return out
 
 
-def _execution_fields(cfg) -> dict:
+def _execution_fields(execution, experts: bool) -> dict:
     """The ``Workload`` fields of how the model runs: remat, the compute dtype, the attention kernel and
-    context parallelism, the experts' capacity."""
-    cp = str(cfg.context_parallel)
+    context parallelism, and with ``experts`` their capacity."""
+    cp = str(execution.context_parallel)
     return dict(
-        remat=cfg.remat.value,
-        act_bytes=np.dtype(str(cfg.dtype)).itemsize,
+        remat=execution.remat.value,
+        act_bytes=np.dtype(str(execution.dtype)).itemsize,
         context_parallel="allgather" if cp == "none" else cp,
-        cp_order=str(cfg.cp_order) if cp == "ring" else "contiguous",
-        flash=flash_attention(cfg),
-        capacity_factor=None if cfg.moe is None else cfg.moe.capacity_factor,
+        cp_order=str(execution.cp_order) if cp == "ring" else "contiguous",
+        flash=flash_attention(execution),
+        capacity_factor=execution.capacity_factor if experts else None,
     )

@@ -32,14 +32,13 @@ from jaxpar.inference.layouts import (
     InferenceLayout,
     build_inference_mesh,
     check_inference_layout,
+    generation_execution,
     reshard,
     weight_layout,
 )
 from jaxpar.inference.sampling import SamplingParams, sample
 from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model
-from jaxpar.models.dense import Remat
-from jaxpar.parallel.attention import ContextParallel, TokenOrder
 from jaxpar.rules import trace_layout
 
 MIN_BUCKET = 16
@@ -50,21 +49,10 @@ def bucket(n: int, /, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def generation_config(cfg, *, sequence_split: bool = False):
-    """``cfg`` with the settings generation needs: no remat, natural token order, dropless MoE routing,
-    and ring attention for prefill when positions are split (``sequence_split``)."""
-    changes = dict(remat=Remat.NONE, cp_order=TokenOrder.CONTIGUOUS)
-    if sequence_split and cfg.context_parallel == ContextParallel.NONE:
-        changes["context_parallel"] = ContextParallel.RING
-    if cfg.moe is not None:
-        changes["moe"] = dataclasses.replace(cfg.moe, capacity_factor=None)
-    return dataclasses.replace(cfg, **changes)
-
-
 def for_generation(model: LanguageModel, *, sequence_split: bool = False) -> LanguageModel:
-    """``model`` (its state shared, not copied) rebuilt with ``generation_config``."""
-    cfg = generation_config(model.cfg, sequence_split=sequence_split)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
+    """``model`` (its state shared, not copied) rebuilt to run as ``generation_execution`` says."""
+    execution = generation_execution(model.execution, sequence_split=sequence_split)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model.cfg, execution=execution, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, nnx.state(model))
 
 
@@ -102,8 +90,7 @@ def check_fit(cfg, mesh, name: str, prompts, max_new_tokens) -> InferenceLayout:
     config alone: nothing loaded or compiled). Raises ``ConfigError`` / ``LayoutError``."""
     check_request(cfg, prompts, max_new_tokens)
     prompt, slots = shapes(prompts, max_new_tokens)
-    gen_cfg = generation_config(cfg, sequence_split=mesh.shape["sequence"] > 1)
-    return check_inference_layout(gen_cfg, mesh, name, batch=len(prompts), prompt=prompt, slots=slots)
+    return check_inference_layout(cfg, mesh, name, batch=len(prompts), prompt=prompt, slots=slots)
 
 
 @dataclasses.dataclass
@@ -206,7 +193,15 @@ class Generator:
 
     # ------------------------------------------------------------------------------------- programs
     def layout(self, batch: int, prompt: int, slots: int) -> InferenceLayout:
-        return check_inference_layout(self.cfg, self.mesh, self.mesh_name, batch=batch, prompt=prompt, slots=slots)
+        return check_inference_layout(
+            self.cfg,
+            self.mesh,
+            self.mesh_name,
+            batch=batch,
+            prompt=prompt,
+            slots=slots,
+            execution=self.model.execution,
+        )
 
     def programs(self, batch: int, prompt: int, slots: int):
         """(prefill, decode) compiled for this shape (compiled once, then kept)."""

@@ -35,11 +35,11 @@ import jax
 from flax import nnx
 
 from jaxpar.errors import LayoutError, suggest
+from jaxpar.execution import ContextParallel, ExecutionConfig, Remat, TokenOrder
 from jaxpar.layout import Layout, check_model_layout
 from jaxpar.mesh import AXES, MeshConfig, build_mesh
 from jaxpar.meshes import PRESETS as TRAINING
 from jaxpar.meshes import Phase, compose_rules
-from jaxpar.parallel.attention import TokenOrder
 from jaxpar.rules import Dim, Rules
 
 PRESETS: dict[str, str] = {
@@ -131,9 +131,25 @@ def place_cache(dims: dict[str, Dim], rules: Rules, shape) -> dict[str, tuple[st
     )
 
 
-def check_inference_layout(cfg, mesh, name: str, *, batch: int, prompt: int, slots: int) -> InferenceLayout:
+def generation_execution(execution: ExecutionConfig | None = None, /, *, sequence_split: bool = False):
+    """``execution`` (default ``ExecutionConfig()``) with what generation needs: no remat, natural token
+    order, dropless MoE routing, and ring attention for prefill when positions are split
+    (``sequence_split``) and ``execution`` names no context-parallel kernel."""
+    execution = ExecutionConfig() if execution is None else execution
+    changes = dict(remat=Remat.NONE, cp_order=TokenOrder.CONTIGUOUS, capacity_factor=None)
+    if sequence_split and execution.context_parallel == ContextParallel.NONE:
+        changes["context_parallel"] = ContextParallel.RING
+    return dataclasses.replace(execution, **changes)
+
+
+def check_inference_layout(
+    cfg, mesh, name: str, *, batch: int, prompt: int, slots: int, execution: ExecutionConfig | None = None
+) -> InferenceLayout:
     """Both phase tables for ``cfg`` on ``mesh``, checked for ``batch`` prompts padded to ``prompt``
-    positions and a cache of ``slots``; raises ``LayoutError`` naming field, axis and numbers."""
+    positions and a cache of ``slots``, run as ``execution`` says (default: ``generation_execution``'s for
+    this mesh); raises ``LayoutError`` naming field, axis and numbers."""
+    if execution is None:
+        execution = generation_execution(sequence_split=mesh.shape["sequence"] > 1)
     shape = dict(mesh.shape)
     axes = {a for a in AXES if shape[a] > 1}
     cache = cache_dims(cfg, batch, slots)
@@ -143,13 +159,7 @@ def check_inference_layout(cfg, mesh, name: str, *, batch: int, prompt: int, slo
         rules = rules.replace(**place_cache(cache, rules, shape))
         tables.append(
             check_model_layout(
-                cfg,
-                rules,
-                shape,
-                batch=cache["batch"],
-                seq=Dim(seq, "prompt bucket"),
-                extra_dims=cache,
-                cp_order=TokenOrder.CONTIGUOUS,  # generation keeps tokens in their order
+                cfg, execution, rules, shape, batch=cache["batch"], seq=Dim(seq, "prompt bucket"), extra_dims=cache
             )
         )
     return InferenceLayout(mesh, *tables)

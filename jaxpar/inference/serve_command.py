@@ -96,7 +96,6 @@ def check_args(args, cfg) -> tuple[int, int]:
     import jax
 
     from jaxpar.inference.engine import engine_layout
-    from jaxpar.inference.generate import generation_config
 
     max_length = args.max_length or min(cfg.max_seq_len, 4096)
     max_length -= max_length % args.page_size
@@ -116,9 +115,7 @@ def check_args(args, cfg) -> tuple[int, int]:
             f"(--cpu-devices simulates more on CPU)"
         )
     group = len(devices) // args.replicas if args.mesh else 1
-    engine_layout(
-        generation_config(cfg), args.mesh, devices[:group], slots=args.max_slots, length=max_length, flag="--mesh"
-    )
+    engine_layout(cfg, args.mesh, devices[:group], slots=args.max_slots, length=max_length, flag="--mesh")
     return max_length, group
 
 

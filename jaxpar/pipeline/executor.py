@@ -326,9 +326,9 @@ def _send(which, patterns: list[tuple], x):
 def _initial_carry(graphdef, stack_name, sp, op, sr, orest, ids, table, n: int) -> dict:
     """Zeroed buffers (one trash slot at the end for "nothing") and float32 accumulators."""
     parts = (_rows(sp, 0, n), op, _rows(sr, 0, n), orest)
-    cfg = nnx.merge(graphdef, *_here(parts)).cfg
+    model = nnx.merge(graphdef, *_here(parts))
     b, t = ids.shape[1:]
-    x = jax.ShapeDtypeStruct((b, t, cfg.embed_dim), cfg.dtype)
+    x = jax.ShapeDtypeStruct((b, t, model.cfg.embed_dim), model.execution.dtype)
 
     def stack_stats(parts):
         model = nnx.merge(graphdef, *_here(parts))

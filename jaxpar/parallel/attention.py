@@ -113,9 +113,9 @@ def context_attention(
             k, v = (_own_kv_head(x, heads, mesh.shape, q.shape[2]) for x in (k, v))
         return kernel(q, k, v, index, index, axis_name=axis, causal=True, window=window)
 
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, index_spec), out_specs=q_spec, check_vma=False
-    )(q, k, v, index)
+    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, index_spec), out_specs=q_spec)(
+        q, k, v, index
+    )
 
 
 def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.Array:

@@ -158,9 +158,10 @@ def gpu_peak(mib: int, repeats: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------- the model
-def init_model(cfg):
-    """The model with random weights born on one device: the init jitted with ``out_shardings`` of the
-    decode layout the ``Generator`` uses, so no host copy of the weights is ever made."""
+def init_model(cfg, execution=None):
+    """The model (run as ``execution`` says) with random weights born on one device: the init jitted with
+    ``out_shardings`` of the decode layout the ``Generator`` uses, so no host copy of the weights is ever
+    made."""
     import jax
     from flax import nnx
 
@@ -169,7 +170,7 @@ def init_model(cfg):
 
     name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
     layout = weight_layout(cfg, mesh, name)
-    create = lambda: build_model(cfg, rngs=nnx.Rngs(params=0))
+    create = lambda: build_model(cfg, execution=execution, rngs=nnx.Rngs(params=0))
     with layout.activate():
         graphdef, abstract = nnx.split(nnx.eval_shape(create))
         shardings = nnx.get_named_sharding(abstract, mesh)
@@ -183,11 +184,11 @@ def tree_bytes(tree) -> int:
     return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
 
 
-def kv_formula(cfg) -> tuple[int, str]:
-    """KV-cache bytes per token by formula, and the formula in words."""
+def kv_formula(cfg, execution) -> tuple[int, str]:
+    """KV-cache bytes per token by formula (the cache holds the compute dtype), and the formula in words."""
     import jax.numpy as jnp
 
-    size = jnp.dtype(str(cfg.dtype)).itemsize
+    size = jnp.dtype(str(execution.dtype)).itemsize
     if cfg.uses_mla:
         m = cfg.mla
         return (
@@ -237,7 +238,7 @@ def measured_cache(gen, batch: int, prompt: int, new: int) -> dict:
     total = tree_bytes(cache)
     kept = {a.shape[2] for a in jax.tree.leaves(cache)}  # [layers, B, S, ...]: S per array
     assert len(kept) == 1, kept
-    per_token, words = kv_formula(gen.cfg)
+    per_token, words = kv_formula(gen.cfg, gen.model.execution)
     measured = total / (batch * kept.pop())
     assert measured == per_token, (gen.cfg, measured, per_token)
     return {
@@ -320,13 +321,14 @@ def bench_batch(gen, facts: dict, batch: int, args, peak_gb_s: float, gflops: fl
     return row | {"kv": kv, "roofline": line}
 
 
-def bench_model(name: str, args, peak_gb_s: float, gflops: float, **overrides) -> dict:
+def bench_model(name: str, args, peak_gb_s: float, gflops: float, *, dtype: str = "float32", **overrides) -> dict:
+    """``dtype``: the compute dtype (``execution.dtype``); ``overrides``: model config fields."""
     from jaxpar.inference.generate import Generator
-    from jaxpar.models import get_model_preset
+    from jaxpar.models import ExecutionConfig, get_model_preset
 
     cfg = get_model_preset(name, **overrides)
     t0 = time.perf_counter()
-    model = init_model(cfg)
+    model = init_model(cfg, ExecutionConfig(dtype=dtype))
     gen = Generator(model)
     init_s = time.perf_counter() - t0
     facts = model_facts(gen.model)
@@ -335,7 +337,7 @@ def bench_model(name: str, args, peak_gb_s: float, gflops: float, **overrides) -
         rows.append(bench_batch(gen, facts, batch, args, peak_gb_s, gflops))
         print(json.dumps({name: rows[-1]}), file=sys.stderr)
     return {
-        "dtype": str(cfg.dtype),
+        "dtype": dtype,
         "param_dtype": str(cfg.param_dtype),
         "init_s": round(init_s, 2),
         **facts,

@@ -97,11 +97,11 @@ def train_plan(args, batch, seq, remat, attention) -> list[str]:
         "--seq",
         str(seq),
         "--set",
-        "dtype=bfloat16",
+        "execution.dtype=bfloat16",
         "--set",
-        f"remat={remat}",
+        f"execution.remat={remat}",
         "--set",
-        f"attention_impl={attention}",
+        f"execution.attention_impl={attention}",
     )
 
 
@@ -116,7 +116,7 @@ def decode_plan(args, batch, context) -> list[str]:
         "--context",
         str(context),
         "--set",
-        "dtype=bfloat16",
+        "execution.dtype=bfloat16",
         "--set",
         "param_dtype=bfloat16",
     )
@@ -156,11 +156,11 @@ def measure_train(model: str, batch: int, seq: int, remat: str, attention: str, 
     import jax
     from layouts import time_train_step
 
-    from jaxpar.models import get_model_preset
+    from jaxpar.models import ExecutionConfig, get_model_preset
 
-    cfg = get_model_preset(model, dtype="bfloat16", remat=remat, attention_impl=attention)
+    cfg, run = get_model_preset(model), ExecutionConfig(dtype="bfloat16", remat=remat, attention_impl=attention)
     _, _, compile_s, times, loss = time_train_step(
-        cfg, "dp", batch=batch, seq=seq, steps=steps, warmup=warmup, devices=jax.devices()[:1]
+        cfg, "dp", batch=batch, seq=seq, steps=steps, warmup=warmup, devices=jax.devices()[:1], execution=run
     )
     return {
         "compile_s": round(compile_s, 2),

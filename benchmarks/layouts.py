@@ -31,10 +31,12 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def time_train_step(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, warmup: int = 1, devices=None):
-    """``cfg``'s train step under the mesh preset ``mesh_name``, compiled (timed) and run ``warmup`` untimed
-    then ``steps`` timed steps on random tokens, each to its loss: (layout, compiled, compile_s, step
-    times, last loss)."""
+def time_train_step(
+    cfg, mesh_name: str, *, batch: int, seq: int, steps: int, warmup: int = 1, devices=None, execution=None
+):
+    """``cfg``'s train step, run as ``execution`` says (default ``ExecutionConfig()``), under the mesh
+    preset ``mesh_name``, compiled (timed) and run ``warmup`` untimed then ``steps`` timed steps on random
+    tokens, each to its loss: (layout, compiled, compile_s, step times, last loss)."""
     import functools
 
     import jax
@@ -46,9 +48,11 @@ def time_train_step(cfg, mesh_name: str, *, batch: int, seq: int, steps: int, wa
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import init_train_state, make_train_step
 
-    layout = make_layout(cfg, resolve_mesh_arg(mesh_name), batch=batch, seq=seq, devices=devices)
+    layout = make_layout(cfg, resolve_mesh_arg(mesh_name), batch=batch, seq=seq, devices=devices, execution=execution)
     ts = init_train_state(
-        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+        lambda r: build_model(cfg, execution=execution, rngs=r),
+        functools.partial(make_optimizer, OptimizerConfig()),
+        layout,
     )
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import statistics
@@ -27,6 +26,7 @@ def dropped_vs_capacity(factors, skews, *, hot: int, tokens: int, seed: int = 0)
     import numpy as np
     from flax import nnx
 
+    from jaxpar.execution import ExecutionConfig
     from jaxpar.layers.moe import MoE, MoEConfig
 
     d, e = 64, 16
@@ -35,8 +35,8 @@ def dropped_vs_capacity(factors, skews, *, hot: int, tokens: int, seed: int = 0)
     rows = []
     for skew in skews:
         for cf in factors:
-            cfg = MoEConfig(num_experts=e, top_k=2, mlp_dim=32, capacity_factor=cf)
-            layer = MoE(d, cfg, dtype="float32", param_dtype="float32", rngs=nnx.Rngs(seed))
+            cfg, run = MoEConfig(num_experts=e, top_k=2, mlp_dim=32), ExecutionConfig(capacity_factor=cf)
+            layer = MoE(d, cfg, execution=run, dtype="float32", param_dtype="float32", rngs=nnx.Rngs(seed))
             router = np.array(jax.random.normal(jax.random.key(seed + 1), (d, e))) / np.sqrt(d - 1)
             router[0] = 0.0
             router[0, :hot] = skew
@@ -54,25 +54,28 @@ def dropped_vs_capacity(factors, skews, *, hot: int, tokens: int, seed: int = 0)
     return rows
 
 
-def _layout_and_step(model: str, mesh: str, *, batch: int, seq: int, **overrides):
+def _layout_and_step(model: str, mesh: str, *, batch: int, seq: int, **execution):
+    """``execution``: changes to the preset's execution settings."""
     import jax
     import numpy as np
 
     from jaxpar.layout import make_layout
     from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.models import build_model, get_model_preset
+    from jaxpar.models import build_model, get_execution_preset, get_model_preset
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
 
-    cfg = get_model_preset(model, **overrides)
-    layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=batch, seq=seq)
+    cfg, run = get_model_preset(model), get_execution_preset(model, **execution)
+    layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=batch, seq=seq, execution=run)
     ts = init_train_state(
-        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+        lambda r: build_model(cfg, execution=run, rngs=r),
+        functools.partial(make_optimizer, OptimizerConfig()),
+        layout,
     )
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     data = {k: jax.device_put(v, s) for (k, v), s in zip(data.items(), batch_sharding(layout).values())}
-    return cfg, layout, ts, make_train_step(ts, layout), data
+    return cfg, run, layout, ts, make_train_step(ts, layout), data
 
 
 def dispatch_bytes(meshes, *, batch: int, seq: int) -> list[dict]:
@@ -84,11 +87,11 @@ def dispatch_bytes(meshes, *, batch: int, seq: int) -> list[dict]:
 
     rows = []
     for mesh in meshes:
-        cfg, layout, ts, step, data = _layout_and_step("tiny-moe", mesh, batch=batch, seq=seq, remat="none")
+        cfg, run, layout, ts, step, data = _layout_and_step("tiny-moe", mesh, batch=batch, seq=seq, remat="none")
         report = analyze_compiled(step.lower(ts.state, data).compile(), mesh=layout.mesh)
         sent = sum(c.sent_bytes * c.executions for c in report.ops if c.kind == "all-to-all")
         m, ep = cfg.moe, layout.mesh.shape["expert"]
-        slots = m.num_experts * math.ceil(m.capacity_factor * seq * m.top_k / m.num_experts)  # per sequence
+        slots = m.num_experts * math.ceil(run.capacity_factor * seq * m.top_k / m.num_experts)  # per sequence
         want = cfg.num_moe_layers * a2a_bytes_formula(
             tokens_per_device=batch * seq // layout.mesh.size,
             top_k=m.top_k,
@@ -114,13 +117,10 @@ def step_times(cases, *, batch: int, seq: int, steps: int) -> list[dict]:
     drifts of a shared host hit every case alike; the median over rounds per case."""
     import jax
 
-    from jaxpar.models import get_model_preset
-
-    base = get_model_preset("tiny-moe").moe
     runs = []
     for label, mesh, capacity_factor in cases:
-        moe = dataclasses.replace(base, capacity_factor=capacity_factor)
-        cfg, layout, ts, step, data = _layout_and_step("tiny-moe", mesh, batch=batch, seq=seq, moe=moe)
+        step_data = _layout_and_step("tiny-moe", mesh, batch=batch, seq=seq, capacity_factor=capacity_factor)
+        ts, step, data = step_data[3:]
         t0 = time.perf_counter()
         compiled = step.lower(ts.state, data).compile()
         compile_s = time.perf_counter() - t0

@@ -119,6 +119,7 @@ def build_pair(
     seed: int = 0,
     ref_constraints: str = "all",
     init_compiler_options: dict | None = None,
+    execution=None,
 ):
     """Our state and step, the reference's state and step from the same parameters, and one batch.
 
@@ -132,12 +133,12 @@ def build_pair(
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    from jaxpar.models import build_model
+    from jaxpar.models import ExecutionConfig, build_model
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import TrainState, init_program, init_train_state, make_train_step
 
     opt_cfg = OptimizerConfig()
-    make = (lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, opt_cfg), layout)
+    make = (lambda r: build_model(cfg, execution=execution, rngs=r), functools.partial(make_optimizer, opt_cfg), layout)
     if init_compiler_options is None:
         ts = init_train_state(*make, seed=seed)
     else:
@@ -150,7 +151,10 @@ def build_pair(
     sp = activation_specs(layout, ref_constraints)
     tx = plain_llama.make_optimizer(**reference_hyperparameters(opt_cfg))
     tokens_sharding = NamedSharding(layout.mesh, layout.rules.spec(("batch", "length")))
-    ref_step = plain_llama.make_train_step(cfg, tx, params, {"inputs": tokens_sharding, "targets": tokens_sharding}, sp)
+    hyper = plain_llama.Hyper(cfg, execution or ExecutionConfig())
+    ref_step = plain_llama.make_train_step(
+        hyper, tx, params, {"inputs": tokens_sharding, "targets": tokens_sharding}, sp
+    )
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
     data = {
         "inputs": jax.device_put(tokens[:, :-1], tokens_sharding),

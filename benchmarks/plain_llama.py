@@ -35,6 +35,20 @@ _POLICIES = {
 }
 
 
+class Hyper:
+    """A model config and the execution it runs under (``jaxpar.execution``: the compute dtype, remat, the
+    attention kernel), read by name as one set of hyper-parameters: what this reference calls ``cfg``."""
+
+    def __init__(self, cfg, execution):
+        self._parts = (execution, cfg)
+
+    def __getattr__(self, name):
+        for part in self._parts:
+            if hasattr(part, name):
+                return getattr(part, name)
+        raise AttributeError(name)
+
+
 def check_supported(cfg) -> None:
     """The reference reads a ``jaxpar.models.DenseConfig`` as plain hyper-parameters; refuses the
     features it leaves out."""

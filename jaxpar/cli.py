@@ -24,6 +24,8 @@ import importlib
 import os
 import sys
 
+from jaxpar.errors import JaxparError, NonFiniteError
+
 COMMANDS: dict[str, str] = {
     "shardings": "jaxpar.shardings",
     "train": "jaxpar.train.command",
@@ -49,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script and ``python -m jaxpar``; returns the exit status."""
-    from jaxpar.errors import JaxparError, NonFiniteError
-
     args = build_parser().parse_args(argv)
     try:
         return args._run(args)

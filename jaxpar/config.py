@@ -22,7 +22,7 @@ import types
 import typing
 from typing import Any
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, suggest
 
 CLASS_KEY = "class"
 
@@ -38,8 +38,6 @@ class Choice(enum.StrEnum):
         try:
             return cls(value)
         except ValueError:
-            from jaxpar.mesh import suggest
-
             hint = suggest(value, [c.value for c in cls]) if isinstance(value, str) else ""
             raise ConfigError(f"{field}={value!r}: choose one of {', '.join(c.value for c in cls)}{hint}") from None
 

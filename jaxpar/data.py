@@ -394,14 +394,14 @@ def make_loader(
     process_count: int | None = None,
 ) -> Loader:
     """This process's batches of ``split`` (see the module docstring for the pipeline and guarantees)."""
-    import grain
+    import grain  # deferred: grain (and the jax it imports) only when a loader is made
 
     if split not in SPLITS:
         raise DataError(f"split={split!r}: must be one of {', '.join(SPLITS)}")
     if seq < 1 or seed < 0:
         raise DataError(f"--seq {seq} --seed {seed}: the sequence length must be ≥ 1 and the seed ≥ 0")
     if process_index is None or process_count is None:
-        import jax
+        import jax  # deferred: this module is read to parse configs, with no jax
 
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
@@ -425,7 +425,7 @@ def make_loader(
 
 def to_global(batch: dict[str, np.ndarray], sharding) -> dict:
     """Process-local batch -> global ``jax.Array``s; ``sharding`` is one sharding or a dict per key."""
-    import jax
+    import jax  # deferred: this module is read to parse configs, with no jax
 
     return {
         key: jax.make_array_from_process_local_data(sharding[key] if isinstance(sharding, dict) else sharding, value)

@@ -17,6 +17,8 @@ exception is ``NonFiniteError``, raised *during* a run: the run failed, so the c
 
 from __future__ import annotations
 
+import difflib
+
 
 class JaxparError(Exception):
     """An error the user can act on; the message says what to change."""
@@ -57,3 +59,11 @@ class LaunchError(JaxparError):
 
 class NonFiniteError(JaxparError, ArithmeticError):
     """A step produced a NaN or inf loss or gradient norm (the message names the step)."""
+
+
+def suggest(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case-insensitive), or ``''``: the hint a
+    message about an unknown name ends with."""
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""

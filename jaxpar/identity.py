@@ -2,17 +2,18 @@
 
 A saved run or checkpoint fits the current config when
 
-  * the model is the same: every model field agrees — in every family and every nested config (MoE,
-    MLA, RoPE scaling, whatever a family adds) — except the execution settings in ``EXECUTION_FIELDS``,
-    which change how the same model is computed or trained, never what it is;
+  * the model is the same: the model config, whole — every field of every family and every nested
+    config (MoE, MLA, RoPE scaling, whatever a family adds). How the model is computed or trained is not
+    in it (``jaxpar.execution``: remat, compute dtype, kernels, capacity, loss weights) and may change; a
+    saved config from before those settings left the model is read without them;
   * (resume only) the data stream is the same: ``batch``, ``seq``, ``seed`` and ``data.*`` except the read
     settings in ``READ_SETTINGS``, so the batches that come next are the ones that would have come;
   * every saved array has the shape and dtype the current model (and optimizer) asks for. The expected
     shapes are derived from the abstract model (``nnx.eval_shape``), the saved ones read from the
     checkpoint's metadata: no list of shape fields is kept by hand, and no array is read.
 
-Anything else may change: the mesh (a restore reshards), steps, the optimizer and its schedule,
-grad_accum, z-loss, checkpoint and log settings. The entry points, all through ``check_fits``:
+Anything else may change: the execution settings, the mesh (a restore reshards), steps, the optimizer
+and its schedule, grad_accum, z-loss, checkpoint and log settings. The entry points, all through ``check_fits``:
 
     Entry.RESUME      ``jaxpar train`` finding a checkpoint (or a config.json) in --out
     Entry.INIT_FROM   ``jaxpar train --init-from``: the checkpoint's model against the run's, weights only
@@ -27,21 +28,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
 from jaxpar.config import Choice, from_dict, to_dict
 from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.execution import split_saved_model
+from jaxpar.models import DenseConfig
 
-# Model fields that may differ between a saved run and the current one, and why.
-EXECUTION_FIELDS = {
-    "model.remat": "what the backward pass keeps and what it recomputes",
-    "model.dtype": "the compute dtype (parameters keep model.param_dtype)",
-    "model.attention_impl": "which attention kernel jax uses",
-    "model.context_parallel": "how attention runs when positions are split over a mesh axis",
-    "model.cp_order": "how a ring stores the tokens over its devices",
-    "model.moe.capacity_factor": "capacity-padded or dropless execution of the experts",
-    "model.moe.aux_loss_weight": "a term of the objective, not of the model",
-    "model.moe.router_z_loss_weight": "a term of the objective, not of the model",
-    "model.moe.bias_update_rate": "how fast training balances the routers, not the model",
-}
 STREAM_FIELDS = ("batch", "seq", "seed", "data")  # what decides the batches that come next
 READ_SETTINGS = ("data.num_threads", "data.prefetch")  # how fast batches are read, not which
 MAX_LISTED_ARRAYS = 12
@@ -70,13 +65,12 @@ def _diff(saved, now, path: str, skip) -> list[str]:
 
 
 def _normalized_model(data, where) -> dict:
-    """A saved model config as the current code writes it (tagged with its class, defaults filled)."""
-    from jaxpar.models import DenseConfig
-
+    """A saved model config as the current code writes it (tagged with its class, defaults filled; the
+    execution settings saved in it before they moved, left out: ``split_saved_model``)."""
     if not isinstance(data, dict):
         raise CheckpointError(f"{where} holds no jaxpar model config (a JSON object); nothing was written")
     try:
-        return to_dict(from_dict(DenseConfig, data, where="model"), DenseConfig)
+        return to_dict(from_dict(DenseConfig, split_saved_model(data)[0], where="model"), DenseConfig)
     except ConfigError as err:
         raise CheckpointError(
             f"{where}: its saved model config cannot be read by this version of jaxpar ({err}); nothing was written"
@@ -85,8 +79,8 @@ def _normalized_model(data, where) -> dict:
 
 def model_differences(saved_model: dict, current_model: dict, /, *, where="the checkpoint") -> list[str]:
     """Every model field where the saved config and the current one (``to_dict`` data, tagged with its
-    class) disagree, outside the execution settings: ``model.moe.top_k: saved 2, now 1``."""
-    return _diff(_normalized_model(saved_model, where), current_model, "model", set(EXECUTION_FIELDS))
+    class) disagree: ``model.moe.top_k: saved 2, now 1``."""
+    return _diff(_normalized_model(saved_model, where), current_model, "model", set())
 
 
 def stream_differences(saved: dict, current: dict, /) -> list[str]:
@@ -100,9 +94,6 @@ def stream_differences(saved: dict, current: dict, /) -> list[str]:
 
 def saved_arrays(checkpoints: Path, step: int, /) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{path: (shape, dtype)}`` of every array of checkpoint ``step``'s state, from its metadata."""
-    import jax
-    import orbax.checkpoint as ocp
-
     handlers = {
         "state": ocp.StandardCheckpointHandler(),
         "data": ocp.JsonCheckpointHandler(),
@@ -127,8 +118,6 @@ def saved_arrays(checkpoints: Path, step: int, /) -> dict[str, tuple[tuple[int, 
 
 def abstract_arrays(state, /, *, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
     """``{path: (shape, dtype)}`` of an abstract ``nnx.State`` (from ``nnx.eval_shape``)."""
-    from flax import nnx
-
     out = {}
     for keys, var in nnx.to_flat_state(state):
         value = var.get_value()
@@ -202,10 +191,11 @@ def _refusal(entry: Entry, where: Path, step: int | None) -> str:
 
 
 def _advice(entry: Entry) -> str:
-    free = ", ".join(EXECUTION_FIELDS)
     return {
         Entry.RESUME: "Nothing was written. Use another --out, or the saved settings to resume (these may "
-        f"change on resume: {free}, and the mesh, steps, optimizer, checkpoint and log settings).",
-        Entry.INIT_FROM: f"Nothing was written. Of the model's fields only these may change: {free}.",
+        "change on resume: the execution settings, execution.*, and the mesh, steps, optimizer, checkpoint "
+        "and log settings).",
+        Entry.INIT_FROM: "Nothing was written. The model config may not change; the execution settings "
+        "(execution.*) may.",
         Entry.LOAD: "Nothing was written. The checkpoint was edited or written by another program.",
     }[entry]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import NamedSharding
 
+from jaxpar.execution import ExecutionConfig
 from jaxpar.mesh import build_mesh
 from jaxpar.parallel.attention import check_context_parallel
 from jaxpar.rules import Dim, LayoutError, Rules, check_layout, trace_layout, use_layout
@@ -31,8 +34,11 @@ class Layout:
         return trace_layout(self.mesh, self.rules)
 
 
-def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> Layout:
-    """Build the mesh of ``preset`` (a ``jaxpar.meshes.MeshPreset``) and check the model against it.
+def make_layout(
+    model_cfg, preset, /, *, batch: int, seq: int, devices=None, execution: ExecutionConfig | None = None
+) -> Layout:
+    """Build the mesh of ``preset`` (a ``jaxpar.meshes.MeshPreset``) and check the model, run as
+    ``execution`` says (default ``ExecutionConfig()``), against it.
 
     Raises ``LayoutError``/``MeshError`` naming the field, the mesh axis and the numbers.
     """
@@ -45,17 +51,55 @@ def make_layout(model_cfg, preset, /, *, batch: int, seq: int, devices=None) -> 
             f"mesh {preset.mesh}: axis {', '.join(idle)} is used by no rule of preset "
             f"{preset.rules.name!r}; every device on it would repeat the same work"
         )
-    dims = dict(model_cfg.logical_dims())
-    dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
-    rules = check_layout(dims, preset.rules, shape)
-    if hasattr(model_cfg, "context_parallel"):
-        check_context_parallel(
-            model_cfg.context_parallel,
-            model_cfg.cp_order,
-            seq=seq,
-            num_heads=model_cfg.num_heads,
-            num_kv_heads=model_cfg.num_kv_heads,
-            rules=rules,
-            mesh_shape=shape,
-        )
+    rules = check_model_layout(
+        model_cfg, execution, preset.rules, shape, batch=Dim(batch, "batch"), seq=Dim(seq, "seq")
+    )
     return Layout(mesh, rules)
+
+
+def layout_dims(model_cfg, /, *, batch: Dim, seq: Dim) -> dict[str, Dim]:
+    """What the layout check measures: the model's dimensions (``logical_dims``), the batch, and the
+    positions between blocks and inside them."""
+    return dict(model_cfg.logical_dims()) | dict(batch=batch, length=seq, inner_length=seq)
+
+
+def check_model_layout(
+    model_cfg,
+    execution: ExecutionConfig | None,
+    rules: Rules,
+    mesh_shape: Mapping[str, int],
+    /,
+    *,
+    batch: Dim,
+    seq: Dim,
+    extra_dims=None,
+) -> Rules:
+    """The layout check, the one place a model meets a rules table (training, generation, the layout lab
+    and its search): every dimension the rules shard (``layout_dims``, plus ``extra_dims`` such as a KV
+    cache's) divides its mesh axes, and ``execution``'s context-parallel kernel (default
+    ``ExecutionConfig()``: none) runs on the split positions. Returns the rules to use (kv heads fewer than
+    the tensor size replicated: ``jaxpar.rules.check_layout``); raises ``LayoutError`` naming the field,
+    the mesh axis and the numbers."""
+    execution = ExecutionConfig() if execution is None else execution
+    dims = layout_dims(model_cfg, batch=batch, seq=seq) | dict(extra_dims or {})
+    rules = check_layout(dims, rules, mesh_shape)
+    check_context_parallel(
+        execution.context_parallel,
+        execution.cp_order,
+        seq=seq.size,
+        num_heads=model_cfg.num_heads,
+        num_kv_heads=model_cfg.num_kv_heads,
+        rules=rules,
+        mesh_shape=mesh_shape,
+    )
+    return rules
+
+
+def default_batch_seq(preset, num_devices: int, /) -> tuple[int, int]:
+    """The smallest batch and sequence length the mesh preset can split: its batch and length ways."""
+    shape = preset.mesh.resolve(num_devices).shape()
+
+    def ways(logical):
+        return math.prod(shape[a] for a in preset.rules[logical])
+
+    return ways("batch"), math.lcm(ways("length"), ways("inner_length"))

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 
-from jaxpar.errors import MeshError  # noqa: F401  (re-exported)
+from jaxpar.errors import MeshError, suggest
 
 AXES: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
@@ -127,17 +128,9 @@ class MeshConfig:
         return {a: getattr(self, a) * dcn[a] for a in AXES}
 
 
-def suggest(word: str, choices) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case-insensitive), or ``''``."""
-    import difflib
-
-    by_lower = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
-    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
-
-
 def build_mesh(config: MeshConfig | str, /, *, devices=None):
     """A ``jax.sharding.Mesh`` with the six axes in physical order and Auto axis types."""
+    # deferred: jax, so that a MeshConfig parses and checks without it (the commands' parsers)
     import jax
     from jax.experimental import mesh_utils
 
@@ -190,8 +183,6 @@ def cpu_runtime_env(n: int, /) -> None:
 
     Raises ``PJRT_NPROC`` to at least ``THREADS_PER_SIMULATED_DEVICE * n`` (never below the cores or a
     larger value already set) and adds the ``PATIENT_COLLECTIVES`` flags not already in ``XLA_FLAGS``."""
-    import os
-
     have = os.environ.get("PJRT_NPROC", "")
     floor = max(THREADS_PER_SIMULATED_DEVICE * n, os.cpu_count() or 1)
     os.environ["PJRT_NPROC"] = str(max(int(have) if have.isdigit() else 0, floor))
@@ -203,7 +194,7 @@ def cpu_runtime_env(n: int, /) -> None:
 
 def simulate_cpu_devices(n: int, /) -> None:
     """Make the CPU backend expose ``n`` devices. Must run before the first JAX operation."""
-    import jax
+    import jax  # deferred: jax, so that a MeshConfig parses and checks without it
 
     if n < 1:
         raise MeshError(f"--cpu-devices={n}: must be a positive integer")

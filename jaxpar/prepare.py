@@ -67,7 +67,7 @@ class _Encoder:
         if tokenizer is None:
             self.name, self.vocab_size, self.eos_id = "bytes", 257, 256
             return
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # deferred: only when a tokenizer is named
 
         if not Path(tokenizer).is_file():
             raise DataError(f"--tokenizer {tokenizer}: no such file")

@@ -130,7 +130,7 @@ _CURRENT: contextvars.ContextVar[_Layout | None] = contextvars.ContextVar("jaxpa
 @contextlib.contextmanager
 def trace_layout(mesh: jax.sharding.Mesh, rules: Rules):
     """Rules current for ``constrain`` and Flax metadata; usable inside a jitted function."""
-    from flax import nnx
+    from flax import nnx  # deferred: flax, which only tracing under a layout needs
 
     token = _CURRENT.set(_Layout(mesh, rules))
     try:

@@ -16,6 +16,11 @@ import dataclasses
 import json
 import math
 
+import jax
+
+from jaxpar.errors import MeshError
+from jaxpar.layout import default_batch_seq, layout_dims, make_layout
+from jaxpar.models import get_model_preset
 from jaxpar.rules import ACTIVATION_AXES, CACHE_AXES, LOGICAL_AXES, PARAM_AXES, Dim, Rules
 
 GROUPS = (
@@ -132,13 +137,6 @@ def rules_report(
     if model is None:
         shape = preset.mesh.resolve(num_devices).shape()
         return RulesReport(preset, num_devices, shape, preset.rules)
-    import jax
-
-    from jaxpar.layout import make_layout
-    from jaxpar.mesh import MeshError
-    from jaxpar.models import get_model_preset
-    from jaxpar.shardings import default_batch_seq
-
     if jax.device_count() != num_devices:
         raise MeshError(
             f"--devices {num_devices}: jax has {jax.device_count()} devices; simulate them before any JAX operation"
@@ -148,9 +146,7 @@ def rules_report(
     batch, seq = batch or min_batch, seq or min_seq
     layout = make_layout(cfg, preset, batch=batch, seq=seq)
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
-    dims = dict(cfg.logical_dims()) | dict(
-        batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq")
-    )
+    dims = layout_dims(cfg, batch=Dim(batch, "batch"), seq=Dim(seq, "seq"))
     changes = explain_changes(preset.rules, layout.rules, dims, shape)
     return RulesReport(preset, num_devices, shape, layout.rules, model, batch, seq, tuple(changes))
 

@@ -8,8 +8,8 @@ this works for models far larger than the machine, e.g. llama3-405b on 64 simula
 
 Also the ``jaxpar shardings`` subcommand (``add_arguments`` / ``run``, registered in ``jaxpar.cli``);
 its ``--rules`` form prints a preset's rules table instead (``jaxpar.rules_report``).
-This module imports jax but touches no backend at import time, so the command can still simulate devices;
-flax and the model zoo are imported inside the functions that build models.
+This module imports jax, flax and the model zoo but touches no backend at import time, so the command can
+still simulate devices.
 """
 
 from __future__ import annotations
@@ -21,9 +21,13 @@ import math
 
 import jax
 import numpy as np
+from flax import nnx
 
-from jaxpar.layout import Layout, make_layout
-from jaxpar.mesh import AXES
+from jaxpar.layout import Layout, default_batch_seq, make_layout
+from jaxpar.mesh import AXES, simulate_cpu_devices
+from jaxpar.meshes import resolve_mesh_arg
+from jaxpar.models import build_model, get_model_preset
+from jaxpar.rules_report import format_rules, rules_report
 
 SpecEntry = None | str | list  # one dimension of a normalised spec: None | axis | [axes]
 MiB, GiB = 2**20, 2**30
@@ -143,33 +147,21 @@ class ShardingReport:
 
 
 # ------------------------------------------------------------------------------------------ building
-def default_batch_seq(preset, num_devices: int, /) -> tuple[int, int]:
-    """The smallest batch and sequence length the mesh preset can split: its batch and length ways."""
-    shape = preset.mesh.resolve(num_devices).shape()
-
-    def ways(logical):
-        return math.prod(shape[a] for a in preset.rules[logical])
-
-    return ways("batch"), math.lcm(ways("length"), ways("inner_length"))
-
-
-def default_layout(model_cfg, preset, /, *, batch: int | None = None, seq: int | None = None, devices=None) -> Layout:
+def default_layout(
+    model_cfg, preset, /, *, batch: int | None = None, seq: int | None = None, devices=None, execution=None
+) -> Layout:
     """``make_layout`` with the smallest batch / seq the preset (a name, spec or MeshPreset) accepts."""
-    from jaxpar.meshes import resolve_mesh_arg
-
     if isinstance(preset, str):
         preset = resolve_mesh_arg(preset)
     n = len(jax.devices() if devices is None else devices)
     min_batch, min_seq = default_batch_seq(preset, n)
-    return make_layout(model_cfg, preset, batch=batch or min_batch, seq=seq or min_seq, devices=devices)
+    return make_layout(
+        model_cfg, preset, batch=batch or min_batch, seq=seq or min_seq, devices=devices, execution=execution
+    )
 
 
 def param_shardings(model_cfg, layout: Layout, /) -> ShardingReport:
     """Build ``model_cfg`` abstractly under ``layout`` and report every ``nnx.Param``'s sharding."""
-    from flax import nnx
-
-    from jaxpar.models import build_model
-
     with layout.activate():
         abstract = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
         state = nnx.state(abstract, nnx.Param)
@@ -279,10 +271,6 @@ def default_device_count(mesh_config, /) -> int:
 
 
 def run(args: argparse.Namespace, /) -> int:
-    from jaxpar.mesh import simulate_cpu_devices
-    from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.models import get_model_preset
-
     if args.rules is not None:
         return _run_rules(args)
     if args.model is None:
@@ -302,10 +290,6 @@ def run(args: argparse.Namespace, /) -> int:
 
 def _run_rules(args: argparse.Namespace, /) -> int:
     """``--rules``: the table alone needs no devices; checked against ``--model`` it simulates them."""
-    from jaxpar.mesh import simulate_cpu_devices
-    from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.rules_report import format_rules, rules_report
-
     if args.model is None and (args.batch is not None or args.seq is not None):
         args._shardings_parser.error("--batch and --seq need --model: the table alone has no batch or sequence")
     preset = resolve_mesh_arg(args.rules, flag="--rules")

@@ -12,7 +12,7 @@ filled from the device count, so each preset works on any device count its fixed
     hsdp    hybrid sharded data parallel: replicas (data=2) of FSDP groups (fsdp=-1)
     3d      data=2 × fsdp=2 × tensor=-1
     cp      context parallelism: sequence=-1; activations split along positions, attention by the
-            model's kernel (``model.context_parallel``: ring or ulysses; GSPMD gathers K/V with none)
+            kernel ``execution.context_parallel`` chooses (ring or ulysses; GSPMD gathers K/V with none)
     fsdp_cp fsdp=2 × sequence=-1
     tp_cp   sequence=-1 × tensor=2; between blocks positions are split over sequence × tensor
     pp      pipeline parallelism: stage=-1; the stacked ``layers`` split over ``stage``, run by a schedule
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.mesh import AXES, MeshConfig, suggest
+from jaxpar.config import Choice
+from jaxpar.errors import suggest
+from jaxpar.mesh import AXES, MeshConfig
 from jaxpar.rules import LOGICAL_AXES, LayoutError, Rules
 
 
@@ -38,43 +40,67 @@ class MeshPreset:
 
 _REPLICATED = dict.fromkeys(LOGICAL_AXES)  # every logical axis, none sharded
 
-# Tensor parallelism: heads/mlp/vocab split; the residual stream split along length between blocks.
-_TENSOR = dict(
-    vocab="tensor",
-    heads="tensor",
-    kv_heads="tensor",
-    mlp="tensor",
-    length="tensor",
-    act_heads="tensor",
-    act_kv_heads="tensor",
-    act_mlp="tensor",
-    act_vocab="tensor",
-)
+# Tensor parallelism, in training and generation alike: heads, MLP columns and the vocabulary split.
+_TENSOR = ("vocab", "heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
 
 
-def compose_rules(name: str, axes, /) -> Rules:
-    """The one rules table for a mesh that shards over ``axes`` (a set of mesh axis names):
-    ``data``/``fsdp`` split the batch, ``fsdp`` also the weights' ``embed``; ``tensor`` is Megatron TP
-    with sequence-parallel activations between blocks; ``sequence`` is context parallelism: every
-    activation split along its positions (inside attention by the model's kernel: ring or Ulysses);
-    ``expert`` holds whole experts (expert parallelism) and, outside MoE layers, splits the batch like
-    a data axis (so its devices never repeat work)."""
+class Phase(Choice):
+    """What a rules table is for: training, or one phase of generation (``jaxpar.inference.layouts``)."""
+
+    TRAIN = "train"
+    PREFILL = "prefill"  # prompts: positions may be split over ``sequence``
+    DECODE = "decode"  # one token per row: positions never split
+
+
+def compose_rules(name: str, axes, /, *, phase: Phase | str = Phase.TRAIN) -> Rules:
+    """The one rules table for a mesh that shards over ``axes`` (a set of mesh axis names), in training
+    or in a phase of generation. Both: ``data``/``fsdp`` (and ``expert``, expert-major: see
+    parallel/moe.py) split the batch; ``expert`` holds whole experts (expert parallelism) and, outside MoE
+    layers, splits the batch like a data axis (so its devices never repeat work); ``tensor`` is Megatron
+    TP over heads, MLP columns and the vocabulary.
+
+    Training (``_train_rules``): ``fsdp`` also splits the weights' ``embed``; tensor parallelism has
+    sequence-parallel activations between blocks; ``sequence`` is context parallelism (every activation
+    split along its positions, inside attention by the kernel: ring or Ulysses); ``stage`` splits the
+    stacked layers. Generation (``_generation_rules``): moving weights is the worst thing decoding can do,
+    so ``fsdp`` is one more batch axis; the KV cache is split like the batch, over ``tensor`` by its
+    heads and over ``sequence`` by its slots; prefill splits positions over ``sequence``, decode never."""
+    phase = Phase.parse(phase, field="phase")
     rules = dict(_REPLICATED)
-    batch = tuple(a for a in ("expert", "data", "fsdp") if a in axes)  # expert-major: see parallel/moe.py
+    batch = tuple(a for a in ("expert", "data", "fsdp") if a in axes)
     if batch:
         rules["batch"] = batch
-    if "fsdp" in axes:
-        rules["embed"] = "fsdp"
     if "expert" in axes:
         rules["experts"] = rules["act_experts"] = "expert"
     if "tensor" in axes:
-        rules.update(_TENSOR)
+        rules.update(dict.fromkeys(_TENSOR, "tensor"))
+    if phase == Phase.TRAIN:
+        return Rules.from_mapping(name, _train_rules(rules, axes))
+    return Rules.from_mapping(f"{name}:{phase}", _generation_rules(rules, axes, batch, phase))
+
+
+def _train_rules(rules: dict, axes) -> dict:
+    if "fsdp" in axes:
+        rules["embed"] = "fsdp"
+    if "tensor" in axes:  # sequence parallelism: the residual stream split along positions between blocks
+        rules["length"] = "tensor"
     if "stage" in axes:  # pipeline: each stage holds its layers
         rules["layers"] = "stage"
     if "sequence" in axes:
         rules["inner_length"] = "sequence"
         rules["length"] = ("sequence", "tensor") if "tensor" in axes else "sequence"
-    return Rules.from_mapping(name, rules)
+    return rules
+
+
+def _generation_rules(rules: dict, axes, batch: tuple[str, ...], phase: Phase) -> dict:
+    rules["cache_batch"] = batch
+    if "tensor" in axes:
+        rules["cache_kv_heads"] = "tensor"
+    if "sequence" in axes:
+        rules["cache_length"] = "sequence"
+        if phase == Phase.PREFILL:
+            rules["length"] = rules["inner_length"] = "sequence"
+    return rules
 
 
 def _preset(name: str, mesh: str, doc: str) -> MeshPreset:

@@ -1,7 +1,9 @@
 """The model zoo: families and their published presets.
 
 Shapes follow the published configs. ``PUBLISHED_PARAMS`` holds the parameter counts the model cards and
-checkpoints state; ``tests/test_presets.py`` checks ours against them.
+checkpoints state; ``tests/test_presets.py`` checks ours against them. A preset is what a model is;
+``EXECUTION_PRESETS`` holds the execution a few presets are meant to run under (the others run under
+``ExecutionConfig()``): the test models' roomy expert capacity, DeepSeek's router balancing.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ import dataclasses
 from flax import nnx
 
 from jaxpar.config import from_dict, to_dict
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, suggest
+from jaxpar.execution import MOVED_FROM_MODEL, ExecutionConfig, split_saved_model
 from jaxpar.layers.mla import MLAConfig
 from jaxpar.layers.moe import MoEConfig
 from jaxpar.layers.rope import RopeScaling, YarnScaling
-from jaxpar.mesh import suggest
 from jaxpar.models.dense import DenseConfig, DenseLM, Remat
 from jaxpar.models.moe import MoELM, MoEModelConfig
 
@@ -149,7 +151,7 @@ PRESETS.update(
             head_dim=8,
             mlp_dim=128,
             max_seq_len=1024,
-            moe=MoEConfig(num_experts=4, top_k=2, mlp_dim=64, capacity_factor=2.0),
+            moe=MoEConfig(num_experts=4, top_k=2, mlp_dim=64),
         ),
         "tiny-deepseek": MoEModelConfig(
             vocab_size=256,
@@ -171,8 +173,6 @@ PRESETS.update(
                 routed_scale=2.5,
                 num_shared_experts=1,
                 shared_mlp_dim=32,
-                bias_update_rate=1e-3,
-                capacity_factor=2.0,
             ),
             mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
         ),
@@ -248,7 +248,6 @@ PRESETS.update(
                 routed_scale=2.5,
                 num_shared_experts=1,
                 shared_mlp_dim=2048,
-                bias_update_rate=1e-3,
             ),
             mla=MLAConfig(
                 q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
@@ -277,15 +276,39 @@ PUBLISHED_PARAMS = {
 }
 
 
+# The execution each preset is meant to run under, where it is not ``ExecutionConfig()``: the test models
+# route with room to spare (capacity 2: no token dropped in the tests' batches), DeepSeek balances its
+# routers by the selection bias (auxiliary-loss-free, rate 1e-3 as published).
+EXECUTION_PRESETS: dict[str, ExecutionConfig] = {
+    "tiny-moe": ExecutionConfig(capacity_factor=2.0),
+    "tiny-deepseek": ExecutionConfig(capacity_factor=2.0, bias_update_rate=1e-3),
+    "deepseek-v3": ExecutionConfig(bias_update_rate=1e-3),
+}
+
+
 def get_model_preset(name: str, /, **overrides) -> DenseConfig:
-    """A preset by name, with dataclass field overrides (e.g. ``dtype='bfloat16'``)."""
+    """A preset by name, with model config field overrides (e.g. ``num_layers=4``); execution settings
+    are not model fields (``get_execution_preset``, ``build_model(..., execution=...)``)."""
     try:
         cfg = PRESETS[name]
     except KeyError:
         raise ConfigError(
             f"--model: unknown model preset {name!r}{suggest(name, PRESETS)}; presets are {', '.join(PRESETS)}"
         ) from None
+    moved = sorted(set(overrides) & {f.rpartition(".")[2] for f in MOVED_FROM_MODEL})
+    if moved:
+        raise ConfigError(
+            f"{', '.join(moved)}: execution settings, not model config fields; give them as "
+            f"ExecutionConfig({', '.join(f'{m}=...' for m in moved)}) (jaxpar.execution)"
+        )
     return dataclasses.replace(cfg, **overrides)
+
+
+def get_execution_preset(name: str, /, **overrides) -> ExecutionConfig:
+    """The execution model preset ``name`` is meant to run under (``EXECUTION_PRESETS``, else the
+    defaults), with field overrides (e.g. ``remat='dots'``)."""
+    get_model_preset(name)  # an unknown name is refused as there
+    return dataclasses.replace(EXECUTION_PRESETS.get(name, ExecutionConfig()), **overrides)
 
 
 def config_to_dict(cfg: DenseConfig, /) -> dict:
@@ -294,12 +317,16 @@ def config_to_dict(cfg: DenseConfig, /) -> dict:
 
 
 def config_from_dict(data: dict, /) -> DenseConfig:
-    """Inverse of ``config_to_dict``: the family's own config class (``jaxpar.config.from_dict``)."""
-    return from_dict(DenseConfig, data, where="model")
+    """Inverse of ``config_to_dict``: the family's own config class (``jaxpar.config.from_dict``). Data
+    saved before the execution settings left the model config is read without them
+    (``jaxpar.execution.split_saved_model`` maps them to their new home)."""
+    return from_dict(DenseConfig, split_saved_model(data)[0], where="model")
 
 
-def build_model(cfg: DenseConfig, /, *, rngs: nnx.Rngs) -> DenseLM:
-    return MoELM(cfg, rngs=rngs) if isinstance(cfg, MoEModelConfig) else DenseLM(cfg, rngs=rngs)
+def build_model(cfg: DenseConfig, /, *, rngs: nnx.Rngs, execution: ExecutionConfig | None = None) -> DenseLM:
+    """The family's model of ``cfg``, run as ``execution`` says (default ``ExecutionConfig()``)."""
+    family = MoELM if isinstance(cfg, MoEModelConfig) else DenseLM
+    return family(cfg, execution=execution, rngs=rngs)
 
 
 __all__ = [
@@ -309,9 +336,12 @@ __all__ = [
     "MoELM",
     "MoEModelConfig",
     "Remat",
+    "ExecutionConfig",
+    "EXECUTION_PRESETS",
     "PRESETS",
     "PUBLISHED_PARAMS",
     "get_model_preset",
+    "get_execution_preset",
     "build_model",
     "config_to_dict",
     "config_from_dict",

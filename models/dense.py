@@ -7,8 +7,10 @@ V vocab (padded), L num_layers.
     Block: x + Attention(RMSNorm(x)); x + SwiGLU(RMSNorm(x))
 
 The L blocks are created once with ``nnx.vmap`` (every parameter gains a leading ``layers`` axis) and run
-with ``nnx.scan``, so compile time does not grow with depth; ``remat`` picks what the backward pass keeps.
-Only logical axis names appear here; the mesh presets decide what they mean.
+with ``nnx.scan``, so compile time does not grow with depth. ``DenseConfig`` is what the model is; how it
+runs (remat, the compute dtype, the attention kernel, context parallelism) is the ``ExecutionConfig`` it
+is built with (``jaxpar.execution``), kept as ``model.execution``. Only logical axis names appear here;
+the mesh presets decide what they mean.
 """
 
 from __future__ import annotations
@@ -21,36 +23,16 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.config import Choice, DType, check_choices
+from jaxpar.config import DType, check_choices
 from jaxpar.errors import ConfigError
-from jaxpar.layers import Attention, AttentionConfig, AttentionImpl, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
+from jaxpar.execution import ATTN_NAMES, ExecutionConfig, Remat  # noqa: F401  (ATTN_NAMES, Remat: re-exported)
+from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
-from jaxpar.parallel.attention import ContextParallel, TokenOrder, storage_order
+from jaxpar.model_api import ForwardOutput
+from jaxpar.parallel.attention import storage_order
 from jaxpar.parallel.common import inverse_order
 from jaxpar.rules import Dim, constrain
-
-# What remat=attn keeps: named in jaxpar.layers.attention (MLA names its context only) and the block below.
-ATTN_NAMES = ("attn_q", "attn_k", "attn_v", "attn_ctx", "attn_out")
-
-
-class Remat(Choice):
-    """What a scanned block keeps for the backward pass."""
-
-    NONE = "none"  # keep every intermediate
-    FULL = "full"  # keep only the block input; recompute the rest
-    DOTS = "dots"  # keep matmul outputs without batch dims (weights-side products)
-    ATTN = "attn"  # keep q/k/v, the attention context and the block's output (named checkpoints)
-
-    def policy(self):
-        cp = jax.checkpoint_policies
-        return {
-            Remat.FULL: cp.nothing_saveable,
-            Remat.DOTS: cp.dots_with_no_batch_dims_saveable,
-            Remat.ATTN: cp.save_only_these_names(*ATTN_NAMES),
-            Remat.NONE: None,
-        }[self]
-
 
 # Sizes that must be positive: the config divides by several of them (num_kv_heads, vocab_multiple).
 SIZE_FIELDS = (
@@ -82,14 +64,15 @@ class DenseConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     tie_embeddings: bool = False
-    dtype: DType = DType.FLOAT32  # compute dtype
     param_dtype: DType = DType.FLOAT32  # storage dtype of parameters (and so of optimizer state)
-    remat: Remat = Remat.FULL
     vocab_multiple: int = 128  # the embedding is padded to a multiple of this (shardable vocab)
-    attention_impl: AttentionImpl | None = None
     max_seq_len: int = 2048  # longest sequence the model is meant for (HF max_position_embeddings)
-    context_parallel: ContextParallel = ContextParallel.NONE  # attention when positions are split over `sequence`
-    cp_order: TokenOrder = TokenOrder.ZIGZAG  # ring: how tokens are stored over the devices
+
+    # The parts other families add, as every family answers them (plain class attributes, not fields:
+    # the dense config's data holds none of them). ``MoEModelConfig`` declares them as fields.
+    moe = None  # the MoE layers' MoEConfig
+    mla = None  # DeepSeek's Multi-head Latent Attention (an MLAConfig) instead of GQA
+    first_dense_layers = 0  # layers before the MoE stack that keep a dense SwiGLU
 
     def __post_init__(self):
         check_choices(self, "model")
@@ -109,14 +92,20 @@ class DenseConfig:
 
     @property
     def uses_mla(self) -> bool:
-        """Whether the attention is DeepSeek's Multi-head Latent Attention (families that have it say so)."""
-        return False
+        """Whether the attention is DeepSeek's Multi-head Latent Attention."""
+        return self.mla is not None
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose feed-forward is a mixture of experts (0 for a dense model)."""
+        return 0 if self.moe is None else self.num_layers - self.first_dense_layers
 
     @property
     def padded_vocab(self) -> int:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
-    def attention(self) -> AttentionConfig:
+    def attention(self, execution: ExecutionConfig) -> AttentionConfig:
+        """The attention layers' config: this model's shape, ``execution``'s kernel and context parallelism."""
         return AttentionConfig(
             self.embed_dim,
             self.num_heads,
@@ -128,13 +117,13 @@ class DenseConfig:
             qk_norm=self.qk_norm,
             norm_eps=self.norm_eps,
             sliding_window=self.sliding_window,
-            implementation=self.attention_impl,
-            context_parallel=self.context_parallel,
+            implementation=execution.attention_impl,
+            context_parallel=execution.context_parallel,
         )
 
-    def attention_module(self, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Module:
+    def attention_module(self, execution: ExecutionConfig, *, rngs: nnx.Rngs) -> nnx.Module:
         """The attention layer of a block (families with another attention override this)."""
-        return Attention(self.attention(), rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        return Attention(self.attention(execution), rngs=rngs, dtype=execution.dtype, param_dtype=self.param_dtype)
 
     def logical_dims(self) -> dict[str, Dim]:
         """Sizes of the dimensions each logical axis governs, for the layout check."""
@@ -169,15 +158,15 @@ class DenseConfig:
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: DenseConfig, *, rngs: nnx.Rngs):
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    def __init__(self, cfg: DenseConfig, execution: ExecutionConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
-        self.attn = cfg.attention_module(rngs=rngs, **kw)
+        self.attn = cfg.attention_module(execution, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
-        self._init_feed_forward(cfg, rngs, kw)
+        self._init_feed_forward(cfg, execution, rngs)
 
-    def _init_feed_forward(self, cfg, rngs: nnx.Rngs, kw: dict) -> None:
+    def _init_feed_forward(self, cfg, execution: ExecutionConfig, rngs: nnx.Rngs) -> None:
         """The block's second half (families with another feed-forward override this)."""
+        kw = dict(dtype=execution.dtype, param_dtype=cfg.param_dtype)
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
 
     def _attend(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None):
@@ -197,19 +186,6 @@ class Block(nnx.Module):
         x, cache = self._attend(x, positions, index, cache, step)
         out = self._feed_forward(x, index)
         return out if cache is None else (out, cache)
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardOutput:
-    """What ``forward`` returns (inside a traced function): logits in the layout's storage order,
-    that order (position p holds token ``order[p]``; None = natural), the weighted auxiliary losses
-    the objective adds (MoE balancing and router z-loss; 0 for dense models), and MoE statistics
-    stacked over the MoE layers (None for dense models)."""
-
-    logits: jax.Array
-    order: np.ndarray | None
-    aux_loss: jax.Array
-    moe: object = None
 
 
 def stacked(n: int, make, rngs: nnx.Rngs, axis: str = "layers"):
@@ -252,14 +228,17 @@ def scan_cached(blocks, x, positions, cache, step: Step):
 
 
 class DenseLM(nnx.Module):
-    def __init__(self, cfg: DenseConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+    """The dense family's ``jaxpar.model_api.LanguageModel``."""
+
+    def __init__(self, cfg: DenseConfig, *, execution: ExecutionConfig | None = None, rngs: nnx.Rngs):
+        self.cfg, self.execution = cfg, ExecutionConfig() if execution is None else execution
         self._init_io(cfg, rngs)
-        self.blocks = stacked(cfg.num_layers, lambda r: Block(cfg, rngs=r), rngs)
+        self.blocks = stacked(cfg.num_layers, lambda r: Block(cfg, self.execution, rngs=r), rngs)
 
     def _init_io(self, cfg, rngs: nnx.Rngs) -> None:
         """Embedding, final norm and LM head: the parts every family shares."""
-        self.embed = Embed(cfg.padded_vocab, cfg.embed_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        dtype = self.execution.dtype
+        self.embed = Embed(cfg.padded_vocab, cfg.embed_dim, dtype=dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"), dtype=cfg.param_dtype)
@@ -271,7 +250,7 @@ class DenseLM(nnx.Module):
     def run_stack(self, blocks, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
         """``blocks`` (this model's pipelined stack, or a chunk of its layers) over x:
         (x, weighted auxiliary loss, statistics stacked over the layers)."""
-        return scan_blocks(blocks, x, positions, index, self.cfg.remat), jnp.zeros((), jnp.float32), None
+        return scan_blocks(blocks, x, positions, index, self.execution.remat), jnp.zeros((), jnp.float32), None
 
     def prefix(self, x, positions, index) -> jax.Array:
         """The layers before the pipelined stack (none here; see ``MoELM``)."""
@@ -282,9 +261,12 @@ class DenseLM(nnx.Module):
         x = self.prefix(x, positions, index)
         return self.run_stack(getattr(self, self.pipeline_stack), x, positions, index)
 
+    def update_router_bias(self, expert_load: jax.Array) -> None:
+        """No routers: nothing to balance (``MoELM`` balances its own)."""
+
     def storage_order(self, length: int) -> np.ndarray | None:
         """How the current layout stores a sequence: position p holds token ``order[p]`` (None: natural)."""
-        return storage_order(length, self.cfg.context_parallel, self.cfg.cp_order)
+        return storage_order(length, self.execution.context_parallel, self.execution.cp_order)
 
     def inputs(self, ids: jax.Array, positions: jax.Array | None = None, *, stored: bool = False):
         """What the layers see of ``ids`` [B, T]: ``(ids, positions, index, order)`` in the layout's storage
@@ -305,7 +287,7 @@ class DenseLM(nnx.Module):
         if cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(cfg.dtype))
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(self.execution.dtype))
         logits = constrain(logits.astype(jnp.float32), ("batch", "inner_length", "act_vocab"))
         if cfg.padded_vocab != cfg.vocab_size:
             logits = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits, -1e9)
@@ -346,20 +328,20 @@ class DenseLM(nnx.Module):
         }
 
     def _zeros(self, batch: int, s: int) -> dict:
-        cfg = self.cfg
+        cfg, dtype = self.cfg, self.execution.dtype
         out = {}
         for name in self.cache_stacks():
-            prefix = getattr(cfg, "first_dense_layers", 0)
+            prefix = cfg.first_dense_layers
             n = prefix if name == self.prefix_stack else cfg.num_layers - prefix
             if cfg.uses_mla:
                 mla = cfg.mla
                 out[name] = LatentCache(
-                    jnp.zeros((n, batch, s, mla.kv_lora_rank), cfg.dtype),
-                    jnp.zeros((n, batch, s, mla.qk_rope_head_dim), cfg.dtype),
+                    jnp.zeros((n, batch, s, mla.kv_lora_rank), dtype),
+                    jnp.zeros((n, batch, s, mla.qk_rope_head_dim), dtype),
                 )
             else:
                 shape = (n, batch, s, cfg.num_kv_heads, cfg.head_dim)
-                out[name] = KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+                out[name] = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         return out
 
     def _cached(self, ids: jax.Array, positions: jax.Array, cache: dict, step: Step):

@@ -6,11 +6,11 @@ Legend: B batch, T positions, D embed_dim, E experts, k experts per token, L lay
     ids [B, T] -> Embed -> dense blocks -> MoE blocks -> RMSNorm -> LM head -> logits [B, T, V] (float32)
     MoE block: x + Attention(RMSNorm(x)); x + MoE(RMSNorm(x))
 
-Everything the dense family has (GQA, QK-norm, RoPE scaling, remat, context parallelism, the zig-zag
-order) carries over: ``MoEConfig`` extends ``DenseConfig`` and ``MoELM`` reuses ``DenseLM``'s embedding,
-head and forward pass; only the layer stack differs. Each MoE layer reports ``MoEStats``; the model sums
+Everything the dense family has (GQA, QK-norm, RoPE scaling; in execution remat, context parallelism,
+the zig-zag order) carries over: ``MoEConfig`` extends ``DenseConfig`` and ``MoELM`` reuses ``DenseLM``'s
+embedding, head and forward pass; only the layer stack differs. Each MoE layer reports ``MoEStats``; the model sums
 their weighted losses into the objective and hands the statistics (stacked [L, ...]) to the train step,
-which logs them and, when ``moe.bias_update_rate`` > 0, nudges the routers' selection bias.
+which logs them and, when ``execution.bias_update_rate`` > 0, nudges the routers' selection bias.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.layers import MoE, MoEConfig, updated_bias
 from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
 from jaxpar.models.dense import Block, DenseConfig, DenseLM, scan_blocks, stacked
@@ -31,7 +32,7 @@ from jaxpar.rules import Dim, constrain
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEModelConfig(DenseConfig):
-    moe: MoEConfig  # the MoE layers' router, experts and capacity
+    moe: MoEConfig = dataclasses.field()  # the MoE layers' router, experts and capacity (required)
     first_dense_layers: int = 0  # DeepSeek: the first layers keep a dense SwiGLU of width mlp_dim
     mla: MLAConfig | None = None  # DeepSeek: Multi-head Latent Attention instead of GQA
 
@@ -44,23 +45,16 @@ class MoEModelConfig(DenseConfig):
                 f"model.first_dense_layers={self.first_dense_layers} must be in [0, model.num_layers={self.num_layers})"
             )
 
-    @property
-    def uses_mla(self) -> bool:
-        return self.mla is not None
-
-    def attention_module(self, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Module:
+    def attention_module(self, execution: ExecutionConfig, *, rngs: nnx.Rngs) -> nnx.Module:
         if self.mla is None:
-            return super().attention_module(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        return MLA(self.attention(), self.mla, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            return super().attention_module(execution, rngs=rngs)
+        attn = self.attention(execution)
+        return MLA(attn, self.mla, rngs=rngs, dtype=execution.dtype, param_dtype=self.param_dtype)
 
     def _attention_params(self) -> int:
         """Parameters of one layer's attention as the dense count has them (GQA)."""
         d, h, n, k = self.embed_dim, self.head_dim, self.num_heads, self.num_kv_heads
         return d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_dense_layers
 
     def logical_dims(self) -> dict[str, Dim]:
         experts = Dim(self.moe.num_experts, "model.moe.num_experts")
@@ -115,8 +109,9 @@ class MoEModelConfig(DenseConfig):
 class MoEBlock(Block):
     """A dense block whose feed-forward is an MoE; returns (x, MoEStats)."""
 
-    def _init_feed_forward(self, cfg: MoEModelConfig, rngs: nnx.Rngs, kw: dict) -> None:
-        self.moe = MoE(cfg.embed_dim, cfg.moe, rngs=rngs, **kw)
+    def _init_feed_forward(self, cfg: MoEModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs) -> None:
+        kw = dict(dtype=execution.dtype, param_dtype=cfg.param_dtype)
+        self.moe = MoE(cfg.embed_dim, cfg.moe, execution=execution, rngs=rngs, **kw)
 
     def _feed_forward(self, x: jax.Array, index: jax.Array):
         y, stats = self.moe(self.mlp_norm(x), index)
@@ -124,12 +119,16 @@ class MoEBlock(Block):
 
 
 class MoELM(DenseLM):
-    def __init__(self, cfg: MoEModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+    """The MoE family's ``jaxpar.model_api.LanguageModel``: ``DenseLM`` with another layer stack."""
+
+    def __init__(self, cfg: MoEModelConfig, *, execution: ExecutionConfig | None = None, rngs: nnx.Rngs):
+        self.cfg, self.execution = cfg, ExecutionConfig() if execution is None else execution
+        run = self.execution
         self._init_io(cfg, rngs)
         if cfg.first_dense_layers:
-            self.dense_blocks = stacked(cfg.first_dense_layers, lambda r: Block(cfg, rngs=r), rngs, "prefix_layers")
-        self.moe_blocks = stacked(cfg.num_moe_layers, lambda r: MoEBlock(cfg, rngs=r), rngs)
+            dense = lambda r: Block(cfg, run, rngs=r)
+            self.dense_blocks = stacked(cfg.first_dense_layers, dense, rngs, "prefix_layers")
+        self.moe_blocks = stacked(cfg.num_moe_layers, lambda r: MoEBlock(cfg, run, rngs=r), rngs)
 
     pipeline_stack = "moe_blocks"
 
@@ -138,18 +137,18 @@ class MoELM(DenseLM):
         return "dense_blocks" if self.cfg.first_dense_layers else None
 
     def run_stack(self, blocks, x, positions, index):
-        x, stats = scan_blocks(blocks, x, positions, index, self.cfg.remat, per_layer_outputs=True)
+        x, stats = scan_blocks(blocks, x, positions, index, self.execution.remat, per_layer_outputs=True)
         return x, jnp.sum(stats.aux_loss) + jnp.sum(stats.router_z_loss), stats
 
     def prefix(self, x, positions, index):
         """DeepSeek's first dense layers (the pipeline runs them before its schedule)."""
         if not self.cfg.first_dense_layers:
             return x
-        return scan_blocks(self.dense_blocks, x, positions, index, self.cfg.remat)
+        return scan_blocks(self.dense_blocks, x, positions, index, self.execution.remat)
 
     def update_router_bias(self, expert_load: jax.Array) -> None:
         """DeepSeek's auxiliary-loss-free balancing for every MoE layer ([L, E] loads); no-op at rate 0."""
-        rate = self.cfg.moe.bias_update_rate
+        rate = self.execution.bias_update_rate
         if rate:
             bias = self.moe_blocks.moe.router_bias
             bias[...] = updated_bias(bias[...], jax.lax.stop_gradient(expert_load), rate)

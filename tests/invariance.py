@@ -48,13 +48,17 @@ def flat(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def train_steps(cfg, preset, tokens: np.ndarray, *, devices=None, grad_accum: int = 1, pipeline=None) -> Run:
-    """Trains ``cfg`` under ``preset`` on ``tokens`` [steps, B, T + 1] (step i: inputs tokens[i, :, :-1],
-    targets tokens[i, :, 1:]), recording each step's loss, MoE statistics and gradients. ``grad_accum``
-    and ``pipeline`` (a schedule table) go to the train step and the gradient function."""
+def train_steps(
+    cfg, preset, tokens: np.ndarray, *, devices=None, grad_accum: int = 1, pipeline=None, execution=None
+) -> Run:
+    """Trains ``cfg``, run as ``execution`` says (default ``ExecutionConfig()``), under ``preset`` on
+    ``tokens`` [steps, B, T + 1] (step i: inputs tokens[i, :, :-1], targets tokens[i, :, 1:]), recording
+    each step's loss, MoE statistics and gradients. ``grad_accum`` and ``pipeline`` (a schedule table) go
+    to the train step and the gradient function."""
     steps, batch, seq = tokens.shape[0], tokens.shape[1], tokens.shape[2] - 1
-    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices)
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OPTIMIZER), layout)
+    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=execution)
+    make = lambda r: build_model(cfg, execution=execution, rngs=r)
+    ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout)
     kw = dict(grad_accum=grad_accum, pipeline=pipeline)
     step, grad_fn = make_train_step(ts, layout, **kw), make_grad_fn(ts, layout, **kw)
     state, losses, grads, moe = ts.state, [], [], []
@@ -68,25 +72,28 @@ def train_steps(cfg, preset, tokens: np.ndarray, *, devices=None, grad_accum: in
     return Run(losses, grads, moe, state, {a: n for a, n in layout.mesh.shape.items() if n > 1})
 
 
-def one_device(cfg, tokens: np.ndarray, *, grad_accum: int = 1) -> Run:
+def one_device(cfg, tokens: np.ndarray, *, grad_accum: int = 1, execution=None) -> Run:
     """``train_steps`` on the first device alone: the reference a parallel layout must reproduce."""
-    return train_steps(cfg, ONE_DEVICE, tokens, devices=jax.devices()[:1], grad_accum=grad_accum)
+    return train_steps(cfg, ONE_DEVICE, tokens, devices=jax.devices()[:1], grad_accum=grad_accum, execution=execution)
 
 
-def reference_pair(cfg, tokens: np.ndarray, *, grad_accum: int = 1, exact=None) -> tuple[Run, Run]:
+def reference_pair(cfg, tokens: np.ndarray, *, grad_accum: int = 1, execution=None, exact=None) -> tuple[Run, Run]:
     """``one_device`` twice: as given, and another valid way: with the batch rows in another order
-    (``noise.permuted_rows``, each row kept in its microbatch), or, given ``exact`` (a config computing
-    the same function in higher precision), under that config."""
-    run = one_device(cfg, tokens, grad_accum=grad_accum)
+    (``noise.permuted_rows``, each row kept in its microbatch), or, given ``exact`` (an execution config
+    computing the same function in higher precision), run that way."""
+    run = one_device(cfg, tokens, grad_accum=grad_accum, execution=execution)
     if exact is None:
-        return run, one_device(cfg, tokens[:, permuted_rows(tokens.shape[1], grad_accum)], grad_accum=grad_accum)
-    return run, one_device(exact, tokens, grad_accum=grad_accum)
+        rows = permuted_rows(tokens.shape[1], grad_accum)
+        return run, one_device(cfg, tokens[:, rows], grad_accum=grad_accum, execution=execution)
+    return run, one_device(cfg, tokens, grad_accum=grad_accum, execution=exact)
 
 
-def reference(cfg, tokens: np.ndarray, family: str, *, grad_accum: int = 1, multiple: float = MULTIPLE, exact=None):
+def reference(
+    cfg, tokens: np.ndarray, family: str, *, grad_accum: int = 1, execution=None, multiple: float = MULTIPLE, exact=None
+):
     """The one-device run and the ``noise.Bound`` that its distance from ``reference_pair``'s other
     run sets."""
-    run, other = reference_pair(cfg, tokens, grad_accum=grad_accum, exact=exact)
+    run, other = reference_pair(cfg, tokens, grad_accum=grad_accum, execution=execution, exact=exact)
     return run, Bound(family, measure(run, other), multiple)
 
 

@@ -18,14 +18,14 @@ from invariance import replace_rows, train_steps
 from noise import check_mutation_caught, check_run
 
 from jaxpar.meshes import resolve_mesh_arg
-from jaxpar.models import get_model_preset
+from jaxpar.models import get_execution_preset, get_model_preset
 from jaxpar.pipeline import build
 
 STEPS, BATCH, SEQ = 3, 16, 16
-MODELS = {  # name: (preset, model fields, MoE fields)
+MODELS = {  # name: (preset, model fields, execution fields)
     "tiny": ("tiny", dict(num_layers=8), {}),
-    "tiny-ring": ("tiny", dict(num_layers=8, context_parallel="ring"), {}),  # zig-zag token order
-    "tiny-ulysses": ("tiny", dict(num_layers=8, context_parallel="ulysses"), {}),
+    "tiny-ring": ("tiny", dict(num_layers=8), dict(context_parallel="ring")),  # zig-zag token order
+    "tiny-ulysses": ("tiny", dict(num_layers=8), dict(context_parallel="ulysses")),
     "tiny-moe": ("tiny-moe", dict(num_layers=4), {}),
     "tiny-moe-dropless": ("tiny-moe", dict(num_layers=4), dict(capacity_factor=None)),
     "tiny-deepseek": ("tiny-deepseek", dict(num_layers=5, first_dense_layers=1), {}),  # 1 dense + 4 MoE
@@ -38,9 +38,14 @@ def case_id(case) -> str:
 
 
 def model(name: str):
-    preset, fields, moe = MODELS[name]
-    cfg = dataclasses.replace(get_model_preset(preset), **fields)
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe)) if moe else cfg
+    preset, fields, _ = MODELS[name]
+    return dataclasses.replace(get_model_preset(preset), **fields)
+
+
+def execution(name: str):
+    """The execution of case ``name``: its preset's, with the case's changes."""
+    preset, _, changes = MODELS[name]
+    return get_execution_preset(preset, **changes)
 
 
 def tokens(name: str) -> np.ndarray:
@@ -51,7 +56,9 @@ def reference(name: str, m: int):
     """One device, gradient accumulated over the same m microbatches, and its noise bound (built once
     per model and m)."""
     if (name, m) not in _REFERENCES:
-        _REFERENCES[name, m] = noisy_reference(model(name), tokens(name), "pipeline", grad_accum=m)
+        _REFERENCES[name, m] = noisy_reference(
+            model(name), tokens(name), "pipeline", grad_accum=m, execution=execution(name)
+        )
     return _REFERENCES[name, m]
 
 
@@ -73,7 +80,9 @@ def _devices(mesh: str):
 
 def check_case(name: str, schedule: str, p: int, m: int, v: int, mesh: str) -> None:
     preset, devices = _devices(mesh)
-    got = train_steps(model(name), preset, tokens(name), devices=devices, pipeline=build(schedule, p, m, v))
+    got = train_steps(
+        model(name), preset, tokens(name), devices=devices, pipeline=build(schedule, p, m, v), execution=execution(name)
+    )
     want, bound = reference(name, m)
     label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}"
     check_run(got, want, bound, label)
@@ -90,6 +99,8 @@ def check_dropped_microbatch(name: str, schedule: str, p: int, m: int, mesh: str
     preset, devices = _devices(mesh)
     rows = np.arange(0, BATCH, m)
     mutant = replace_rows(tokens(name), rows, rows + 1)
-    got = train_steps(model(name), preset, mutant, devices=devices, pipeline=build(schedule, p, m))
+    got = train_steps(
+        model(name), preset, mutant, devices=devices, pipeline=build(schedule, p, m), execution=execution(name)
+    )
     want, bound = reference(name, m)
     return check_mutation_caught(got, want, bound, f"{name} {schedule} p={p} m={m} on {mesh}: microbatch 0 lost")

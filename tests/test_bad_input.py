@@ -314,7 +314,7 @@ CASES = {
         r"axes expert=8",
     ),
     "mesh-ulysses-kv-heads": Case(
-        train("--mesh", "cp", "--set", "model.context_parallel=ulysses"),
+        train("--mesh", "cp", "--set", "execution.context_parallel=ulysses"),
         r"ulysses over sequence=8 needs num_kv_heads \(2 on this device\) divisible by 8",
     ),
     # ---- the run config: --set, flags, presets
@@ -371,8 +371,12 @@ CASES = {
         r"--set model\.moe\.top_k=9: model\.moe\.top_k=9 exceeds model\.moe\.num_experts=4",
     ),
     "moe-zero-capacity": Case(
-        ["train", "--model", "tiny-moe", *train("--set", "model.moe.capacity_factor=0")[1:]],
-        r"moe\.capacity_factor=0\.0 must be > 0",
+        ["train", "--model", "tiny-moe", *train("--set", "execution.capacity_factor=0")[1:]],
+        r"execution\.capacity_factor=0\.0 must be > 0",
+    ),
+    "set-moved-model-field": Case(
+        train("--set", "model.remat=dots"),
+        r"--set model\.remat: moved: execution settings left the model config; use execution\.remat",
     ),
     "profile-steps-reversed": Case(train("--profile-steps", "5:2"), r"--profile-steps '5:2': need 1 ≤ FIRST ≤ LAST"),
     # ---- token files (data.source=files)
@@ -622,8 +626,9 @@ CASES |= {
     # ---- numeric settings that used to pass the checks
     "z-loss-nan": Case(train("--set", "z_loss=nan"), r"z_loss=nan must be ≥ 0"),
     "eval-every-negative": Case(train("--set", "log.eval_every=-1"), r"log\.eval_every=-1 must be ≥ 0"),
-    "model-dtype-unknown": Case(
-        train("--set", "model.dtype=float8"), r"model\.dtype='float8': choose one of float32, bfloat16, float16"
+    "execution-dtype-unknown": Case(
+        train("--set", "execution.dtype=float8"),
+        r"execution\.dtype='float8': choose one of float32, bfloat16, float16",
     ),
     "model-param-dtype-int": Case(
         train("--set", "model.param_dtype=int8"), r"model\.param_dtype='int8': choose one of"
@@ -775,7 +780,7 @@ def built_run(preset: str, run: Path) -> Path:
     ).validate()
     layout = plan_layout(cfg)
     program = init_program(
-        lambda r: build_model(cfg.model, rngs=r),
+        lambda r: build_model(cfg.model, execution=cfg.execution, rngs=r),
         lambda m: make_optimizer(cfg.optimizer, m, total_steps=cfg.steps),
         layout,
     )

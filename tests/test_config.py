@@ -9,6 +9,7 @@ import pytest
 
 from jaxpar import errors
 from jaxpar.data import DataConfig
+from jaxpar.execution import ExecutionConfig
 from jaxpar.layers import AttentionConfig, MoEConfig
 from jaxpar.models import PRESETS, DenseConfig, MoEModelConfig, Remat, get_model_preset
 from jaxpar.train.config import (
@@ -30,7 +31,7 @@ def test_every_field_is_settable_and_parsed_by_type():
         [
             "optimizer.learning_rate=1e-3",
             "steps=7",
-            "model.remat=dots",
+            "execution.remat=dots",
             "optimizer.clip_norm=none",
             "checkpoint.async_save=false",
             "data.source=files",
@@ -38,7 +39,7 @@ def test_every_field_is_settable_and_parsed_by_type():
             "mesh=fsdp",
         ],
     )
-    assert cfg.optimizer.learning_rate == 1e-3 and cfg.steps == 7 and cfg.model.remat is Remat.DOTS
+    assert cfg.optimizer.learning_rate == 1e-3 and cfg.steps == 7 and cfg.execution.remat is Remat.DOTS
     assert cfg.optimizer.clip_norm is None and cfg.checkpoint.async_save is False
     assert cfg.data.source == "files" and cfg.model.sliding_window == 32 and cfg.mesh == "fsdp"
     paths = field_paths()
@@ -55,7 +56,12 @@ def test_every_field_is_settable_and_parsed_by_type():
         ("learning_rate=1", "did you mean optimizer.learning_rate"),
         ("stepz=3", "did you mean steps"),
         ("steps=three", "steps=three: expected int"),
-        ("model.remat=some", "--set model.remat='some': choose one of none, full, dots, attn"),
+        ("execution.remat=some", "--set execution.remat='some': choose one of none, full, dots, attn"),
+        ("model.remat=full", "--set model.remat: moved: execution settings left the model config; use execution.remat"),
+        (
+            "model.moe.capacity_factor=2",
+            "moved: execution settings left the model config; use execution.capacity_factor",
+        ),
         ("checkpoint.async_save=maybe", "expected true or false"),
         ("steps", "expected key=value"),
         ("model.rope_scaling.factor=2", "rope_scaling is None"),
@@ -67,7 +73,7 @@ def test_bad_overrides_name_the_field(item, message):
 
 
 def test_json_round_trip():
-    cfg = apply_overrides(default_config("llama3-8b"), ["model.remat=attn", "optimizer.schedule=wsd"])
+    cfg = apply_overrides(default_config("llama3-8b"), ["execution.remat=attn", "optimizer.schedule=wsd"])
     back = from_dict(TrainConfig, to_dict(cfg))
     assert back == cfg
 
@@ -84,10 +90,10 @@ def test_every_preset_round_trips_through_json_with_its_class(preset):
 def test_set_keeps_the_family_and_reaches_its_fields():
     cfg = apply_overrides(
         default_config("tiny-deepseek"),
-        ["model.moe.top_k=1", "model.mla.kv_lora_rank=8", "model.moe.router=softmax", "model.dtype=bfloat16"],
+        ["model.moe.top_k=1", "model.mla.kv_lora_rank=8", "model.moe.router=softmax", "execution.dtype=bfloat16"],
     )
     assert type(cfg.model) is MoEModelConfig and cfg.model.moe.top_k == 1 and cfg.model.mla.kv_lora_rank == 8
-    assert cfg.model.moe.router == "softmax" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.moe.router == "softmax" and cfg.execution.dtype == "bfloat16"
     assert from_dict(TrainConfig, json.loads(json.dumps(to_dict(cfg)))) == cfg
     with pytest.raises(ConfigError, match=r"--set model\.moe\.top_k: unknown field"):
         apply_overrides(default_config("tiny"), ["model.moe.top_k=1"])
@@ -107,18 +113,18 @@ def test_untagged_model_data_is_read_by_its_fields():
 @pytest.mark.parametrize(
     "make, field",
     [
-        (lambda: get_model_preset("tiny", context_parallel="rings"), "model.context_parallel='rings'"),
-        (lambda: get_model_preset("tiny", cp_order="zag"), "model.cp_order='zag'"),
-        (lambda: get_model_preset("tiny", dtype="float8"), "model.dtype='float8'"),
+        (lambda: ExecutionConfig(context_parallel="rings"), "execution.context_parallel='rings'"),
+        (lambda: ExecutionConfig(cp_order="zag"), "execution.cp_order='zag'"),
+        (lambda: ExecutionConfig(dtype="float8"), "execution.dtype='float8'"),
         (lambda: get_model_preset("tiny", param_dtype="int8"), "model.param_dtype='int8'"),
-        (lambda: get_model_preset("tiny", attention_impl="flash"), "model.attention_impl='flash'"),
-        (lambda: get_model_preset("tiny", remat="some"), "model.remat='some'"),
+        (lambda: ExecutionConfig(attention_impl="flash"), "execution.attention_impl='flash'"),
+        (lambda: ExecutionConfig(remat="some"), "execution.remat='some'"),
         (lambda: MoEConfig(num_experts=4, top_k=2, mlp_dim=8, router="topk"), "model.moe.router='topk'"),
         (lambda: OptimizerConfig(schedule="cosin"), "optimizer.schedule='cosin'"),
         (lambda: DataConfig(source="web"), "data.source='web'"),
         (lambda: DataConfig(dtype="int64"), "data.dtype='int64'"),
         (lambda: dataclasses.replace(default_config("tiny"), nonfinite="ignore"), "nonfinite='ignore'"),
-        (lambda: AttentionConfig(8, 2, 2, 4, context_parallel="x"), "model.context_parallel='x'"),
+        (lambda: AttentionConfig(8, 2, 2, 4, context_parallel="x"), "execution.context_parallel='x'"),
     ],
 )
 def test_choices_are_enums_checked_when_built(make, field):
@@ -131,16 +137,16 @@ def test_choices_are_enums_checked_when_built(make, field):
 def test_choices_parse_into_their_enums():
     cfg = apply_overrides(
         default_config("tiny-moe"),
-        ["model.context_parallel=ring", "nonfinite=skip", "optimizer.schedule=wsd", "data.source=files"],
+        ["execution.context_parallel=ring", "nonfinite=skip", "optimizer.schedule=wsd", "data.source=files"],
     )
     for value in (
-        cfg.model.context_parallel,
+        cfg.execution.context_parallel,
         cfg.model.moe.router,
         cfg.nonfinite,
         cfg.optimizer.schedule,
         cfg.data.source,
-        cfg.model.dtype,
-        cfg.model.cp_order,
+        cfg.execution.dtype,
+        cfg.execution.cp_order,
     ):
         assert type(value).__mro__[1].__name__ == "Choice", value
 

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from noise import FLOOR, MULTIPLE, MUTATION_GAP, array_ratios, check_arrays, record
 
+from jaxpar.execution import ExecutionConfig
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import get_model_preset
@@ -146,8 +147,8 @@ def test_oracle_catches_a_mutant_mask(name):
 # ------------------------------------------------------------- context attention, kv heads replicated
 @functools.cache
 def _layout(strategy):
-    cfg = get_model_preset("tiny", context_parallel=strategy)
-    return cfg, make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T)
+    cfg, execution = get_model_preset("tiny"), ExecutionConfig(context_parallel=strategy)
+    return cfg, make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T, execution=execution)
 
 
 @functools.cache
@@ -201,10 +202,10 @@ def test_context_attention_with_replicated_kv_heads(strategy, zigzag, window):
 def test_ulysses_refuses_replicated_kv_heads_before_compiling():
     """Each device keeps one of the 2 kv heads (tensor=4), and one head cannot be split over sequence=2.
     The refusal comes from ``ulysses_check`` while tracing (``jax.eval_shape``: nothing compiles)."""
-    cfg = get_model_preset("tiny", context_parallel="ulysses")
+    cfg, ulysses = get_model_preset("tiny"), ExecutionConfig(context_parallel="ulysses")
     q, k, v, ct = _inputs(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     with pytest.raises(LayoutError, match=r"ulysses over sequence=2 needs num_kv_heads"):
-        layout = make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T)
+        layout = make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T, execution=ulysses)
         assert layout.rules["act_kv_heads"] == ()
         placed = _place(layout, q, k, v, ct, NATURAL)
 
@@ -218,6 +219,6 @@ def test_ulysses_refuses_replicated_kv_heads_before_compiling():
 def test_make_layout_refuses_ulysses_with_replicated_kv_heads():
     """Refused before anything compiles: with kv heads replicated over tensor each device keeps one kv
     head (``_own_kv_head``), which sequence=2 cannot split."""
-    cfg = get_model_preset("tiny", context_parallel="ulysses")
+    cfg, ulysses = get_model_preset("tiny"), ExecutionConfig(context_parallel="ulysses")
     with pytest.raises(LayoutError, match=r"ulysses over sequence=2 needs num_kv_heads"):
-        make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T)
+        make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T, execution=ulysses)

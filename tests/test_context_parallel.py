@@ -16,6 +16,7 @@ from noise import check_mutation_caught, check_run
 
 from jaxpar.analysis import analyze_compiled
 from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.layout import make_layout
 from jaxpar.meshes import get_mesh_preset, resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
@@ -45,8 +46,9 @@ def reference():
 def test_same_losses_and_gradients_as_one_device(reference, strategy, order, mesh):
     """3 steps: the losses and, at every step, each parameter's gradient within the measured noise bound."""
     ref, bound = reference
-    cfg = get_model_preset("tiny", context_parallel=strategy, cp_order=order)
-    check_run(train_steps(cfg, resolve_mesh_arg(mesh), TOKENS), ref, bound, f"{strategy} {order} {mesh}")
+    execution = ExecutionConfig(context_parallel=strategy, cp_order=order)
+    run = train_steps(get_model_preset("tiny"), resolve_mesh_arg(mesh), TOKENS, execution=execution)
+    check_run(run, ref, bound, f"{strategy} {order} {mesh}")
     assert abs(ref.losses[0] - ref.losses[-1]) > 1e-3  # the steps really change the model
 
 
@@ -57,19 +59,19 @@ def test_a_wrong_token_permutation_is_caught(reference):
     chunk = T // 8  # sequence=4: 8 zig-zag chunks
     order = np.arange(T).reshape(8, chunk)[[0, 2, 1, 3, 4, 5, 6, 7]].ravel()
     mutant = np.concatenate([TOKENS[:, :, :-1][:, :, order], TOKENS[:, :, -1:]], axis=2)
-    cfg = get_model_preset("tiny", context_parallel="ring", cp_order="zigzag")
-    got = train_steps(cfg, resolve_mesh_arg("sequence=4,tensor=2"), mutant)
+    ring = ExecutionConfig(context_parallel="ring", cp_order="zigzag")
+    got = train_steps(get_model_preset("tiny"), resolve_mesh_arg("sequence=4,tensor=2"), mutant, execution=ring)
     check_mutation_caught(got, ref, bound, "ring zigzag sequence=4: two chunks swapped")
 
 
 def test_logits_come_back_in_natural_order():
     """Under zig-zag the model stores tokens permuted; ``model(ids)`` still returns natural order."""
-    cfg = get_model_preset("tiny", context_parallel="ring")
+    cfg, ring = get_model_preset("tiny"), ExecutionConfig(context_parallel="ring")
     ids = TOKENS[0, :, :-1]
     want = np.asarray(build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))(ids))
-    layout = make_layout(cfg, get_mesh_preset("cp"), batch=B, seq=T)
+    layout = make_layout(cfg, get_mesh_preset("cp"), batch=B, seq=T, execution=ring)
     with layout.activate():
-        model = build_model(cfg, rngs=nnx.Rngs(0))
+        model = build_model(cfg, execution=ring, rngs=nnx.Rngs(0))
         got = np.asarray(nnx.jit(lambda m, x: m(x))(model, ids))
         order = model.forward(ids).order
     assert order is not None and not np.array_equal(order, np.arange(T))
@@ -81,11 +83,11 @@ def test_ring_moves_exactly_the_kv_blocks():
     (n−1)/n · 2·B·L·K·H·bytes (K and V) plus the int32 token indices that travel with them, within
     10% of the K/V term alone; and no device ever gathers a full-length K or V. (The one all-gather
     left is of the int32 ids [B, T], for the zig-zag permutation on entry.)"""
-    cfg = get_model_preset("tiny", context_parallel="ring")
+    cfg, ring = get_model_preset("tiny"), ExecutionConfig(context_parallel="ring")
     n, seq = 8, 128
-    layout = make_layout(cfg, get_mesh_preset("cp"), batch=B, seq=seq)
+    layout = make_layout(cfg, get_mesh_preset("cp"), batch=B, seq=seq, execution=ring)
     with layout.activate():
-        model = build_model(cfg, rngs=nnx.Rngs(0))
+        model = build_model(cfg, execution=ring, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
         forward = jax.jit(lambda s, x: nnx.merge(graphdef, s).forward(x).logits)
         ids = jax.ShapeDtypeStruct((B, seq), np.int32, sharding=layout.sharding(("batch", "length")))
@@ -108,10 +110,10 @@ def test_ring_moves_exactly_the_kv_blocks():
         ("ring", 8, "cp", 40, LayoutError, "seq=40 is not divisible by 2 × sequence=8 = 16"),
         ("ulysses", 8, "sequence=4,tensor=2", 32, LayoutError, "num_kv_heads (1 on this device) divisible by 4"),
         ("ulysses", 6, "data=2,sequence=4", 32, LayoutError, "num_heads (6 on this device) divisible by 4"),
-        ("spiral", 8, "cp", 32, ConfigError, "model.context_parallel='spiral'"),  # refused by the config itself
+        ("spiral", 8, "cp", 32, ConfigError, "execution.context_parallel='spiral'"),  # refused by the config itself
     ],
 )
 def test_layouts_a_strategy_cannot_run_are_refused(strategy, heads, mesh, seq, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
-        cfg = get_model_preset("tiny", context_parallel=strategy, num_heads=heads)
-        make_layout(cfg, resolve_mesh_arg(mesh), batch=B, seq=seq)
+        cfg = get_model_preset("tiny", num_heads=heads)
+        make_layout(cfg, resolve_mesh_arg(mesh), batch=B, seq=seq, execution=ExecutionConfig(context_parallel=strategy))

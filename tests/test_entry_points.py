@@ -15,8 +15,6 @@
 Everything compiles from abstract inputs; the only real arrays are the eager cases' tiny models.
 """
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -27,7 +25,7 @@ from jaxpar.checkpoint import abstract_like
 from jaxpar.errors import NoLayoutError
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
-from jaxpar.models import build_model, get_model_preset
+from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
 from jaxpar.train.step import TrainState, batch_sharding, init_program, make_eval_step, make_grad_fn, make_train_step
 
@@ -41,18 +39,20 @@ LAYOUTS = {
 ENTRY_POINTS = ("train_step", "eval_step", "grad_fn")
 
 
-def model_config(name):
+def execution(name):
     strategy, dropless, _ = LAYOUTS[name]
-    cfg = get_model_preset("tiny-moe", context_parallel=strategy, remat="none")
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None)) if dropless else cfg
+    dropless = dict(capacity_factor=None) if dropless else {}
+    return get_execution_preset("tiny-moe", context_parallel=strategy, remat="none", **dropless)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def setup(request):
-    cfg = model_config(request.param)
-    layout = make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T)
+    cfg, run = get_model_preset("tiny-moe"), execution(request.param)
+    layout = make_layout(cfg, resolve_mesh_arg(MESH), batch=B, seq=T, execution=run)
     program = init_program(
-        lambda r: build_model(cfg, rngs=r), lambda m: make_optimizer(OptimizerConfig(), m, total_steps=10), layout
+        lambda r: build_model(cfg, execution=run, rngs=r),
+        lambda m: make_optimizer(OptimizerConfig(), m, total_steps=10),
+        layout,
     )
     state = abstract_like(program.abstract, program.shardings)
     batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}

@@ -41,20 +41,21 @@ SCRIPT = textwrap.dedent("""
     from invariance import one_device, replace_rows, train_steps
     from noise import permuted_rows
     from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.models import get_model_preset
+    from jaxpar.models import get_execution_preset, get_model_preset
     from jaxpar.pipeline import build
 
     B, T, STEPS = 8, 32, 3
     schedule, m = (sys.argv[4], int(sys.argv[5])) if len(sys.argv) > 4 else (None, 1)
     batch = np.random.default_rng(0).integers(0, 256, (B, T + 1), dtype=np.int32)
     tokens = np.broadcast_to(batch, (STEPS, B, T + 1))                     # one batch, 3 times
-    cfg = get_model_preset("tiny-moe", context_parallel="ring", remat="none")
+    cfg = get_model_preset("tiny-moe")
+    run = get_execution_preset("tiny-moe", context_parallel="ring", remat="none")
     table = None if schedule is None else build(schedule, 2, m)
     layout = resolve_mesh_arg(sys.argv[1])
-    runs = dict(one=one_device(cfg, tokens, grad_accum=m),
-                other=one_device(cfg, tokens[:, permuted_rows(B, m)], grad_accum=m),
-                many=train_steps(cfg, layout, tokens, pipeline=table),
-                mutant=train_steps(cfg, layout, replace_rows(tokens, [0], [1]), pipeline=table))
+    runs = dict(one=one_device(cfg, tokens, grad_accum=m, execution=run),
+                other=one_device(cfg, tokens[:, permuted_rows(B, m)], grad_accum=m, execution=run),
+                many=train_steps(cfg, layout, tokens, pipeline=table, execution=run),
+                mutant=train_steps(cfg, layout, replace_rows(tokens, [0], [1]), pipeline=table, execution=run))
     np.savez(sys.argv[2], **{f"{name}/{step}/{path}": g for name, run in runs.items()
                              for step, grads in enumerate(run.grads) for path, g in grads.items()})
     print(json.dumps({name: dict(mesh=run.mesh, losses=run.losses, loads=[m.expert_load.tolist() for m in run.moe])

@@ -11,8 +11,6 @@ miss the bound by a wide margin.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +19,10 @@ from flax import nnx
 from noise import FLOOR, MULTIPLE, MUTATION_GAP, record
 
 from jaxpar.errors import ConfigError, LayoutError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.inference import layouts
 from jaxpar.inference.generate import Generator, bucket
+from jaxpar.meshes import Phase, compose_rules
 from jaxpar.models import build_model, get_model_preset
 
 NEW = 8
@@ -30,10 +30,10 @@ BELOW_MARGIN: list = []  # (case, prompt, step, margin, error): reported, never 
 
 
 def _cfg(name: str, **kw):
-    cfg = get_model_preset(name, **kw)
-    if hasattr(cfg, "moe"):  # the oracle must route like decode: dropless
-        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
-    return cfg
+    return get_model_preset(name, **kw)
+
+
+DROPLESS = ExecutionConfig(capacity_factor=None)  # the oracle must route like decode: dropless
 
 
 VARIANTS = {
@@ -53,7 +53,7 @@ def _prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int
 
 
 def _model(cfg):
-    model = build_model(cfg, rngs=nnx.Rngs(0))
+    model = build_model(cfg, execution=DROPLESS, rngs=nnx.Rngs(0))
     if cfg.qkv_bias:  # zero-initialised: make them matter
         for name in ("q_bias", "k_bias", "v_bias"):
             p = getattr(model.blocks.attn, name)
@@ -248,7 +248,7 @@ def test_partial_softmax_decode_equals_dense_attention_forward_and_gradient():
     ck, cv = (jax.random.normal(x, (b, s, k, h)) for x in keys[3:5])
     pos = jnp.array([[13], [29]], jnp.int32)
     mesh = build_mesh("sequence=8")
-    rules = layouts.compose_decode_rules("t", {"sequence"}, prefill=False)
+    rules = compose_rules("t", {"sequence"}, phase=Phase.DECODE)
 
     def kernel(q, ck, cv):
         with trace_layout(mesh, rules):

@@ -1,5 +1,5 @@
-"""Run identity (``jaxpar.identity``): every model field of every family is part of it except the
-execution settings; the data stream must match on resume; saved arrays are checked against the abstract
+"""Run identity (``jaxpar.identity``): every model field of every family is part of it (the execution
+settings are not model fields); the data stream must match on resume; saved arrays are checked against the abstract
 model from checkpoint metadata. Refusals name every differing field. No training step is compiled here:
 the checkpoints are written from abstractly-shaped zeros. The end-to-end refusals (exit status 2, files
 untouched) are in tests/test_bad_input.py."""
@@ -14,8 +14,8 @@ from flax import nnx
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import to_dict
 from jaxpar.errors import CheckpointError
+from jaxpar.execution import MOVED_FROM_MODEL, ExecutionConfig, split_saved_model
 from jaxpar.identity import (
-    EXECUTION_FIELDS,
     Entry,
     abstract_arrays,
     array_differences,
@@ -36,6 +36,10 @@ def data(cfg):
 
 def changed(preset: str, *overrides: str):
     return apply_overrides(default_config(preset), list(overrides)).model
+
+
+def run(preset: str, *overrides: str):
+    return apply_overrides(default_config(preset), list(overrides))
 
 
 # One case per family and per kind of field: sizes, choices, flags, floats, nested configs, the family.
@@ -81,21 +85,41 @@ def test_nested_config_and_family_changes_are_listed():
 @pytest.mark.parametrize("preset", MODELS)
 def test_execution_settings_may_change(preset):
     sets = [
-        "model.remat=dots",
-        "model.dtype=bfloat16",
-        "model.attention_impl=xla",
-        "model.context_parallel=ring",
-        "model.cp_order=contiguous",
+        "execution.remat=dots",
+        "execution.dtype=bfloat16",
+        "execution.attention_impl=xla",
+        "execution.context_parallel=ring",
+        "execution.cp_order=contiguous",
     ]
     if preset != "tiny":
         sets += [
-            "model.moe.capacity_factor=none",
-            "model.moe.aux_loss_weight=0.1",
-            "model.moe.router_z_loss_weight=0",
-            "model.moe.bias_update_rate=0.01",
+            "execution.capacity_factor=none",
+            "execution.aux_loss_weight=0.1",
+            "execution.router_z_loss_weight=0",
+            "execution.bias_update_rate=0.01",
         ]
-    assert {s.split("=")[0] for s in sets} <= set(EXECUTION_FIELDS)
-    assert model_differences(data(get_model_preset(preset)), data(changed(preset, *sets))) == []
+        assert {s.split("=")[0] for s in sets} == {f"execution.{f.name}" for f in dataclasses.fields(ExecutionConfig)}
+    now = run(preset, *sets)
+    assert now.execution != default_config(preset).execution
+    assert model_differences(data(get_model_preset(preset)), data(now.model)) == []
+
+
+@pytest.mark.parametrize("preset", MODELS)
+def test_a_config_saved_with_execution_settings_under_model_is_the_same_model(preset):
+    """Runs saved before the execution settings left the model config hold them under ``model``."""
+    saved = data(get_model_preset(preset))
+    saved |= {"remat": "dots", "dtype": "bfloat16", "attention_impl": None, "context_parallel": "ring"}
+    saved |= {"cp_order": "contiguous"}
+    if preset != "tiny":
+        saved["moe"] = saved["moe"] | dict(capacity_factor=None, aux_loss_weight=0.1, bias_update_rate=0.01)
+        saved["moe"] |= {"router_z_loss_weight": 0.0}
+    assert {k for k in MOVED_FROM_MODEL if "." not in k} <= set(saved)
+    assert model_differences(saved, data(get_model_preset(preset))) == []
+    model, execution = split_saved_model(saved)
+    assert model == data(get_model_preset(preset))  # the caller's data is left as it was
+    assert saved["remat"] == "dots" and ExecutionConfig(**execution).context_parallel == "ring"
+    if preset != "tiny":
+        assert execution["capacity_factor"] is None and execution["bias_update_rate"] == 0.01
 
 
 def test_an_untagged_config_from_before_the_class_tag_is_compared_by_its_fields():
@@ -157,7 +181,7 @@ def test_init_from_refuses_another_model_and_accepts_execution_changes(saved_mod
     directory, _ = saved_model
     saved = data(get_model_preset("tiny-moe"))
     kw = dict(step=0, where=directory.parent, checkpoints=directory)
-    ok = changed("tiny-moe", "model.moe.capacity_factor=none", "model.remat=none")
+    ok = changed("tiny-moe", "execution.capacity_factor=none", "execution.remat=none")
     check_fits(Entry.INIT_FROM, saved_config=saved, current=data(ok), abstract=abstract_of(ok), **kw)
     bad = changed("tiny-moe", "model.moe.top_k=1")
     with pytest.raises(

@@ -89,7 +89,14 @@ def test_each_layer_adds_its_two_all_reduces_latency():
     assert extra == pytest.approx(4 * 7.8e-6)
     # cuDNN attention (prefill) compiles on CPU as XLA's: the same programs, the same plan
     cudnn = plan_inference(
-        "tiny", "decode_tp", batch=2, context=64, hardware="h100", devices=2, num_layers=2, attention_impl="cudnn"
+        "tiny",
+        "decode_tp",
+        batch=2,
+        context=64,
+        hardware="h100",
+        devices=2,
+        num_layers=2,
+        execution=dict(attention_impl="cudnn"),
     )
     assert (cudnn.decode_step_s, cudnn.prefill_s, cudnn.decode_bytes_by_axis) == (
         two.decode_step_s,

@@ -14,7 +14,7 @@ from invariance import reference, replace_rows, train_steps
 from noise import check_mutation_caught, check_run
 
 from jaxpar.meshes import PRESETS
-from jaxpar.models import get_model_preset
+from jaxpar.models import ExecutionConfig, get_model_preset
 
 BATCH, SEQ, STEPS = 8, 16, 3
 CFG = get_model_preset("tiny")
@@ -49,19 +49,18 @@ BF16_MULTIPLE, BF16_GAP = 15, 5
 
 
 def test_bf16_compute_under_3d_matches_one_device():
-    """tiny with ``dtype="bfloat16"`` (compute in bf16; parameters, optimizer state and the loss stay
+    """tiny with ``execution.dtype="bfloat16"`` (compute in bf16; parameters, optimizer state and the loss stay
     fp32) trains 3 steps under ``3d`` (data=2, fsdp=2, tensor=2) with the losses and gradients of bf16 on
     one device, within BF16_MULTIPLE × the bf16 reference's own rounding error: its distance from the same
     run computed in fp32. (Rows in another order measure almost nothing here: bf16's error is the rounding
     of every activation, the same in any row order, while a layout splits the contractions, whose partial
     sums round to bf16 before they are added.) The noise check makes sure the case really ran in bf16:
-    in fp32 it is ~1e-6. A missing all-reduce
-    term (one of the 4 batch shards seen twice) must still miss the bound."""
-    cfg = get_model_preset("tiny", dtype="bfloat16")
-    ref, bound = reference(cfg, TOKENS, "bf16", multiple=BF16_MULTIPLE, exact=CFG)
-    check_run(train_steps(cfg, PRESETS["3d"], TOKENS), ref, bound, "bf16 3d")
+    in fp32 it is ~1e-6. A missing all-reduce term (one of the 4 batch shards seen twice) must still miss the bound."""
+    bf16 = ExecutionConfig(dtype="bfloat16")
+    ref, bound = reference(CFG, TOKENS, "bf16", execution=bf16, multiple=BF16_MULTIPLE, exact=ExecutionConfig())
+    check_run(train_steps(CFG, PRESETS["3d"], TOKENS, execution=bf16), ref, bound, "bf16 3d")
     assert bound.noise.grad > 1e-3, bound.noise
-    mutant = train_steps(cfg, PRESETS["3d"], replace_rows(TOKENS, [0, 1], [2, 3]))
+    mutant = train_steps(CFG, PRESETS["3d"], replace_rows(TOKENS, [0, 1], [2, 3]), execution=bf16)
     check_mutation_caught(mutant, ref, bound, "bf16 3d: shard 0 as shard 1", gap=BF16_GAP)
 
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.layers import Attention, AttentionConfig, RMSNorm, RopeScaling, apply_rope, rope_frequencies
-from jaxpar.models import Remat, build_model, get_model_preset
+from jaxpar.models import ExecutionConfig, Remat, build_model, get_model_preset
 
 
 def test_llama31_rope_scaling_matches_piecewise_definition():
@@ -86,24 +86,24 @@ def test_rmsnorm_matches_numpy():
     np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x))), want, rtol=1e-5)
 
 
-def _loss_and_grads(cfg):
-    model = build_model(cfg, rngs=nnx.Rngs(0))
+def _loss_and_grads(cfg, execution):
+    model = build_model(cfg, execution=execution, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     loss = lambda m: jnp.mean(jax.nn.logsumexp(m(ids[:, :-1]), -1))
     return jax.jit(nnx.value_and_grad(loss))(model)
 
 
 def test_remat_policies_change_memory_not_math():
-    (ref_loss, ref_grads) = _loss_and_grads(get_model_preset("tiny", remat="none"))
+    (ref_loss, ref_grads) = _loss_and_grads(get_model_preset("tiny"), ExecutionConfig(remat="none"))
     for policy in (Remat.FULL, Remat.DOTS, Remat.ATTN):
-        loss, grads = _loss_and_grads(get_model_preset("tiny", remat=policy))
+        loss, grads = _loss_and_grads(get_model_preset("tiny"), ExecutionConfig(remat=policy))
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
 
 
 def test_bf16_compute_keeps_fp32_params_and_logits():
-    cfg = get_model_preset("tiny", dtype="bfloat16")
-    model = build_model(cfg, rngs=nnx.Rngs(0))
+    cfg = get_model_preset("tiny")
+    model = build_model(cfg, execution=ExecutionConfig(dtype="bfloat16"), rngs=nnx.Rngs(0))
     logits = model(jnp.zeros((1, 4), jnp.int32))
     assert logits.dtype == jnp.float32 and model.blocks.attn.q[...].dtype == jnp.float32
     fp32 = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))(jnp.zeros((1, 4), jnp.int32))

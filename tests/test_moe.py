@@ -5,7 +5,9 @@ choice-major as the layer documents), then computes the output with jax.numpy by
 and the tokens each one serves, so ``jax.grad`` through it gives independent gradients.
 """
 
+import dataclasses
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,16 +16,30 @@ import pytest
 from flax import nnx
 
 from jaxpar.errors import ConfigError
-from jaxpar.layers.moe import MoE, MoEConfig, RouterBias, expert_slots, updated_bias
+from jaxpar.execution import ExecutionConfig
+from jaxpar.layers.moe import MoE, MoEConfig, RouterBias, check_execution, expert_slots, updated_bias
 from jaxpar.rules import use_layout
 
 D = 8  # width in every test but the hand-built one
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+RUN = {f.name for f in dataclasses.fields(ExecutionConfig)}
+
+
+def spec(**fields):
+    """The layer's ``MoEConfig`` (``.layer``) and ``ExecutionConfig`` (``.run``: capacity, loss weights and
+    bias rate are execution settings) from one set of fields, checked together; the namespace also holds
+    every field, as the reference reads them."""
+    layer = MoEConfig(**{k: v for k, v in fields.items() if k not in RUN})
+    run = ExecutionConfig(**{k: v for k, v in fields.items() if k in RUN})
+    check_execution(layer, run)
+    return types.SimpleNamespace(**vars(layer), **vars(run), layer=layer, run=run)
+
+
 def build(cfg, *, d=D, seed=0, scale=0.5, dtype="float32"):
     """A layer whose parameters are O(1) (the 0.02 init would make any comparison pass)."""
-    m = MoE(d, cfg, dtype=dtype, param_dtype="float32", rngs=nnx.Rngs(seed))
+    m = MoE(d, cfg.layer, execution=cfg.run, dtype=dtype, param_dtype="float32", rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed + 100)
     for _, var in nnx.iter_graph(m):
         if isinstance(var, nnx.Param):
@@ -178,7 +194,7 @@ def test_capacity_drops_follow_choice_major_priority():
     rank expert 1 then 0, tokens 3-5 expert 0 then 1. Choice-major: expert 1 serves the 1st choices of
     0-2, then the 2nd choice of 3 only; expert 0 the 1st choices of 3-5, then the 2nd choice of 0 only.
     (Token-major would drop the 1st choices of tokens 4 and 5.)"""
-    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=1.25)
+    cfg = spec(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=1.25)
     m = build(cfg, scale=0.3)
     m.router[0] = jnp.array([-2.0, 2.0, 0.0, 0.0])
     m.router[1] = jnp.array([4.0, 4.0, -4.0, -4.0])
@@ -200,7 +216,7 @@ def test_capacity_drops_the_same_assignments_in_any_storage_order():
     """The zig-zag order of context parallelism stores each sequence permuted; ``index`` gives every
     stored token's original place, and capacity ranks in that order. So a permuted sequence drops the
     same assignments and gives the same outputs, permuted (capacity 0.75: some must drop)."""
-    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=0.75)
+    cfg = spec(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=0.75)
     m, x = build(cfg), random_x()
     order = np.random.default_rng(3).permutation(x.shape[1])
     index = jnp.broadcast_to(jnp.asarray(order, jnp.int32), x.shape[:2])
@@ -218,7 +234,7 @@ def test_capacity_drops_the_same_assignments_in_any_storage_order():
 
 
 def test_capacity_random_routing_matches_reference():
-    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=0.75)
+    cfg = spec(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=0.75)
     m, x = build(cfg), random_x()
     choices, kept = ref_plan(params_of(m), x, cfg, np.zeros(4))
     stats = assert_matches_reference(m, x, lambda p, x: ref_token_choice(p, x, cfg, choices, kept))
@@ -227,7 +243,7 @@ def test_capacity_random_routing_matches_reference():
 
 @pytest.mark.parametrize("norm_topk, shared", [(True, 0), (False, 2)])
 def test_softmax_dropless_matches_reference(norm_topk, shared):
-    cfg = MoEConfig(
+    cfg = spec(
         num_experts=4,
         top_k=2,
         mlp_dim=6,
@@ -245,7 +261,7 @@ def test_softmax_dropless_matches_reference(norm_topk, shared):
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_sigmoid_group_limited_with_selection_bias(capacity_factor):
-    cfg = MoEConfig(
+    cfg = spec(
         num_experts=8,
         top_k=3,
         mlp_dim=6,
@@ -261,14 +277,14 @@ def test_sigmoid_group_limited_with_selection_bias(capacity_factor):
     p = params_of(m)
     choices, kept = ref_plan(p, x, cfg, bias)
     assert choices != ref_plan(p, x, cfg, np.zeros(8))[0], "the bias must change some selection"
-    ungrouped = MoEConfig(num_experts=8, top_k=3, mlp_dim=6, router="sigmoid", capacity_factor=None)
+    ungrouped = spec(num_experts=8, top_k=3, mlp_dim=6, router="sigmoid", capacity_factor=None)
     assert choices != ref_plan(p, x, ungrouped, bias)[0], "group limiting must change some selection"
     assert all(len({c // 2 for c in cs}) <= 2 for cs in choices)
     assert_matches_reference(m, x, lambda p, x: ref_token_choice(p, x, cfg, choices, kept))
 
 
 def test_expert_choice_matches_reference():
-    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, router="expert_choice", capacity_factor=0.25)
+    cfg = spec(num_experts=4, top_k=2, mlp_dim=6, router="expert_choice", capacity_factor=0.25)
     m, x = build(cfg), random_x()
     picks = ref_choice_plan(params_of(m), x, cfg)
     assert [len(t) for _, t in picks] == [1] * 8  # per sequence: C = ceil(0.25·6·2/4) = 1
@@ -281,10 +297,8 @@ def test_expert_choice_matches_reference():
 
 def test_losses_and_load_on_hand_built_logits():
     """Router = identity, so each token's logits are its input row."""
-    cfg = MoEConfig(
-        num_experts=4, top_k=2, mlp_dim=3, capacity_factor=None, aux_loss_weight=0.5, router_z_loss_weight=0.25
-    )
-    m = MoE(4, cfg, dtype="float32", param_dtype="float32", rngs=nnx.Rngs(0))
+    cfg = spec(num_experts=4, top_k=2, mlp_dim=3, capacity_factor=None, aux_loss_weight=0.5, router_z_loss_weight=0.25)
+    m = MoE(4, cfg.layer, execution=cfg.run, dtype="float32", param_dtype="float32", rngs=nnx.Rngs(0))
     m.router[...] = jnp.eye(4)
     logits = np.array([[3, 2, 0, 0], [0, 3, 2, 0], [3, 0, 0, 2], [2, 0, 3, 0]], np.float32)
     _, stats = forward(m, jnp.asarray(logits)[None])
@@ -298,7 +312,7 @@ def test_losses_and_load_on_hand_built_logits():
 
 
 def test_shared_experts_add_their_swiglu_output():
-    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, num_shared_experts=2, shared_mlp_dim=3)
+    cfg = spec(num_experts=4, top_k=2, mlp_dim=6, num_shared_experts=2, shared_mlp_dim=3)
     m, x = build(cfg), random_x()
     assert m.shared.gate_up.shape == (D, 2, 6)
     y, _ = forward(m, x)
@@ -311,7 +325,7 @@ def test_bias_update_is_outside_the_parameters():
     np.testing.assert_allclose(updated_bias(jnp.zeros(4), jnp.array([3.0, 1, 2, 2]), 0.1), [-0.1, 0.1, 0, 0])
     stacked = updated_bias(jnp.zeros((2, 3)), jnp.array([[1.0, 2, 3], [0, 0, 3]]), 1.0)
     np.testing.assert_allclose(stacked, [[1, 0, -1], [1, 1, -1]])
-    m = build(MoEConfig(num_experts=4, top_k=1, mlp_dim=6, bias_update_rate=0.5))
+    m = build(spec(num_experts=4, top_k=1, mlp_dim=6, bias_update_rate=0.5))
     assert "router_bias" not in nnx.to_pure_dict(nnx.state(m, nnx.Param))
     assert isinstance(m.router_bias, RouterBias) and not isinstance(m.router_bias, nnx.Param)
     nnx.jit(lambda m, load: m.update_bias(load))(m, jnp.array([4.0, 0, 0, 0]))
@@ -322,20 +336,20 @@ def test_bias_update_is_outside_the_parameters():
     "kwargs, words",
     [
         (dict(num_experts=4, top_k=5), ["model.moe.top_k=5 exceeds model.moe.num_experts=4"]),
-        (dict(capacity_factor=0.0), ["moe.capacity_factor=0.0"]),
-        (dict(capacity_factor=-1.0), ["moe.capacity_factor=-1.0"]),
+        (dict(capacity_factor=0.0), ["execution.capacity_factor=0.0"]),
+        (dict(capacity_factor=-1.0), ["execution.capacity_factor=-1.0"]),
         (dict(num_experts=6, num_groups=4), ["moe.num_groups=4", "moe.num_experts=6"]),
         (dict(num_groups=2, topk_groups=3), ["moe.topk_groups=3", "moe.num_groups=2"]),
         (dict(num_experts=8, num_groups=4, topk_groups=1, top_k=3), ["moe.top_k=3", "moe.topk_groups=1"]),
         (dict(router="sigmoyd"), ["moe.router='sigmoyd'", "did you mean 'sigmoid'"]),
-        (dict(router="expert_choice", capacity_factor=None), ["moe.capacity_factor=None"]),
+        (dict(router="expert_choice", capacity_factor=None), ["execution.capacity_factor=None", "moe.router"]),
         (dict(num_shared_experts=1), ["moe.num_shared_experts=1", "moe.shared_mlp_dim"]),
     ],
 )
 def test_bad_config_names_the_field(kwargs, words):
     base = dict(num_experts=8, top_k=2, mlp_dim=4)
     with pytest.raises(ConfigError) as err:
-        MoEConfig(**{**base, **kwargs})
+        spec(**{**base, **kwargs})
     for w in words:
         assert w in str(err.value)
 
@@ -350,8 +364,8 @@ def test_bad_config_names_the_field(kwargs, words):
     ],
 )
 def test_bf16_compute(extra):
-    cfg = MoEConfig(**{**dict(num_experts=4, top_k=2, mlp_dim=6), **extra})
-    m = MoE(D, cfg, dtype=jnp.bfloat16, param_dtype="float32", rngs=nnx.Rngs(0))
+    cfg = spec(**{**dict(num_experts=4, top_k=2, mlp_dim=6), **extra})
+    m = MoE(D, cfg.layer, execution=cfg.run, dtype=jnp.bfloat16, param_dtype="float32", rngs=nnx.Rngs(0))
     y, stats = forward(m, random_x().astype(jnp.bfloat16))
     assert y.dtype == jnp.bfloat16 and y.shape == (2, 6, D) and bool(jnp.isfinite(y).all())
     assert stats.aux_loss.dtype == stats.router_z_loss.dtype == jnp.float32
@@ -364,7 +378,7 @@ def test_logical_names_under_a_mesh():
     from jaxpar.meshes import resolve_mesh_arg
 
     preset = resolve_mesh_arg("data=2,expert=4")
-    cfg = MoEConfig(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=1.0)
+    cfg = spec(num_experts=4, top_k=2, mlp_dim=6, capacity_factor=1.0)
     m, x = build(cfg), random_x(b=8)
     want, want_stats = forward(m, x)
     assert float(want_stats.dropped_fraction) > 0  # capacity binds, so the grouping matters

@@ -15,9 +15,10 @@ from noise import check_mutation_caught, check_run
 
 from jaxpar.analysis import analyze_compiled
 from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
-from jaxpar.models import build_model, get_model_preset
+from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.parallel.moe import a2a_bytes_formula
 from jaxpar.rules import LayoutError
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
@@ -27,12 +28,13 @@ B, T, STEPS = 8, 16, 3
 TOKENS = np.random.default_rng(0).integers(0, 256, (STEPS, B, T + 1), dtype=np.int32)
 
 
-def _model(name: str, **overrides):
-    """A preset, or ``<preset>-dropless``: the preset with ``moe.capacity_factor=None``."""
-    cfg = get_model_preset(name.removesuffix("-dropless"), **overrides)
+def _model(name: str, **execution):
+    """(model config, execution) of a preset, or ``<preset>-dropless``: the preset run with
+    ``execution.capacity_factor=None``; ``execution`` changes the preset's execution."""
+    preset = name.removesuffix("-dropless")
     if name.endswith("-dropless"):
-        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
-    return cfg
+        execution["capacity_factor"] = None
+    return get_model_preset(preset), get_execution_preset(preset, **execution)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def references():
 
     def get(name):
         if name not in runs:
-            runs[name] = noisy_reference(get_model_preset(name), TOKENS, "experts")
+            cfg, execution = _model(name)
+            runs[name] = noisy_reference(cfg, TOKENS, "experts", execution=execution)
         return runs[name]
 
     return get
@@ -80,8 +83,8 @@ def test_same_losses_routing_and_gradients_as_one_device(references, name, atten
     ref, bound = references(name.removesuffix("-dropless"))
     if name.endswith("-dropless"):
         assert all(np.all(m.dropped_fraction == 0) for m in ref.moe)
-    cfg = _model(name, context_parallel=attention)
-    run = train_steps(cfg, resolve_mesh_arg(mesh), TOKENS)
+    cfg, execution = _model(name, context_parallel=attention)
+    run = train_steps(cfg, resolve_mesh_arg(mesh), TOKENS, execution=execution)
     for got, want in zip(run.moe, ref.moe, strict=True):
         np.testing.assert_array_equal(got.expert_load, want.expert_load)
         np.testing.assert_allclose(got.dropped_fraction, want.dropped_fraction, atol=1e-7)
@@ -95,22 +98,23 @@ def test_two_misrouted_tokens_are_caught(references):
     ref, bound = references("tiny-moe")
     mutant = np.array(TOKENS)
     mutant[:, 0, [3, 9]] = TOKENS[:, 0, [9, 3]]
-    got = train_steps(_model("tiny-moe"), resolve_mesh_arg("data=2,expert=4"), mutant)
+    cfg, execution = _model("tiny-moe")
+    got = train_steps(cfg, resolve_mesh_arg("data=2,expert=4"), mutant, execution=execution)
     check_mutation_caught(got, ref, bound, "tiny-moe data=2,expert=4: 2 of 128 tokens swapped")
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-deepseek"])
 def test_statistics_and_router_bias(references, name):
-    (ref, _), cfg = references(name), get_model_preset(name)
+    (ref, _), (cfg, execution) = references(name), _model(name)
     stats, state = ref.moe, ref.state
     layers = cfg.num_moe_layers
     assert stats[0].expert_load.shape == (layers, cfg.moe.num_experts)
     np.testing.assert_allclose(stats[0].expert_load.sum(-1), B * T * cfg.moe.top_k)  # every assignment counted
     assert np.all(stats[0].aux_loss > 0) and np.all(stats[0].router_z_loss > 0)
     bias = np.asarray(jax.tree.leaves(state[0]["moe_blocks"]["moe"]["router_bias"])[0])
-    if cfg.moe.bias_update_rate:
+    if execution.bias_update_rate:
         # after 3 steps each entry moved by ±rate per step (or 0 at exactly mean load)
-        assert np.any(bias != 0) and np.all(np.abs(bias) <= STEPS * cfg.moe.bias_update_rate + 1e-9)
+        assert np.any(bias != 0) and np.all(np.abs(bias) <= STEPS * execution.bias_update_rate + 1e-9)
     else:
         assert np.all(bias == 0)
 
@@ -120,17 +124,17 @@ def test_all_to_all_bytes_of_a_train_step():
     forward and backward) of the capacity buffer, (ep−1)/ep · T·k·cf·D·b sent each (T: tokens per
     device): the compiled program sends exactly that. (Full remat recomputes the forward's two in the
     backward pass: 6 per layer.)"""
-    cfg = get_model_preset("tiny-moe", remat="none")
-    layout = make_layout(cfg, resolve_mesh_arg("data=2,expert=4"), batch=B, seq=T)
+    cfg, execution = _model("tiny-moe", remat="none")
+    layout = make_layout(cfg, resolve_mesh_arg("data=2,expert=4"), batch=B, seq=T, execution=execution)
     tx = functools.partial(make_optimizer, OptimizerConfig())
-    ts = init_train_state(lambda r: build_model(cfg, rngs=r), tx, layout)
+    ts = init_train_state(lambda r: build_model(cfg, execution=execution, rngs=r), tx, layout)
     batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     report = analyze_compiled(make_train_step(ts, layout).lower(ts.state, batch).compile(), mesh=layout.mesh)
     a2a = [c for c in report.ops if c.kind == "all-to-all"]
     sent = sum(c.sent_bytes * c.executions for c in a2a)
     # capacity per sequence C = ceil(cf·T·k/E); a buffer row holds E·C slots, so cf_eff = E·C / (T·k)
     m = cfg.moe
-    slots = m.num_experts * -(-int(m.capacity_factor * T * m.top_k) // m.num_experts)
+    slots = m.num_experts * -(-int(execution.capacity_factor * T * m.top_k) // m.num_experts)
     want = cfg.num_moe_layers * a2a_bytes_formula(
         tokens_per_device=B * T // 8,
         top_k=m.top_k,
@@ -147,13 +151,15 @@ def test_all_to_all_bytes_of_a_train_step():
     "overrides, error, message",
     [
         (dict(num_experts=6), LayoutError, "model.moe.num_experts=6 .* not divisible by mesh axes expert=4"),
-        # these two are refused by MoEConfig itself
+        # these two are refused by MoEConfig and ExecutionConfig themselves
         (dict(top_k=5), ConfigError, r"model\.moe\.top_k=5 exceeds model\.moe\.num_experts=4"),
-        (dict(capacity_factor=0.0), ConfigError, r"model\.moe\.capacity_factor=0\.0 must be > 0"),
+        (dict(capacity_factor=0.0), ConfigError, r"execution\.capacity_factor=0\.0 must be > 0"),
     ],
 )
 def test_bad_moe_configs_are_refused(overrides, error, message):
     with pytest.raises(error, match=message):
+        run = {k: v for k, v in overrides.items() if k == "capacity_factor"}  # an execution setting
+        overrides = {k: v for k, v in overrides.items() if k not in run}
         cfg = get_model_preset("tiny-moe")
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **overrides))
-        make_layout(cfg, resolve_mesh_arg("data=2,expert=4"), batch=B, seq=T)
+        make_layout(cfg, resolve_mesh_arg("data=2,expert=4"), batch=B, seq=T, execution=ExecutionConfig(**run))

@@ -47,12 +47,12 @@ QUIET = [
     "optimizer.warmup_steps=0",
     "optimizer.learning_rate=1e-2",
 ]
-BIAS_ON = {"tiny-moe": ["model.moe.bias_update_rate=1e-3"], "tiny-deepseek": []}
+BIAS_ON = {"tiny-moe": ["execution.bias_update_rate=1e-3"], "tiny-deepseek": []}
 
 
 def _cfg(name, mesh=SAVED_MESH):
     cfg = apply_overrides(default_config(name, steps=STEPS, batch=8, seq=16, mesh=mesh), [*QUIET, *BIAS_ON[name]])
-    assert cfg.model.moe.bias_update_rate > 0
+    assert cfg.execution.bias_update_rate > 0
     return cfg
 
 
@@ -60,7 +60,7 @@ def _restore(cfg, run_dir, step):
     """Checkpoint ``step`` of ``run_dir`` restored onto ``cfg``'s layout: {path: array}."""
     layout = plan_layout(cfg)
     program = init_program(
-        lambda r: build_model(cfg.model, rngs=r),
+        lambda r: build_model(cfg.model, execution=cfg.execution, rngs=r),
         lambda m: make_optimizer(cfg.optimizer, m, total_steps=cfg.steps),
         layout,
     )
@@ -106,7 +106,7 @@ def test_the_router_bias_moves_between_checkpoints(runs):
     number of rates in [-STOP, STOP], and some entries move in every interval."""
     name, reference = runs
     cfg = _cfg(name)
-    rate = cfg.model.moe.bias_update_rate
+    rate = cfg.execution.bias_update_rate
     biases = [_router_bias(_restore(cfg, reference.out_dir, s)) for s in range(STOP, STEPS + 1, STOP)]
     assert biases[0].shape == (cfg.model.num_moe_layers, cfg.model.moe.num_experts)
     for before, after in zip([np.zeros_like(biases[0]), *biases], biases):
@@ -132,9 +132,9 @@ def _bound(name: str) -> tuple[Bound, float]:
     """(the noise bound on losses, the bound on the final state's arrays) of ``name``'s model: one device
     over STEPS steps of random batches of the runs' shape, rows in another order (tests/noise.py). The
     state bound is MULTIPLE × the two runs' largest per-array max |a − b| / max |b| of the final state."""
-    model = _cfg(name).model
-    tokens = np.random.default_rng(0).integers(0, model.vocab_size, (STEPS, 8, 17), dtype=np.int32)
-    ref, other = reference_pair(model, tokens)
+    cfg = _cfg(name)
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (STEPS, 8, 17), dtype=np.int32)
+    ref, other = reference_pair(cfg.model, tokens, execution=cfg.execution)
     return Bound("resume", measure(ref, other)), MULTIPLE * max(
         grad_ratios([_arrays(other.state)], [_arrays(ref.state)]).values()
     )

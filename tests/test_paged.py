@@ -96,11 +96,11 @@ def test_paged_model_is_dense_model(preset):
     a prompt in two chunks, then single tokens."""
     from flax import nnx
 
-    from jaxpar.inference.generate import generation_config
+    from jaxpar.inference.layouts import generation_execution
     from jaxpar.layers.kvcache import with_table
     from jaxpar.models import build_model, get_model_preset
 
-    model = build_model(generation_config(get_model_preset(preset)), rngs=nnx.Rngs(0))
+    model = build_model(get_model_preset(preset), execution=generation_execution(), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(1)
     ids = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (2, 11)), jnp.int32)
     table = jnp.asarray(rng.permutation(np.arange(1, 9)).reshape(2, W), jnp.int32)

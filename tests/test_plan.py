@@ -12,6 +12,7 @@ from jaxpar.analysis.costmodel import Activations, activation_bytes, weight_byte
 from jaxpar.analysis.hardware import HARDWARE
 from jaxpar.analysis.plan import link_of, plan, predict
 from jaxpar.cli import main
+from jaxpar.execution import ExecutionConfig
 from jaxpar.meshes import compose_rules
 
 
@@ -83,7 +84,7 @@ def test_links_follow_the_axis_order():
     ],
 )
 def test_measured_bytes_against_the_minimum(model, mesh, overrides, low, high):
-    p = plan(model, mesh, batch=8, seq=32, hardware="h100", remat="none", dtype="float32", **overrides)
+    p = plan(model, mesh, batch=8, seq=32, hardware="h100", execution=dict(remat="none", dtype="float32") | overrides)
     assert p.ratio_by_axis, p
     for key, ratio in p.ratio_by_axis.items():
         assert low - 1e-3 <= ratio <= high, (key, ratio, p.bytes_by_axis, p.analytic_min_bytes_by_axis)
@@ -97,14 +98,15 @@ def test_moe_plan_in_bf16_prices_the_experts_by_mechanisms():
     mechanism model, the expert all-to-all among its exposed communication: the bytes the model sends for it
     are the bytes the compiled program's all-to-alls send."""
     from jaxpar.analysis.workload import workload_of
-    from jaxpar.models import get_model_preset
+    from jaxpar.models import get_execution_preset, get_model_preset
 
     p = plan("tiny-moe", "data=2,expert=4", batch=16, seq=64, hardware="h100")
     assert p.assumptions["model"] == "mechanisms" and p.times["communication_s"]["expert"] > 0
     assert p.times["step_s"] == pytest.approx(
         p.times["compute_s"] + p.times["memory_s"] + p.times["exposed_communication_s"]
     )
-    w = workload_of(get_model_preset("tiny-moe", dtype="bfloat16"), dict(data=2, expert=4), batch=16, seq=64)
+    run = get_execution_preset("tiny-moe", dtype="bfloat16")
+    w = workload_of(get_model_preset("tiny-moe"), run, dict(data=2, expert=4), batch=16, seq=64)
     assert (w.experts, w.top_k, w.expert_mlp_dim, w.capacity_factor, w.moe_layers) == (4, 2, 64, 2.0, 2)
     assert w.slots_per_token == 4 and w.replicas == 8  # C = 2·64·2/4 = 64 slots: E·C/S = 4
     # the model's all-to-all, one pass (dispatch and combine, 3/4 of 128 tokens × 4 slots × 64 × 2 B each way),
@@ -123,7 +125,8 @@ def test_context_parallel_sends_priced_as_the_program_sends_them():
     ids that travel with each block, and the loss)."""
     from jaxpar.models import get_model_preset
 
-    p = plan("tiny", "cp", batch=8, seq=32, hardware="h100", remat="none", dtype="float32", context_parallel="ring")
+    ring = dict(remat="none", dtype="float32", context_parallel="ring")
+    p = plan("tiny", "cp", batch=8, seq=32, hardware="h100", execution=ring)
     kv = 32 * 32 * 4
     ring = 2 * (7 * kv + 7 * 2 * kv + kv)  # two layers
     params = get_model_preset("tiny").num_params(padded=True)
@@ -137,9 +140,7 @@ def test_context_parallel_sends_priced_as_the_program_sends_them():
         batch=8,
         seq=32,
         hardware="h100",
-        remat="none",
-        dtype="float32",
-        context_parallel="ulysses",
+        execution=dict(remat="none", dtype="float32", context_parallel="ulysses"),
     )
     a2a = 1 / 2 * 32 * (8 * 16 + 32) * 4
     assert u.bytes_by_axis["sequence"] - 2 * 1 / 2 * 4 * params == pytest.approx(2 * 2 * a2a, rel=0.01)
@@ -155,9 +156,9 @@ def test_hlo_reading_equals_a_direct_count():
     from jaxpar.meshes import resolve_mesh_arg
     from jaxpar.models import get_model_preset
 
-    cfg = get_model_preset("tiny", remat="none")
+    cfg, run = get_model_preset("tiny"), ExecutionConfig(remat="none")
     layout = make_layout(cfg, resolve_mesh_arg("dp"), batch=8, seq=32)
-    compiled = compile_step(cfg, layout, batch=8, seq=32)
+    compiled = compile_step(cfg, layout, batch=8, seq=32, execution=run)
     direct = []
     for line in compiled.as_text().splitlines():
         head, sep, _ = line.partition(" all-reduce(")
@@ -439,17 +440,17 @@ def test_search_reshards_as_an_abstract_build_does(mesh):
     )
 
 
-def _saved_per_token(cfg, batch: int, seq: int) -> tuple[float, float, float]:
-    """What jax saves for the backward of ``cfg``'s layers (``saved_residuals`` of the loss, one device):
-    bytes per layer and token, per layer and score (a query-key pair), and per layer not per token (the
-    weights' casts)."""
+def _saved_per_token(cfg, execution, batch: int, seq: int) -> tuple[float, float, float]:
+    """What jax saves for the backward of ``cfg``'s layers run as ``execution`` says (``saved_residuals`` of
+    the loss, one device): bytes per layer and token, per layer and score (a query-key pair), and per layer
+    not per token (the weights' casts)."""
     import jax.numpy as jnp
     from flax import nnx
     from jax._src.ad_checkpoint import saved_residuals
 
     from jaxpar.models import build_model
 
-    graphdef, params, rest = nnx.split(build_model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(build_model(cfg, execution=execution, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tokens = jnp.zeros((batch, seq), jnp.int32)
     loss = lambda p: nnx.merge(graphdef, p, rest)(tokens).astype(jnp.float32).sum()
     per_token = per_score = per_layer = 0.0
@@ -477,9 +478,9 @@ def test_kept_bytes_are_what_jax_saves(shape):
     from jaxpar.models import get_model_preset
 
     for policy in ("full", "attn", "dots", "none"):
-        cfg = get_model_preset("tiny", dtype="bfloat16", remat=policy, **shape)
-        per_token, per_score, per_layer = _saved_per_token(cfg, batch=3, seq=40)
-        assert per_token == kept_bytes(cfg, 2, 1), policy
+        cfg, run = get_model_preset("tiny", **shape), ExecutionConfig(dtype="bfloat16", remat=policy)
+        per_token, per_score, per_layer = _saved_per_token(cfg, run, batch=3, seq=40)
+        assert per_token == kept_bytes(cfg, run, 2, 1), policy
         assert per_score == (6 * cfg.num_heads if policy == "none" else 0), policy
         d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
         weights = 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) + 4 * 2 * d
@@ -496,8 +497,8 @@ def test_kept_bytes_by_hand():
 
     want = {"full": 4096, "attn": 18_432, "dots": 47_104, "none": 166_160}
     for policy, value in want.items():
-        cfg = get_model_preset("llama3.2-1b", remat=policy)
-        assert kept_bytes(cfg, 2, 1) == value and kept_bytes(cfg, 2, 2) == value / 2
+        cfg, run = get_model_preset("llama3.2-1b"), ExecutionConfig(remat=policy)
+        assert kept_bytes(cfg, run, 2, 1) == value and kept_bytes(cfg, run, 2, 2) == value / 2
 
 
 def test_memory_holds_xla_attentions_scores():
@@ -517,12 +518,12 @@ def test_memory_holds_xla_attentions_scores():
         ("none", "cudnn", 2 * 64 * 3728, 0),
         ("full", None, 2 * 64 * 64 * 2, 10 * scores),
     ):
-        cfg = get_model_preset("tiny", dtype="bfloat16", remat=policy, attention_impl=impl)
-        assert flash_attention(cfg) == (impl == "cudnn")
-        parts = memory_parts(cfg, report, activations_of(cfg, batch=2, seq=32), mesh, set())
+        cfg, run = get_model_preset("tiny"), ExecutionConfig(dtype="bfloat16", remat=policy, attention_impl=impl)
+        assert flash_attention(run) == (impl == "cudnn")
+        parts = memory_parts(cfg, run, report, activations_of(cfg, batch=2, seq=32, execution=run), mesh, set())
         assert parts["state"] == 160 and parts["kept"] == kept
         assert parts["activations"] == pytest.approx(kept + working + common)
-    assert flash_attention(get_model_preset("tiny", context_parallel="ring"))
+    assert flash_attention(ExecutionConfig(context_parallel="ring"))
 
 
 def test_plan_prices_the_attention_kernel_it_is_given():
@@ -531,8 +532,8 @@ def test_plan_prices_the_attention_kernel_it_is_given():
     from jaxpar.analysis.workload import workload_of
     from jaxpar.models import get_model_preset
 
-    flash = plan("tiny", "dp", batch=4, seq=256, hardware="h100", devices=1, attention_impl="cudnn")
+    flash = plan("tiny", "dp", batch=4, seq=256, hardware="h100", devices=1, execution=dict(attention_impl="cudnn"))
     xla = plan("tiny", "dp", batch=4, seq=256, hardware="h100", devices=1)
     assert flash.times["parts"]["attention_s"] < xla.times["parts"]["attention_s"] / 2
     assert flash.estimated_memory_bytes < xla.estimated_memory_bytes
-    assert not workload_of(get_model_preset("tiny"), {}, batch=4, seq=256).flash
+    assert not workload_of(get_model_preset("tiny"), ExecutionConfig(), {}, batch=4, seq=256).flash

@@ -207,10 +207,10 @@ def test_sliding_window_attention_share():
     """A window of W keys: a query at position p sees min(p + 1, W) of them, (W/S)·(1 − W/2S) of S on average
     (mistral-7b's 4,096 at 8,192 tokens: 3/8); no window, or one as long as the sequence: causal half. Under
     ring attention the kernel's live tiles count (``ring_work`` with the window, at the real length)."""
-    from jaxpar.models import get_model_preset
+    from jaxpar.models import ExecutionConfig, get_model_preset
     from jaxpar.parallel.ring import ring_work
 
-    w = workload_of(get_model_preset("mistral-7b"), dict(fsdp=8), batch=8, seq=8192)
+    w = workload_of(get_model_preset("mistral-7b"), ExecutionConfig(), dict(fsdp=8), batch=8, seq=8192)
     assert (w.window, w.causal, w.attention_share) == (4096, True, 0.375)
     assert dataclasses.replace(w, seq=4096).attention_share == dataclasses.replace(w, window=0).attention_share == 0.5
     ring = dataclasses.replace(w, mesh=dict(fsdp=2, sequence=4), seq=32768, context_parallel="ring", cp_order="zigzag")
@@ -352,10 +352,10 @@ def test_mla_and_grouped_experts_by_hand():
     × (128 + 64), k/v through the 512 latent (plus the shared 64-wide RoPE key) to 128 × (128 + 128), the
     output from 128 × 128; attention 2·S·H·(192 + 128) FLOPs a token. A grouped share g makes the dropless
     experts' matmuls 1/g slower and nothing else."""
-    from jaxpar.models import get_model_preset
+    from jaxpar.models import get_execution_preset, get_model_preset
 
     cfg = get_model_preset("deepseek-v3")
-    w = workload_of(cfg, dict(fsdp=8), batch=8, seq=4096)
+    w = workload_of(cfg, get_execution_preset("deepseek-v3"), dict(fsdp=8), batch=8, seq=4096)
     norms = cfg.num_layers * (2 * 7168 + 1536 + 512) + 7168
     assert w.params(2) == cfg.num_params() - norms
     assert w.attention_shapes(2) == dict(
@@ -400,19 +400,19 @@ def test_jax_remat_leaves_unread_outputs_out():
     from jaxpar.analysis.plan import compile_step
     from jaxpar.layout import make_layout
     from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.models import get_model_preset
+    from jaxpar.models import ExecutionConfig, get_model_preset
 
     B, S, flops = 8, 64, {}
     for remat in ("none", "full", "attn"):
-        cfg = get_model_preset("tiny", remat=remat, dtype="float32")
+        cfg, run = get_model_preset("tiny"), ExecutionConfig(remat=remat, dtype="float32")
         layout = make_layout(cfg, resolve_mesh_arg("data=1"), batch=B, seq=S, devices=jax.devices()[:1])
-        cost = compile_step(cfg, layout, batch=B, seq=S).cost_analysis()
+        cost = compile_step(cfg, layout, batch=B, seq=S, execution=run).cost_analysis()
         flops[remat] = (cost[0] if isinstance(cost, list) else cost)["flops"]
     D, H, K, Dh, F, T = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, B * S
     read = 2 * T * (D * H * Dh + D * 2 * K * Dh + H * Dh * D + D * 2 * F) + 4 * T * S * H * Dh
     mlp_out = 2 * T * F * D
     assert 0 < flops["full"] - flops["none"] - read < mlp_out / 4
-    assert RECOMPUTE["attn"][0] == ("q", "kv", "out") and not cfg.attention_impl
+    assert RECOMPUTE["attn"][0] == ("q", "kv", "out") and not run.attention_impl
     assert 0 < flops["attn"] - flops["none"] - (2 * T * D * 2 * F + 2 * T * S * H * Dh) < mlp_out / 4
 
 

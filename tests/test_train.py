@@ -15,7 +15,7 @@ import pytest
 from jaxpar.checkpoint import Checkpointer, CheckpointError, abstract_like
 from jaxpar.layout import make_layout
 from jaxpar.meshes import get_mesh_preset
-from jaxpar.models import build_model, get_model_preset
+from jaxpar.models import ExecutionConfig, build_model, get_model_preset
 from jaxpar.train.config import apply_overrides, default_config
 from jaxpar.train.loop import plan_layout, train
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
@@ -174,14 +174,14 @@ def test_z_loss_is_the_mean_squared_log_partition():
 
 
 def test_bf16_compute_keeps_float32_params_optimizer_state_and_loss():
-    cfg = get_model_preset("tiny", dtype="bfloat16")
+    cfg = get_model_preset("tiny")
     layout = make_layout(cfg, get_mesh_preset("3d"), batch=8, seq=16)
     tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (8, 17), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     losses = {}
-    for name, model_cfg in (("bf16", cfg), ("fp32", get_model_preset("tiny"))):
+    for name, run in (("bf16", ExecutionConfig(dtype="bfloat16")), ("fp32", ExecutionConfig())):
         ts = init_train_state(
-            lambda r, model_cfg=model_cfg: build_model(model_cfg, rngs=r),
+            lambda r, run=run: build_model(cfg, execution=run, rngs=r),
             functools.partial(make_optimizer, OptimizerConfig()),
             layout,
         )

@@ -9,15 +9,20 @@ Re-running the same command resumes from the newest checkpoint in ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+
+import jax
+
+from jaxpar.errors import LaunchError
+from jaxpar.mesh import simulate_cpu_devices
+from jaxpar.train.config import TrainConfig, apply_overrides, default_config, describe_fields
 
 HELP = "train a model preset on a mesh layout (resumes from --out)"
 
 
 def _from_env(value, name: str, cast=str):
     """``value`` if the flag was given, else environment variable ``name`` (None when unset)."""
-    from jaxpar.errors import LaunchError
-
     text = os.environ.get(name)
     if value is not None or text is None:
         return value
@@ -30,8 +35,6 @@ def _from_env(value, name: str, cast=str):
 def start_distributed(args: argparse.Namespace, /) -> bool:
     """``jax.distributed.initialize`` when asked (flags, env, ``--distributed``); True if it ran.
     Bad values are refused here, naming the flag, before jax waits for a coordinator."""
-    from jaxpar.errors import LaunchError
-
     coordinator = _from_env(args.coordinator, "JAX_COORDINATOR_ADDRESS")
     n = _from_env(args.num_processes, "JAXPAR_NUM_PROCESSES", int)
     i = _from_env(args.process_id, "JAXPAR_PROCESS_ID", int)
@@ -47,8 +50,6 @@ def start_distributed(args: argparse.Namespace, /) -> bool:
         raise LaunchError(f"--process-id={i}: must be in 0..{n - 1} for --num-processes={n}")
     if coordinator is not None and not _host_port(coordinator):
         raise LaunchError(f"--coordinator={coordinator!r}: expected HOST:PORT, e.g. 10.0.0.1:1234")
-    import jax
-
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i)
     return True
 
@@ -66,8 +67,6 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
-    from jaxpar.train.config import describe_fields
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "fields for --set (with their defaults for --model tiny):\n" + describe_fields()
     parser.add_argument("--model", default="tiny", help="model preset (default: tiny)")
@@ -134,15 +133,17 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
 
 def build_config(args: argparse.Namespace, /):
     """The resolved ``TrainConfig``: preset, then flags, then ``--set`` in order."""
-    import dataclasses
-
-    from jaxpar.train.config import TrainConfig, apply_overrides, default_config
-
     if getattr(args, "init_from", None):
-        from jaxpar.convert.store import model_config
+        # deferred: imports orbax and the converters
+        from jaxpar.convert.store import model_config, saved_execution
 
         model, _, _ = model_config(args.init_from)
-        cfg = TrainConfig(model=model, model_preset=f"init-from:{args.init_from}", init_from=str(args.init_from))
+        cfg = TrainConfig(
+            model=model,
+            execution=saved_execution(args.init_from),
+            model_preset=f"init-from:{args.init_from}",
+            init_from=str(args.init_from),
+        )
     else:
         cfg = default_config(args.model)
     flags = {k: getattr(args, k) for k in ("mesh", "steps", "batch", "seq") if getattr(args, k) is not None}
@@ -152,14 +153,10 @@ def build_config(args: argparse.Namespace, /):
 
 
 def run(args: argparse.Namespace, /) -> int:
-    from jaxpar.mesh import simulate_cpu_devices
-
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     start_distributed(args)
-    import jax
-
-    from jaxpar.train.loop import train
+    from jaxpar.train.loop import train  # deferred: imports optax, orbax and the converters
 
     cfg = build_config(args).validate()
     result = train(cfg, args.out)

@@ -1,7 +1,9 @@
 """The training run's configuration: frozen, nested dataclasses, every field settable by a dotted path.
 
     TrainConfig
-      model        DenseConfig     (from --model PRESET, then --set model.embed_dim=128 ...)
+      model        DenseConfig     (from --model PRESET, then --set model.embed_dim=128 ...): what the
+                                   model is, the run's identity
+      execution    ExecutionConfig (the preset's, then --set execution.remat=dots ...): how it runs
       optimizer    OptimizerConfig (--set optimizer.learning_rate=1e-3 ...)
       data         DataConfig      (--set data.source=files --set data.path=tokens.bin ...)
       checkpoint   CheckpointConfig
@@ -24,8 +26,10 @@ from typing import Any
 from jaxpar.config import Choice, check_choices, config_classes, from_dict, hints, is_union, to_dict  # noqa: F401
 from jaxpar.data import DataConfig
 from jaxpar.errors import ConfigError
-from jaxpar.models import DenseConfig, get_model_preset
-from jaxpar.pipeline.schedules import Schedule
+from jaxpar.execution import ExecutionConfig, moved_field
+from jaxpar.layers.moe import check_execution
+from jaxpar.models import DenseConfig, get_execution_preset, get_model_preset
+from jaxpar.pipeline.ops import Schedule
 from jaxpar.train.guard import NonFinite
 from jaxpar.train.optim import OptimizerConfig
 
@@ -63,6 +67,7 @@ class PipelineConfig:
 class TrainConfig:
     model: DenseConfig
     model_preset: str = "tiny"
+    execution: ExecutionConfig = ExecutionConfig()  # how the model runs (not its identity: jaxpar.execution)
     mesh: str = "3d"  # a mesh preset or an axis spec like data=2,fsdp=-1
     steps: int = 300
     batch: int = 16  # global batch (sequences per optimizer step)
@@ -110,12 +115,16 @@ class TrainConfig:
             outer, inner = section.split(".")
             if getattr(getattr(self, outer), inner) < 1:
                 raise ConfigError(f"{section} must be ≥ 1")
+        if self.model.moe is not None:
+            check_execution(self.model.moe, self.execution)
         self.optimizer.validate()
         return self
 
 
 def default_config(model_preset: str = "tiny", /, **fields) -> TrainConfig:
-    return TrainConfig(model=get_model_preset(model_preset), model_preset=model_preset, **fields)
+    """The preset's model, run under the preset's execution (``jaxpar.models.get_execution_preset``)."""
+    execution = fields.pop("execution", None) or get_execution_preset(model_preset)
+    return TrainConfig(model=get_model_preset(model_preset), model_preset=model_preset, execution=execution, **fields)
 
 
 # ---------------------------------------------------------------------------------- dotted paths
@@ -195,8 +204,8 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
         path = path.strip()
         if not sep:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. optimizer.learning_rate=1e-3")
-        if path in RENAMED:
-            raise ConfigError(f"--set {path}: {RENAMED[path]}")
+        if path in RENAMED or moved_field(path):
+            raise ConfigError(f"--set {path}: {RENAMED.get(path) or moved_field(path)}")
         if path not in paths:
             raise ConfigError(f"--set {path}: unknown field{_closest(path, paths)}; `jaxpar train --help` lists them")
         value = parse_value(path, paths[path], text.strip())

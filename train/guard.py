@@ -50,7 +50,7 @@ class Preemption:
 
     def requested(self, step: int, /) -> bool:
         if self.multiprocess:  # every process calls this at every step (the protocol)
-            from jax.experimental import multihost_utils
+            from jax.experimental import multihost_utils  # deferred: only with several processes
 
             return multihost_utils.reached_preemption_sync_point(step)
         return self._notice

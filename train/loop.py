@@ -34,15 +34,19 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer, CheckpointError, SavedRun, abstract_like, latest
+from jaxpar.convert.store import load_model
 from jaxpar.data import make_loader, to_global
 from jaxpar.identity import Entry, check_fits
 from jaxpar.layout import Layout, make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import DenseConfig, build_model
 from jaxpar.pipeline.executor import check_stack
-from jaxpar.pipeline.schedules import build, check_pipeline
+from jaxpar.pipeline.ops import check_pipeline
+from jaxpar.pipeline.schedules import build
 from jaxpar.train.config import ConfigError, TrainConfig, to_dict
 from jaxpar.train.guard import NonFinite, NonFiniteError, NonFiniteGuard, Preemption
 from jaxpar.train.metrics import MetricsLog, throughput
@@ -66,7 +70,7 @@ class RunResult:
 def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     """The checked layout of ``cfg`` (mesh, rules, divisibility of the batch and of every dimension)."""
     preset = resolve_mesh_arg(cfg.mesh)
-    layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices)
+    layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices, execution=cfg.execution)
     if layout.mesh.shape["stage"] > 1:
         _check_pipelined(cfg, layout.mesh.shape)
     micro = cfg.batch // batch_slices(cfg, layout)
@@ -162,12 +166,8 @@ def _check_out_dir(out: Path, config: dict, abstract) -> SavedRun | None:
 
 
 def _check_init_from(cfg: TrainConfig) -> None:
-    """``cfg.init_from``'s model must be this run's (``jaxpar.identity``: every model field but the
-    execution settings, and every array's shape and dtype); checked abstractly, before any write."""
-    from flax import nnx
-
-    from jaxpar.config import to_dict as config_data
-
+    """``cfg.init_from``'s model must be this run's (``jaxpar.identity``: the model config, whole, and
+    every array's shape and dtype); checked abstractly, before any write."""
     ckpt = Path(cfg.init_from).resolve()
     saved = latest(ckpt / "checkpoints")
     if saved is None:
@@ -176,11 +176,11 @@ def _check_init_from(cfg: TrainConfig) -> None:
         )
     model = saved.config.get("model") if isinstance(saved.config, dict) else None
     is_run = isinstance(saved.config, dict) and saved.config.get("format") != "jaxpar-model"
-    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0))))
+    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, execution=cfg.execution, rngs=nnx.Rngs(0))))
     check_fits(
         Entry.INIT_FROM,
         saved_config=model,
-        current=config_data(cfg.model, DenseConfig),
+        current=to_dict(cfg.model, DenseConfig),
         step=saved.step,
         where=ckpt,
         checkpoints=ckpt / "checkpoints",
@@ -192,10 +192,6 @@ def _check_init_from(cfg: TrainConfig) -> None:
 def _with_weights_of(cfg: TrainConfig, state, layout: Layout):
     """``state`` (model, fresh optimizer) with the model replaced by ``cfg.init_from``'s, restored onto
     the layout (``_check_init_from`` has passed)."""
-    from flax import nnx
-
-    from jaxpar.convert.store import load_model
-
     model, _ = load_model(cfg.init_from, layout)
     state[0] = nnx.state(model)
     return state
@@ -219,8 +215,6 @@ def all_processes_reach(name: str, /) -> None:
     Gloo, XLA:CPU's collectives between processes, gives a process 30 s to meet its peers at a group's
     first collective; compile times on a loaded host differ by more than that."""
     if jax.process_count() > 1:
-        import orbax.checkpoint as ocp
-
         ocp.multihost.get_barrier_sync_fn()(key=f"jaxpar-{name}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
 
 
@@ -271,7 +265,7 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     layout = plan_layout(cfg, devices=devices)
     config = to_dict(cfg)
     program = init_program(
-        lambda rngs: build_model(cfg.model, rngs=rngs),
+        lambda rngs: build_model(cfg.model, execution=cfg.execution, rngs=rngs),
         lambda model: make_optimizer(cfg.optimizer, model, total_steps=cfg.steps),
         layout,
         seed=cfg.seed,

@@ -72,11 +72,11 @@ class MetricsLog:
             return
         self._jsonl = open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # deferred: only when TensorBoard logs are asked for
 
             self._tb = SummaryWriter(str(out_dir / "tensorboard"))
         if progress:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # deferred: only when a progress bar is asked for
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 

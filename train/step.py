@@ -19,6 +19,8 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
+from jaxpar.model_api import LanguageModel
+from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.rules import constrain, partly_manual
 
 Batch = dict[str, jax.Array]  # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
@@ -50,7 +52,7 @@ class LossParts:
     moe: Any = None  # MoE statistics of the forward pass (None for dense models)
 
 
-def next_token_loss(model: nnx.Module, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
+def next_token_loss(model: LanguageModel, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
     """Objective = mean float32 cross-entropy of the model's logits against ``targets`` plus
     ``z_loss · mean(log Z²)`` (PaLM's z-loss: keeps the softmax normaliser near 1, so logits don't drift
     in low precision) plus the model's own weighted auxiliary losses (MoE balancing and router z-loss).
@@ -166,8 +168,6 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int):
 
 def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float):
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
-    from jaxpar.pipeline.executor import pipeline_grads
-
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
     out = pipeline_grads(

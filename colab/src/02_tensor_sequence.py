@@ -80,9 +80,10 @@ import dataclasses
 from jaxpar.analysis import analyze_compiled
 from jaxpar.layout import make_layout
 from jaxpar.meshes import PRESETS
-from jaxpar.models import get_model_preset
+from jaxpar.models import ExecutionConfig, get_model_preset
 
-cfg = get_model_preset("tiny", embed_dim=D, mlp_dim=F, num_kv_heads=8, remat="none")
+cfg = get_model_preset("tiny", embed_dim=D, mlp_dim=F, num_kv_heads=8)
+no_remat = ExecutionConfig(remat="none")  # how it runs: nothing recomputed
 with_sp = PRESETS["tp"]
 without_sp = dataclasses.replace(with_sp, name="tp without SP", rules=with_sp.rules.replace(length=None))
 graphdef, state = nnx.split(mlp)
@@ -149,7 +150,7 @@ A_elems = Bt * Tt * cfg.embed_dim
 layer_counts, layer_memory = {}, {}
 for preset in (without_sp, with_sp):
     layout = make_layout(cfg, preset, batch=Bt, seq=Tt)
-    compiled = compile_step(cfg, layout, batch=Bt, seq=Tt)
+    compiled = compile_step(cfg, layout, batch=Bt, seq=Tt, execution=no_remat)
     report = analyze_compiled(compiled, mesh=layout.mesh)
     per_layer = Counter()
     for op in report.ops:
@@ -242,7 +243,8 @@ for name in ("h100", "h100-pcie", "l40s"):
 from jaxpar.analysis.search import base_report, resharded
 from jaxpar.meshes import compose_rules
 
-big = get_model_preset("llama3-70b", dtype="bfloat16", remat="none")
+big = get_model_preset("llama3-70b")
+big_run = ExecutionConfig(dtype="bfloat16", remat="none")  # computed in bf16, nothing recomputed
 base = base_report(big)
 
 
@@ -286,7 +288,8 @@ for hw_name in ("h100", "h100-pcie", "l40s"):
     for t in TPS:
         mesh = mesh_of(t)
         rules = compose_rules(f"tensor={t}", {"tensor"})
-        forward_bytes = activation_bytes(activations_of(big, batch=1, seq=SEQ), mesh, rules)["tensor"] / 2
+        acts = activations_of(big, batch=1, seq=SEQ, execution=big_run)
+        forward_bytes = activation_bytes(acts, mesh, rules)["tensor"] / 2
         prefill = predict(
             {"tensor": forward_bytes},
             flops=big.flops_per_token(SEQ) / 3 * SEQ / t,
@@ -295,7 +298,15 @@ for hw_name in ("h100", "h100-pcie", "l40s"):
             hw=hw,
         )
         train = estimate(
-            big, {"tensor": t}, batch=1, seq=SEQ, hardware=hw_name, base=base, efficiency=0.6, overlap=0.8
+            big,
+            {"tensor": t},
+            batch=1,
+            seq=SEQ,
+            hardware=hw_name,
+            base=base,
+            efficiency=0.6,
+            overlap=0.8,
+            execution=big_run,
         )  # the roofline: TP bytes over the link, exposed
         train_tp_s = train.bytes_by_axis["tensor"] / link_of("tensor", mesh, hw)[1]
         share[f"{hw_name}/{t}"] = dict(
@@ -387,7 +398,7 @@ for hw_name in ("h100", "h100-pcie"):
     for t in TPS:
         mesh = mesh_of(t)
         rules = compose_rules(f"tensor={t}", {"tensor"})
-        step_bytes = activation_bytes(activations_of(big, batch=8, seq=1), mesh, rules)["tensor"] / 2
+        step_bytes = activation_bytes(activations_of(big, batch=8, seq=1, execution=big_run), mesh, rules)["tensor"] / 2
         times = predict(
             {"tensor": step_bytes},
             flops=big.flops_per_token(1) / 3 * 8 / t,

@@ -257,7 +257,7 @@ for name, v in SCHEDULES.items():
 # from 27% to 40%, and interleaved's from 16% to 29%; zero-bubble keeps its 11% in lockstep but pays
 # for its W ticks with a full backward in this executor (30%). In this executor GPipe has the
 # smallest bubble of the four, at the price of holding all m stage inputs: the next section measures
-# that price. The README's pipeline section has the step times.
+# that price. docs/pipeline.md ("Benchmark") has the step times.
 #
 # ## Activation memory, read from the compiled train step
 #

@@ -30,7 +30,7 @@ print(jax.device_count(), "devices")
 # ## The ring, read from the compiled program
 #
 # The `cp` preset maps the logical axis `length` onto the mesh axis `sequence`, which takes all 8
-# devices. We compile the forward pass of the `tiny` model with `model.context_parallel=ring`
+# devices. We compile the forward pass of the `tiny` model with `execution.context_parallel=ring`
 # (shapes only, nothing allocated) and read the compiled HLO: every K/V hop is a
 # `collective-permute`, and its `source_target_pairs` say who sends to whom.
 
@@ -43,16 +43,18 @@ from flax import nnx
 from jaxpar.analysis import analyze_compiled
 from jaxpar.layout import make_layout
 from jaxpar.meshes import PRESETS
-from jaxpar.models import build_model, get_model_preset
+from jaxpar.models import ExecutionConfig, build_model, get_model_preset
 
 B, L = 2, 256
 
 
-def compiled_forward(cfg, preset, devices=None):
-    """The model's forward (ids -> logits) under ``preset``, compiled from shapes only."""
-    layout = make_layout(cfg, preset, batch=B, seq=L, devices=devices)
+def compiled_forward(cfg, preset, execution, devices=None):
+    """The model's forward (ids -> logits), run as ``execution`` says, under ``preset``, compiled from
+    shapes only."""
+    layout = make_layout(cfg, preset, batch=B, seq=L, devices=devices, execution=execution)
     with layout.activate():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
+        abstract = nnx.eval_shape(lambda: build_model(cfg, execution=execution, rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(abstract)
         state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
         forward = jax.jit(lambda s, x: nnx.merge(graphdef, s).forward(x).logits)
         ids = jax.ShapeDtypeStruct((B, L), np.int32, sharding=layout.sharding(("batch", "length")))
@@ -60,8 +62,8 @@ def compiled_forward(cfg, preset, devices=None):
     return compiled, analyze_compiled(compiled, mesh=layout.mesh), layout
 
 
-ring_cfg = get_model_preset("tiny", context_parallel="ring")
-ring_program, ring_report, cp_layout = compiled_forward(ring_cfg, PRESETS["cp"])
+ring_cfg, ring_run = get_model_preset("tiny"), ExecutionConfig(context_parallel="ring")  # the model; how it runs
+ring_program, ring_report, cp_layout = compiled_forward(ring_cfg, PRESETS["cp"], ring_run)
 n = cp_layout.mesh.shape["sequence"]
 hlo = ring_program.as_text()
 PERMUTE = re.compile(r"collective-permute(?:-start)?\(.*?source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}")
@@ -77,7 +79,7 @@ print(f"mesh {dict(cp_layout.mesh.shape)}; every collective-permute sends along 
 # into 2n chunks of L/2n tokens:
 #
 # * **contiguous**: device d stores chunks 2d and 2d+1;
-# * **zig-zag** (`model.cp_order=zigzag`, the default): device d stores chunks d and 2n−1−d, one
+# * **zig-zag** (`execution.cp_order=zigzag`, the default): device d stores chunks d and 2n−1−d, one
 #   early and one late. The model permutes the token ids once on entry
 #   (`jaxpar.parallel.common.zigzag_order`) and the masks are built from each token's original index,
 #   which travels with its K/V block.
@@ -210,10 +212,12 @@ LENGTHS = [1024, 2048, 4096]
 ONE_DEVICE = dataclasses.replace(PRESETS["dp"], mesh=MeshConfig())
 
 
-def step_memory(cfg, preset, length, devices=None):
-    layout = make_layout(cfg, preset, batch=1, seq=length, devices=devices)
+def step_memory(cfg, preset, length, devices=None, execution=None):
+    layout = make_layout(cfg, preset, batch=1, seq=length, devices=devices, execution=execution)
     program = init_program(
-        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+        lambda r: build_model(cfg, execution=execution, rngs=r),
+        functools.partial(make_optimizer, OptimizerConfig()),
+        layout,
     )
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), program.abstract, program.shardings
@@ -228,7 +232,7 @@ start = time.perf_counter()
 memory = {}
 for length in LENGTHS:
     memory["one device", length] = step_memory(get_model_preset("tiny"), ONE_DEVICE, length, jax.devices()[:1])
-    memory["cp ring", length] = step_memory(ring_cfg, PRESETS["cp"], length)
+    memory["cp ring", length] = step_memory(ring_cfg, PRESETS["cp"], length, execution=ring_run)
 print(f"{len(memory)} compiles in {time.perf_counter() - start:.0f} s")
 cfg = ring_cfg
 for length in LENGTHS:
@@ -310,8 +314,9 @@ for name in ("one device", "cp ring"):
 # B·(L/n)·K·H·4 for K and for V.
 
 # %%
-uly_cfg = get_model_preset("tiny", context_parallel="ulysses", num_kv_heads=4)
-_, uly_report, uly_layout = compiled_forward(uly_cfg, PRESETS["cp"], devices=jax.devices()[:4])
+uly_cfg = get_model_preset("tiny", num_kv_heads=4)
+ulysses = ExecutionConfig(context_parallel="ulysses")
+_, uly_report, uly_layout = compiled_forward(uly_cfg, PRESETS["cp"], ulysses, devices=jax.devices()[:4])
 un = uly_layout.mesh.shape["sequence"]
 for c in uly_report.ops:
     print(f"{c.kind:14s} axes {c.axes}  {c.bytes:6d} bytes  x{c.executions}")

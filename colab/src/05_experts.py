@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.layers.moe import MoE, capacity
-from jaxpar.models import get_model_preset
+from jaxpar.models import get_execution_preset, get_model_preset
 
 print(jax.device_count(), "devices")
 
@@ -52,6 +52,7 @@ print(jax.device_count(), "devices")
 
 # %%
 tiny = get_model_preset("tiny-moe")
+tiny_run = get_execution_preset("tiny-moe")  # how it runs: capacity factor 2, the loss weights
 D, E, K = tiny.embed_dim, 16, 2
 B, T = 8, 256  # 8 sequences (capacity groups) of 256 tokens
 HOT = 2  # experts 0 and 1 get the skew
@@ -62,10 +63,12 @@ base_router = np.random.default_rng(1).normal(size=(D, E)).astype(np.float32) / 
 base_router[0] = 0.0
 
 
-def moe_layer(skew=0.0, **moe_fields):
-    """tiny-moe's MoE layer with 16 experts (and any MoEConfig field changed), router skewed by `skew` nats."""
+def moe_layer(skew=0.0, capacity_factor=tiny_run.capacity_factor, **moe_fields):
+    """tiny-moe's MoE layer with 16 experts (and any MoEConfig field changed) run at `capacity_factor` (an
+    execution setting; None: dropless), router skewed by `skew` nats."""
     cfg = dataclasses.replace(tiny.moe, num_experts=E, top_k=K, **moe_fields)
-    layer = MoE(D, cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    run = dataclasses.replace(tiny_run, capacity_factor=capacity_factor)
+    layer = MoE(D, cfg, execution=run, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     router = base_router.copy()
     router[0, :HOT] = skew
     layer.router[...] = router
@@ -109,7 +112,7 @@ assert np.array_equal(counts_per_sequence(idx).sum(0), load)  # numpy's routing 
 loads = {}
 for skew in (0.0, 1.0):
     loads[skew] = counts_per_sequence(route(np.asarray(moe_layer(skew).router[...]))[0]).sum(0)
-cap_125 = B * capacity(T, dataclasses.replace(tiny.moe, num_experts=E, top_k=K, capacity_factor=1.25))
+cap_125 = B * capacity(T, dataclasses.replace(tiny.moe, num_experts=E, top_k=K), 1.25)
 
 fig, axes = plt.subplots(1, 2, figsize=(10, 3), sharey=True)
 for ax, (skew, per_expert) in zip(axes, loads.items()):
@@ -149,7 +152,7 @@ for skew in SKEWS:
         layer = moe_layer(skew, capacity_factor=cf)
         _, stats = run(layer, x)
         dropped[skew, cf] = float(stats.dropped_fraction)
-        slots[cf] = capacity(T, layer.cfg)
+        slots[cf] = capacity(T, layer.cfg, layer.execution.capacity_factor)
         by_count = np.maximum(per_sequence[skew] - slots[cf], 0).sum() / (B * T * K)
         assert abs(dropped[skew, cf] - by_count) < 1e-6, (skew, cf, dropped[skew, cf], by_count)
 
@@ -211,16 +214,17 @@ from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.parallel.moe import a2a_bytes_formula
 
-cfg = get_model_preset("tiny-moe", remat="none")
+cfg, step_run = tiny, dataclasses.replace(tiny_run, remat="none")
 STEP_B, STEP_T = 8, 32
-layout = make_layout(cfg, resolve_mesh_arg("data=2,expert=4"), batch=STEP_B, seq=STEP_T)
-report = analyze_compiled(compile_step(cfg, layout, batch=STEP_B, seq=STEP_T), mesh=layout.mesh)
+layout = make_layout(cfg, resolve_mesh_arg("data=2,expert=4"), batch=STEP_B, seq=STEP_T, execution=step_run)
+compiled = compile_step(cfg, layout, batch=STEP_B, seq=STEP_T, execution=step_run)
+report = analyze_compiled(compiled, mesh=layout.mesh)
 a2a = [op for op in report.ops if op.kind == "all-to-all"]
 for op in a2a:
     print(f"{op.name:16s} over {op.axes}  result {op.bytes:,} B  shapes {op.shapes}  runs {op.executions}×")
 step_sent = sum(op.sent_bytes * op.executions for op in a2a)
 moe = cfg.moe
-step_slots = moe.num_experts * math.ceil(moe.capacity_factor * STEP_T * moe.top_k / moe.num_experts)
+step_slots = moe.num_experts * math.ceil(step_run.capacity_factor * STEP_T * moe.top_k / moe.num_experts)
 step_formula = cfg.num_moe_layers * a2a_bytes_formula(
     tokens_per_device=STEP_B * STEP_T // layout.mesh.size,
     top_k=moe.top_k,
@@ -303,8 +307,8 @@ plt.show()
 SKEW = 1.0
 tc_layer, ec_layer = moe_layer(SKEW, capacity_factor=1.0), moe_layer(SKEW, capacity_factor=1.0, router="expert_choice")
 (_, tc_stats), (_, ec_stats) = run(tc_layer, x), run(ec_layer, x)
-c1 = capacity(T, tc_layer.cfg)
-assert capacity(T, ec_layer.cfg) == c1 and E * c1 == T * K  # same slots, same compute
+c1 = capacity(T, tc_layer.cfg, 1.0)
+assert capacity(T, ec_layer.cfg, 1.0) == c1 and E * c1 == T * K  # same slots, same compute
 
 idx, _, probs = route(np.asarray(tc_layer.router[...]))
 choice_major = idx.transpose(0, 2, 1).reshape(B, K * T)  # all 1st choices, then all 2nd
@@ -449,7 +453,7 @@ key_numbers = {
         "devices": layout.mesh.size,
         "experts": moe.num_experts,
         "top_k": moe.top_k,
-        "capacity_factor": moe.capacity_factor,
+        "capacity_factor": step_run.capacity_factor,
         "embed_dim": cfg.embed_dim,
         "moe_layers": cfg.num_moe_layers,
     },

@@ -50,12 +50,13 @@ print(format_rules(rules_report(preset, 32, model="tiny-moe")))
 
 # %%
 from jaxpar.layout import make_layout
-from jaxpar.models import get_model_preset
+from jaxpar.models import get_execution_preset, get_model_preset
 from jaxpar.shardings import param_shardings
 
-cfg = get_model_preset("tiny-moe", context_parallel="ring", remat="none")
+cfg = get_model_preset("tiny-moe")  # what the model is; how it runs:
+run = get_execution_preset("tiny-moe", context_parallel="ring", remat="none")
 B, T = 8, 32  # tiny: the 32-device compile is this notebook's cost
-layout = make_layout(cfg, preset, batch=B, seq=T)
+layout = make_layout(cfg, preset, batch=B, seq=T, execution=run)
 held = param_shardings(cfg, layout)
 print(f"{'parameter':26s} {'logical axes':42s} {'shape':18s} {'spec':36s} per device")
 for p in held.params:
@@ -87,7 +88,7 @@ from jaxpar.analysis import analyze_compiled
 from jaxpar.analysis.plan import compile_step
 
 start = time.perf_counter()
-compiled = compile_step(cfg, layout, batch=B, seq=T)
+compiled = compile_step(cfg, layout, batch=B, seq=T, execution=run)
 print(f"compiled the 32-device train step in {time.perf_counter() - start:.1f} s")
 report = analyze_compiled(compiled, mesh=layout.mesh)
 
@@ -157,7 +158,7 @@ moe = cfg.moe
 a2a = [op for op in report.ops if op.kind == "all-to-all" and op.axes == ("expert",)]
 a2a_sent = sum(op.sent_bytes * op.executions for op in a2a)
 batch_ways = math.prod(layout.mesh.shape[a] for a in ("data", "fsdp", "expert"))
-slots = moe.num_experts * math.ceil(moe.capacity_factor * T * moe.top_k / moe.num_experts)
+slots = moe.num_experts * math.ceil(run.capacity_factor * T * moe.top_k / moe.num_experts)
 a2a_formula = cfg.num_moe_layers * a2a_bytes_formula(
     tokens_per_device=B * T // batch_ways,
     top_k=moe.top_k,
@@ -173,7 +174,7 @@ print(
 
 # %% [markdown]
 # `tests/test_five_d.py` trains this layout for 3 steps and finds the losses, the per-expert loads and every
-# parameter's gradients of one device (the README lists the losses).
+# parameter's gradients of one device, within a multiple of one device's own float noise (docs/testing.md).
 #
 # ## 3 · Searching the layouts of a real model
 #
@@ -194,14 +195,14 @@ from jaxpar.analysis.search import search
 MODEL, N, BATCH, SEQ, HW = "mixtral-8x7b", 64, 256, 4096, "h100"
 # This notebook reads the roofline: every axis group's bytes over its link, so that each bottleneck below is
 # one division. (`jaxpar plan` prices layouts without `sequence` with the calibrated step-time model from
-# mechanisms instead, MoE layers and their all-to-all included; see the README's layout lab section.)
+# mechanisms instead, MoE layers and their all-to-all included; see docs/layout-lab.md.)
 # Pipelines run 1F1B here (the search tries every schedule unless one is named).
 ROOFLINE = dict(efficiency=0.6, overlap=0.8, schedule="1f1b")
-# On H100s attention runs in cuDNN's flash kernel (`model.attention_impl=cudnn`), as a GPU user sets it:
+# On H100s attention runs in cuDNN's flash kernel (`execution.attention_impl=cudnn`), as a GPU user sets it:
 # jaxpar's default is XLA's attention, which holds every score of a layer (see section 4's long context).
 GPU = dict(attention_impl="cudnn")
 start = time.perf_counter()
-ranked, refused = search(MODEL, N, batch=BATCH, seq=SEQ, hardware=HW, **ROOFLINE, **GPU)
+ranked, refused = search(MODEL, N, batch=BATCH, seq=SEQ, hardware=HW, **ROOFLINE, execution=GPU)
 fitting = [c for c in ranked if c.fits]
 print(
     f"{len(ranked)} layouts estimated, {len(refused)} refused (cannot divide the model), {len(fitting)} fit "
@@ -282,12 +283,15 @@ plt.show()
 # %%
 import functools
 
+from jaxpar.analysis.plan import plan_execution
 from jaxpar.analysis.search import estimate
 
 
-def candidate(model, mesh, batch, seq, **overrides):
-    cfg = get_model_preset(model, dtype="bfloat16", **(GPU | overrides))
-    return estimate(cfg, mesh, batch=batch, seq=seq, hardware=HW, **ROOFLINE)
+def candidate(model, mesh, batch, seq, **execution):
+    """``model``'s estimate under ``mesh``, run as the lab runs it (bf16 compute) with cuDNN's attention
+    and the ``execution`` changes."""
+    run = plan_execution(model, GPU | execution)
+    return estimate(get_model_preset(model), mesh, batch=batch, seq=seq, hardware=HW, **ROOFLINE, execution=run)
 
 
 def bottleneck(c):
@@ -308,7 +312,7 @@ def best_layout(model, n, batch, seq):
     """The search's first candidate (searched once per setting; section 3's is reused)."""
     if (model, n, batch, seq) == (MODEL, N, BATCH, SEQ):
         return ranked[0]
-    return search(model, n, batch=batch, seq=seq, hardware=HW, **ROOFLINE, **GPU)[0][0]
+    return search(model, n, batch=batch, seq=seq, hardware=HW, **ROOFLINE, execution=GPU)[0][0]
 
 
 def mesh_text(mesh):
@@ -451,7 +455,7 @@ key_numbers = {
         moe_layers=cfg.num_moe_layers,
         experts=moe.num_experts,
         top_k=moe.top_k,
-        capacity_factor=moe.capacity_factor,
+        capacity_factor=run.capacity_factor,
         embed_dim=cfg.embed_dim,
     ),
     "search": dict(

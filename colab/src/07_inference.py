@@ -21,15 +21,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
-from jaxpar.models import build_model, get_model_preset
+from jaxpar.models import ExecutionConfig, build_model, get_model_preset
 
 print(jax.device_count(), "devices")
 
 
 def abstract(name, **changes):
-    """A model preset in bf16, built with shapes only (nothing allocated)."""
-    cfg = dataclasses.replace(get_model_preset(name), dtype="bfloat16", param_dtype="bfloat16", **changes)
-    return nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    """A model preset in bf16 (its parameters; and computed in bf16: an execution setting), built with
+    shapes only (nothing allocated)."""
+    cfg = dataclasses.replace(get_model_preset(name), param_dtype="bfloat16", **changes)
+    return nnx.eval_shape(lambda: build_model(cfg, execution=ExecutionConfig(dtype="bfloat16"), rngs=nnx.Rngs(0)))
 
 
 def nbytes(tree):
@@ -165,11 +166,11 @@ print(
 
 # %%
 from jaxpar.analysis.hardware import HARDWARE
-from jaxpar.inference.generate import generation_config
+from jaxpar.inference.layouts import generation_execution
 from jaxpar.layers.kvcache import DECODE, PREFILL, Step
 from jaxpar.models.dense import scan_cached
 
-cfg8 = generation_config(get_model_preset("llama3-8b"))  # float32; no remat
+cfg8, gen8 = get_model_preset("llama3-8b"), generation_execution()  # run as generation runs: float32; no remat
 PROMPT, CONTEXT = 512, 4096
 
 
@@ -180,7 +181,7 @@ def cost(fn, *args):
 
 def phase_costs(cfg, batch, tokens, slots, prefill):
     """[FLOPs, XLA bytes accessed] of one prefill (or decode) call over all cfg.num_layers layers."""
-    one = nnx.eval_shape(lambda: build_model(dataclasses.replace(cfg, num_layers=1), rngs=nnx.Rngs(0)))
+    one = nnx.eval_shape(lambda: build_model(dataclasses.replace(cfg, num_layers=1), execution=gen8, rngs=nnx.Rngs(0)))
     graph, state = nnx.split(one)
     layer_graph, layer_state = nnx.split(one.blocks)
     cache = jax.eval_shape(lambda: one.empty_cache(batch, slots))
@@ -214,7 +215,7 @@ def phase_costs(cfg, batch, tokens, slots, prefill):
 
 
 # the scan counted once: the whole 32-layer decode program, batch 1
-full = nnx.eval_shape(lambda: build_model(cfg8, rngs=nnx.Rngs(0)))
+full = nnx.eval_shape(lambda: build_model(cfg8, execution=gen8, rngs=nnx.Rngs(0)))
 g, s = nnx.split(full)
 i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
 scan_once = cost(

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxpar.inference.engine import Engine, page_bytes
 from jaxpar.inference.scheduler import Request
-from jaxpar.models import build_model, get_model_preset
+from jaxpar.models import ExecutionConfig, build_model, get_model_preset
 
 tiny = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))
 key_numbers = {}
@@ -36,8 +36,9 @@ key_numbers = {}
 # lengths are drawn between 100 and 4,096 positions, in arrival order, both ways.
 
 # %%
-cfg8b = dataclasses.replace(get_model_preset("llama3-8b"), dtype="bfloat16", param_dtype="bfloat16")
-abstract8b = nnx.eval_shape(lambda: build_model(cfg8b, rngs=nnx.Rngs(0)))
+cfg8b = dataclasses.replace(get_model_preset("llama3-8b"), param_dtype="bfloat16")
+bf16 = ExecutionConfig(dtype="bfloat16")  # computed (and cached) in bf16
+abstract8b = nnx.eval_shape(lambda: build_model(cfg8b, execution=bf16, rngs=nnx.Rngs(0)))
 PAGE, MAX_LEN, BUDGET = 16, 4096, 40e9
 per_page = page_bytes(abstract8b, PAGE)
 lengths = np.random.default_rng(0).integers(100, MAX_LEN + 1, 2000)
@@ -222,5 +223,5 @@ key_numbers
 # A preempted request's recomputation runs its tokens through prompt chunks rather than one decode step
 # at a time, so its later logits can differ in the last bits from running alone; the engine's tests
 # compare such requests under the margin rule (`tests/test_engine.py`). The server built on this engine,
-# `jaxpar serve`, adds the OpenAI API, replicas and metrics: see the README's serving section, and
+# `jaxpar serve`, adds the OpenAI API, replicas and metrics: see docs/serving.md, and
 # `benchmarks/serve.py` for the same comparisons under a Poisson load in wall time.

@@ -41,11 +41,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from jaxpar.mesh import AXES as AXIS_ORDER  # outermost (slowest links) to innermost
+from jaxpar.mesh import AXES  # the physical order: outermost (slowest links) to innermost
+from jaxpar.pipeline.schedules import build
+from jaxpar.pipeline.timing import executor_bubble_fraction
 
 
 def group_key(axes) -> str:
-    return "+".join(a for a in AXIS_ORDER if a in set(axes))
+    return "+".join(a for a in AXES if a in set(axes))
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -163,18 +165,18 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
     return 3 * used + 28 * local + 20 * layers * tokens * a.embed_dim * a.act_bytes
 
 
-def kept_bytes(cfg, b: int, t: int) -> float:
-    """Bytes one layer keeps per token for the backward under ``cfg.remat``, in compute dtype bytes ``b``,
+def kept_bytes(cfg, execution, b: int, t: int) -> float:
+    """Bytes one layer keeps per token for the backward under ``execution.remat``, in compute dtype bytes ``b``,
     split over tensor ``t`` (heads and MLP columns by t, the D-wide values by tensor's sequence
     parallelism). What jax saves of a jaxpar block (``tests/test_plan.py`` reads it from the program's
     saved residuals): ``full`` the input; ``attn`` the input, q, k, v, the attention's context and the
-    attention block's output (``models.dense.ATTN_NAMES``); ``dots``
+    attention block's output (``jaxpar.execution.ATTN_NAMES``); ``dots``
     the input, q, k, v, the attention projection's output and the MLP's input products (its output no
     backward reads); ``none`` also the attention output, six F-wide products, two D-wide values, the
     norms' float32 internals (6·D·4 + 16 B) and the softmax's float32 max and sum (8·N B) (its scores:
     ``score_bytes``). A MoE layer's MLP width is its top-k experts' and the shared ones'; MLA's widths
     are its heads' (the latents are left out): both approximate."""
-    mla, moe = getattr(cfg, "mla", None), getattr(cfg, "moe", None)
+    mla, moe = cfg.mla, cfg.moe
     n, d = cfg.num_heads, cfg.embed_dim
     if mla is not None:
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
@@ -191,30 +193,31 @@ def kept_bytes(cfg, b: int, t: int) -> float:
         "attn": (2 * d + named) * b,
         "dots": (2 * d + q + kv + 2 * f) * b,
         "none": (2 * d + q + kv + out + 6 * f) * b + 6 * d * 4 + 16 + 8 * n,
-    }[str(cfg.remat)]
+    }[str(execution.remat)]
     return kept / t
 
 
-def flash_attention(cfg) -> bool:
-    """Whether jaxpar's attention for ``cfg`` runs blockwise, never holding a [S, S] score matrix: the cuDNN
-    kernel, or the ring's blocks. ``jax.nn.dot_product_attention`` without an implementation is XLA's,
-    which materializes every score (causal or not) of a layer."""
-    return str(cfg.attention_impl) == "cudnn" or str(getattr(cfg, "context_parallel", "none")) == "ring"
+def flash_attention(execution) -> bool:
+    """Whether jaxpar's attention run as ``execution`` (a ``jaxpar.execution.ExecutionConfig``) says runs
+    blockwise, never holding a [S, S] score matrix: the cuDNN kernel, or the ring's blocks.
+    ``jax.nn.dot_product_attention`` without an implementation is XLA's, which materializes every score
+    (causal or not) of a layer."""
+    return str(execution.attention_impl) == "cudnn" or str(execution.context_parallel) == "ring"
 
 
-def score_bytes(cfg, acts: Activations, tokens: float, t: int) -> tuple[float, float]:
+def score_bytes(cfg, execution, acts: Activations, tokens: float, t: int) -> tuple[float, float]:
     """(kept by all layers, one layer's working set) of non-flash attention's scores per device: a query's
     S scores per head (N/t heads), kept under remat none as the float32 softmax output its gradient reads
     and the probabilities in the compute dtype (4 + b_a bytes each), worked on as those and the float32
     logits (8 + b_a). Nothing under a flash kernel."""
-    if flash_attention(cfg):
+    if flash_attention(execution):
         return 0.0, 0.0
     scores = tokens * cfg.num_heads / t * acts.seq
-    kept = (4 + acts.act_bytes) * scores if str(cfg.remat) == "none" else 0.0
+    kept = (4 + acts.act_bytes) * scores if str(execution.remat) == "none" else 0.0
     return kept, (8 + acts.act_bytes) * scores
 
 
-def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> dict[str, float]:
+def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_axes: set) -> dict[str, float]:
     """Bytes per device: ``state``, 16 per local parameter element (float32 parameter, gradient, two Adam
     moments; under a pipeline a stage holds L/p of the layers and the embedding, norm and head whole);
     ``activations``: what the layers keep for the backward (layers × tokens × ``kept_bytes``, and under
@@ -230,9 +233,10 @@ def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) ->
     if stages > 1:
         layers, buffers, tokens = pipeline_memory(acts, stages, tokens, t)
     width = max(cfg.embed_dim, cfg.mlp_dim / t)
-    kept_scores, scores = score_bytes(cfg, acts, tokens, t)
-    kept = layers * (tokens * kept_bytes(cfg, acts.act_bytes, t) + kept_scores)
-    if str(cfg.remat) == "none" and str(cfg.dtype) != str(cfg.param_dtype):  # the layers' weights, cast
+    kept_scores, scores = score_bytes(cfg, execution, acts, tokens, t)
+    kept = layers * (tokens * kept_bytes(cfg, execution, acts.act_bytes, t) + kept_scores)
+    cast = str(execution.dtype) != str(cfg.param_dtype)
+    if str(execution.remat) == "none" and cast:  # the layers' weights, cast
         kept += acts.act_bytes * sum(
             math.prod(p.shard_shape) for p in report.params if p.names[:1] in (("layers",), ("prefix_layers",))
         )
@@ -240,9 +244,9 @@ def memory_parts(cfg, report, acts: Activations, mesh: dict, token_axes: set) ->
     return dict(state=16 * local, activations=buffers + kept + working, kept=kept, stage_buffers=buffers)
 
 
-def memory_estimate(cfg, report, acts: Activations, mesh: dict, token_axes: set) -> float:
+def memory_estimate(cfg, execution, report, acts: Activations, mesh: dict, token_axes: set) -> float:
     """Bytes per device (``memory_parts``: state and activations)."""
-    parts = memory_parts(cfg, report, acts, mesh, token_axes)
+    parts = memory_parts(cfg, execution, report, acts, mesh, token_axes)
     return parts["state"] + parts["activations"]
 
 
@@ -250,8 +254,6 @@ def memory_estimate(cfg, report, acts: Activations, mesh: dict, token_axes: set)
 @functools.lru_cache(maxsize=512)
 def schedule_table(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1):
     """``jaxpar.pipeline.build``'s table (cached: the search asks for the same few many times)."""
-    from jaxpar.pipeline.schedules import build
-
     return build(schedule, stages, microbatches, virtual_stages)
 
 
@@ -286,8 +288,6 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
     one its most expensive action needs (forward, input-gradient vjp, full vjp; module docstring of
     ``jaxpar.pipeline.executor``). ``flops_per_device``: the work the stages do (recomputation and the
     head included), without the masked sections; the step's compute is that over 1 − executor bubble."""
-    from jaxpar.pipeline.executor import executor_bubble_fraction
-
     p, m, v, n = mesh["stage"], a.microbatches, a.virtual_stages, math.prod(mesh.values())
     table = schedule_table(a.schedule, p, m, v)
     head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # forward FLOPs per token

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.rules import LayoutError
+from jaxpar.errors import LayoutError, suggest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +216,6 @@ HARDWARE = {
 
 
 def get_hardware(name: str, /) -> Hardware:
-    from jaxpar.mesh import suggest
-
     if name not in HARDWARE:
         raise LayoutError(
             f"--hardware: unknown hardware {name!r}{suggest(name, HARDWARE)}; known: {', '.join(HARDWARE)}"

@@ -35,10 +35,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
+import jax
+from flax import nnx
+
+from jaxpar.analysis.calibration import CALIBRATED
 from jaxpar.analysis.costmodel import measured_bytes
+from jaxpar.analysis.hardware import get_hardware
+from jaxpar.analysis.hlo import analyze_compiled
 from jaxpar.analysis.links import latency_by_axis
-from jaxpar.analysis.plan import cpu_compilable, link_of
+from jaxpar.analysis.plan import cpu_compilable, link_of, plan_execution
+from jaxpar.errors import JaxparError
+from jaxpar.inference.generate import abstract_cache, compile_programs
+from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, generation_execution
+from jaxpar.model_api import LanguageModel
+from jaxpar.models import build_model, get_model_preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,19 +86,12 @@ class InferencePlan:
 
 def _per_device(tree) -> float:
     """Bytes one device holds of a tree of ``jax.ShapeDtypeStruct`` with shardings (the largest shard)."""
-    import jax
-
     return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-def _abstract(cfg, layout):
+def _abstract(cfg, execution, layout) -> tuple[LanguageModel, object]:
     """The model (abstract) and its state as ``ShapeDtypeStruct`` placed on ``layout``'s decode rules."""
-    import jax
-    from flax import nnx
-
-    from jaxpar.models import build_model
-
-    model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build_model(cfg, execution=execution, rngs=nnx.Rngs(0)))
     with layout.phase("decode").activate():
         state = nnx.state(model)
         shardings = nnx.get_named_sharding(state, layout.mesh)
@@ -101,29 +107,23 @@ def plan_inference(
     hardware: str,
     devices: int | None = None,
     efficiency: float | None = None,
+    execution: Mapping[str, Any] | None = None,
     **model_overrides,
 ) -> InferencePlan:
     """Compile and read ``model``'s prefill and decode under ``mesh`` (module doc) and predict them;
-    ``efficiency`` defaults to the chip family's calibrated matmul share (``calibration.CALIBRATED``)."""
-    import jax
-
-    from jaxpar.analysis import analyze_compiled
-    from jaxpar.analysis.calibration import CALIBRATED
-    from jaxpar.analysis.hardware import get_hardware
-    from jaxpar.inference.generate import abstract_cache, compile_programs, generation_config
-    from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout
-    from jaxpar.models import get_model_preset
-
+    ``efficiency`` defaults to the chip family's calibrated matmul share (``calibration.CALIBRATED``).
+    The model: its preset with bfloat16 parameters and ``model_overrides``, run as generation runs
+    ``plan_execution(model, execution)`` (``generation_execution``)."""
     hw = get_hardware(hardware)
     efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
-    cfg = get_model_preset(model, **({"dtype": "bfloat16", "param_dtype": "bfloat16"} | model_overrides))
+    cfg = get_model_preset(model, **({"param_dtype": "bfloat16"} | model_overrides))
     name, built = build_inference_mesh(mesh, devices=None if devices is None else jax.devices()[:devices])
-    cfg = generation_config(cfg, sequence_split=built.shape["sequence"] > 1)
-    layout = check_inference_layout(cfg, built, name, batch=batch, prompt=context, slots=context)
-    abstract, state = _abstract(cpu_compilable(cfg), layout)
+    run = generation_execution(plan_execution(model, execution), sequence_split=built.shape["sequence"] > 1)
+    layout = check_inference_layout(cfg, built, name, batch=batch, prompt=context, slots=context, execution=run)
+    abstract, state = _abstract(cfg, cpu_compilable(run), layout)
     prefill, decode = compile_programs(abstract, state, layout, batch, context, context)
     shape = {a: int(n) for a, n in built.shape.items()}
-    scale = jax.numpy.dtype(cfg.dtype).itemsize / 4  # XLA:CPU's f32 collectives at bf16 width
+    scale = jax.numpy.dtype(run.dtype).itemsize / 4  # XLA:CPU's f32 collectives at bf16 width
     pre_ops, dec_ops = analyze_compiled(prefill, mesh=built).ops, analyze_compiled(decode, mesh=built).ops
     pre_bytes = measured_bytes(pre_ops, activation_scale=scale)
     dec_bytes = measured_bytes(dec_ops, activation_scale=scale)
@@ -151,7 +151,7 @@ def plan_inference(
         dec_bytes,
         latency,
         efficiency,
-        name,
+        dict(compute_dtype=run.dtype, param_dtype=cfg.param_dtype, layout=name),
     )
 
 
@@ -170,7 +170,7 @@ def _predict(
     dec_bytes,
     latency,
     efficiency,
-    name,
+    described: dict,
 ) -> InferencePlan:
     devices = math.prod(shape.values())
     head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # the LM head runs at each row's last position only
@@ -216,7 +216,7 @@ def _predict(
         tokens_per_s=batch / step,
         time_to_first_token_s=prefill_s,
         link_by_axis={k: link_of(k, shape, hw)[0] for k in {**pre_bytes, **dec_bytes}},
-        assumptions=dict(efficiency=efficiency, compute_dtype=cfg.dtype, param_dtype=cfg.param_dtype, layout=name),
+        assumptions=dict(efficiency=efficiency, **described),
     )
 
 
@@ -260,16 +260,14 @@ def search_inference(
     hardware: str,
     max_step_s: float | None = None,
     efficiency: float | None = None,
+    execution: Mapping[str, Any] | None = None,
     **model_overrides,
 ):
     """Every split of ``devices`` over data × tensor (× expert for a MoE model), each compiled and read
     by ``plan_inference``. Returns (ranked plans, refused (mesh, reason) pairs): first the layouts that fit
     and meet ``max_step_s`` (the decode step, i.e. the inter-token latency), by tokens/s, best first; then
     the others, by tokens/s."""
-    from jaxpar.errors import JaxparError
-    from jaxpar.models import get_model_preset
-
-    moe = hasattr(get_model_preset(model), "moe")
+    moe = get_model_preset(model).moe is not None
     plans, refused = [], []
     for tensor in [t for t in range(1, devices + 1) if devices % t == 0]:
         rest = devices // tensor
@@ -285,6 +283,7 @@ def search_inference(
                         hardware=hardware,
                         devices=devices,
                         efficiency=efficiency,
+                        execution=execution,
                         **model_overrides,
                     )
                 )
@@ -316,10 +315,10 @@ def format_search(ranked, refused, *, max_step_s: float | None) -> str:
 
 def plot_search(ranked, path: str, *, title: str) -> None:
     """Tokens/s and decode step of each ranked layout, side by side (saved to ``path``)."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib is the optional `plot` extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     labels = [",".join(f"{a[0]}{n}" for a, n in p.mesh.items()) or "1" for p in ranked]
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(8, len(ranked) * 0.9), 4))

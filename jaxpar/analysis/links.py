@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 
+from jaxpar.analysis.costmodel import group_key
+from jaxpar.mesh import AXES
+
 
 def torus_split(chip, chips: int) -> list[int]:
     """A slice's torus sides: chip counts are powers of two; the smallest side doubles first
@@ -30,7 +33,7 @@ def axis_links(w, chip, *, with_class: bool = False) -> dict:
     out, inner = {}, 1
     if chip.torus_dims:
         sides = torus_split(chip, math.prod(int(w.mesh.get(a, 1)) for a in w.mesh))
-    for axis in ("tensor", "sequence", "expert", "fsdp", "data", "stage"):
+    for axis in reversed(AXES):  # innermost first
         n = int(w.mesh.get(axis, 1))
         if chip.torus_dims:
             out[axis] = (2 * chip.ici_link * max(_take_sides(n, sides), 1), False)
@@ -80,17 +83,13 @@ def collective_latency(kind: str, n: int, domains: int, chip) -> float:
 def group_span(axes, mesh: dict) -> int:
     """Devices in the block an axis group's collectives cross: devices are numbered with the last mesh axis
     fastest, so a group spans its outermost axis times every axis inside it."""
-    from jaxpar.analysis.costmodel import AXIS_ORDER
-
-    outer = min(AXIS_ORDER.index(a) for a in axes)
-    return math.prod(mesh.get(a, 1) for a in AXIS_ORDER[outer:])
+    outer = min(AXES.index(a) for a in axes)
+    return math.prod(mesh.get(a, 1) for a in AXES[outer:])
 
 
 def latency_by_axis(ops, mesh: dict, chip) -> dict[str, float]:
     """The collectives' latency per axis group of a compiled program's collectives (``ops``: executions
     counted), in seconds: a group meets ceil(``group_span`` / fast_domain) domains."""
-    from jaxpar.analysis.costmodel import group_key
-
     out: dict[str, float] = {}
     for op in ops:
         if not op.axes:

@@ -54,7 +54,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
+from typing import Any
 
+import jax
+import numpy as np
+
+from jaxpar.analysis.calibration import CALIBRATED
 from jaxpar.analysis.costmodel import (
     Activations,
     flash_attention,
@@ -66,7 +72,21 @@ from jaxpar.analysis.costmodel import (
     schedule_table,
     stage_input_bytes,
 )
-from jaxpar.analysis.hardware import Hardware
+from jaxpar.analysis.hardware import Hardware, get_hardware
+from jaxpar.analysis.hlo import analyze_compiled
+from jaxpar.analysis.links import group_span
+from jaxpar.analysis.steptime import mechanism_times
+from jaxpar.analysis.workload import workload_of
+from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig, Remat
+from jaxpar.layout import make_layout
+from jaxpar.meshes import resolve_mesh_arg
+from jaxpar.models import build_model, get_execution_preset, get_model_preset
+from jaxpar.pipeline.executor import check_stack
+from jaxpar.shardings import param_shardings
+from jaxpar.train.config import PipelineConfig
+from jaxpar.train.optim import OptimizerConfig, make_optimizer
+from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
 
 WEIGHT_AXES = {"data", "fsdp"}
 FLAG_RATIO = 1.2
@@ -104,25 +124,26 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def cpu_compilable(cfg):
-    """``cfg`` as the lab compiles it on CPU: cuDNN attention as XLA's (the CPU has no cuDNN; a device's
+def plan_execution(model: str, changes: Mapping[str, Any] | None = None, /) -> ExecutionConfig:
+    """The execution the lab prices ``model`` under: the preset's, computing in bfloat16, with ``changes``
+    (``ExecutionConfig`` fields: ``--set execution.remat=dots``)."""
+    return get_execution_preset(model, **({"dtype": "bfloat16"} | dict(changes or {})))
+
+
+def cpu_compilable(execution: ExecutionConfig) -> ExecutionConfig:
+    """``execution`` as the lab compiles it on CPU: cuDNN attention as XLA's (the CPU has no cuDNN; a device's
     attention is local, so the program's collectives are the same). The pricing keeps the kernel."""
-    return dataclasses.replace(cfg, attention_impl=None) if str(cfg.attention_impl) == "cudnn" else cfg
+    cudnn = str(execution.attention_impl) == "cudnn"
+    return dataclasses.replace(execution, attention_impl=None) if cudnn else execution
 
 
-def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
-    """The train step compiled for ``layout`` from abstract state and batch (nothing allocated);
-    ``pipeline``: the schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``); ``cpu_compilable``."""
-    import jax
-    import numpy as np
-
-    from jaxpar.models import build_model
-    from jaxpar.train.optim import OptimizerConfig, make_optimizer
-    from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
-
-    cfg = cpu_compilable(cfg)
+def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None, execution: ExecutionConfig | None = None):
+    """The train step compiled for ``layout`` from abstract state and batch (nothing allocated), the model
+    run as ``execution`` says (default ``ExecutionConfig()``; ``cpu_compilable``); ``pipeline``: the
+    schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``)."""
+    run = cpu_compilable(ExecutionConfig() if execution is None else execution)
     program = init_program(
-        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+        lambda r: build_model(cfg, execution=run, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
     )
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -134,14 +155,16 @@ def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None):
     return step.lower(state, data).compile()
 
 
-def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) -> Activations:
-    """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1."""
-    import numpy as np
-
-    moe, mla = getattr(cfg, "moe", None), getattr(cfg, "mla", None)
+def activations_of(
+    cfg, *, batch: int, seq: int, pipeline: tuple | None = None, execution: ExecutionConfig | None = None
+) -> Activations:
+    """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1; ``execution``:
+    how the model runs (default ``ExecutionConfig()``)."""
+    execution = ExecutionConfig() if execution is None else execution
+    moe, mla, cf = cfg.moe, cfg.mla, execution.capacity_factor
     slots = None
-    if moe is not None and moe.capacity_factor is not None:
-        slots = moe.num_experts * max(1, math.ceil(moe.capacity_factor * seq * moe.top_k / moe.num_experts))
+    if moe is not None and cf is not None:
+        slots = moe.num_experts * max(1, math.ceil(cf * seq * moe.top_k / moe.num_experts))
     return Activations(
         batch=batch,
         seq=seq,
@@ -150,9 +173,9 @@ def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) 
         kv_heads=cfg.num_heads if mla else cfg.num_kv_heads,
         head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) if mla else cfg.head_dim,
         num_heads=cfg.num_heads,
-        act_bytes=np.dtype(cfg.dtype).itemsize,
-        context_parallel=cfg.context_parallel,
-        moe_layers=getattr(cfg, "num_moe_layers", 0),
+        act_bytes=np.dtype(execution.dtype).itemsize,
+        context_parallel=execution.context_parallel,
+        moe_layers=cfg.num_moe_layers,
         top_k=moe.top_k if moe else 0,
         capacity_slots=slots,
         **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}),
@@ -161,8 +184,6 @@ def activations_of(cfg, *, batch: int, seq: int, pipeline: tuple | None = None) 
 
 def check_microbatches(batch: int, microbatches: int, ways: int, split: str) -> None:
     """Refuses a batch the pipeline's microbatches, split ``ways`` ways (``split`` names the axes), cannot cut."""
-    from jaxpar.errors import ConfigError
-
     if batch % microbatches or batch // microbatches % ways:
         raise ConfigError(
             f"batch={batch} / pipeline.microbatches={microbatches} = {batch / microbatches:g} rows "
@@ -173,8 +194,6 @@ def check_microbatches(batch: int, microbatches: int, ways: int, split: str) -> 
 
 def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatches: int, virtual_stages: int):
     """The table a mesh with ``stage`` > 1 runs (None without), refused as the train loop refuses it."""
-    from jaxpar.pipeline.executor import check_stack
-
     p = mesh.get("stage", 1)
     if p == 1:
         return None
@@ -190,8 +209,6 @@ def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatc
 def link_of(key: str, mesh: dict, hw: Hardware) -> tuple[str, float]:
     """The link an axis group's collectives cross: the fast one when the block it spans
     (``links.group_span``) fits one fast domain."""
-    from jaxpar.analysis.links import group_span
-
     fits = group_span(key.split("+"), mesh) <= hw.fast_domain
     return ("fast", hw.fast_link) if fits else ("slow", hw.slow_link)
 
@@ -262,6 +279,7 @@ def _pipeline_traffic(report, costs, acts, shape, rules, act_scale):
 
 def step_times(
     cfg,
+    execution: ExecutionConfig,
     shape: dict,
     dcn: dict,
     measured: dict,
@@ -281,11 +299,7 @@ def step_times(
     the calibrated matmul share of the chip's family (or ``efficiency``) and ``overlap`` (default 0.8).
     ``pipeline``: the executor's costs (``pipeline_costs``) where the mesh has ``stage`` > 1: its bubble
     stretches the step."""
-    from jaxpar.analysis.calibration import CALIBRATED
-    from jaxpar.analysis.steptime import mechanism_times
-    from jaxpar.analysis.workload import workload_of
-
-    base = dict(compute_dtype=cfg.dtype, remat=cfg.remat.value)
+    base = dict(compute_dtype=execution.dtype, remat=execution.remat.value)
     ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}
     bubble = pipeline["executor_bubble_fraction"] if pipeline else 0.0
     pipe = pipeline and dict(
@@ -295,12 +309,12 @@ def step_times(
         stage_bytes=stage_bytes,
     )
     work = (
-        workload_of(cfg, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe)
+        workload_of(cfg, execution, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe)
         if efficiency is None and overlap is None
         else None
     )
     if work is not None:
-        times = mechanism_times(work, hw)
+        times = mechanism_times(work, hw, CALIBRATED)
         return times, base | dict(model="mechanisms", calibration=times["calibration"])
     efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
     overlap = 0.8 if overlap is None else overlap
@@ -331,28 +345,19 @@ def plan(
     schedule: str | None = None,
     microbatches: int | None = None,
     virtual_stages: int | None = None,
+    execution: Mapping[str, Any] | None = None,
     **model_overrides,
 ) -> Plan:
-    """Compile and analyse ``model`` under ``mesh`` on the simulated devices JAX has (or the first
-    ``devices``) and predict it on ``hardware`` (see the module docstring). With ``stage`` > 1 the step
-    runs ``schedule`` over ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s).
-    ``efficiency``/``overlap``: force the roofline with these (``step_times``)."""
-    import jax
-
-    from jaxpar.analysis import analyze_compiled
-    from jaxpar.analysis.hardware import get_hardware
-    from jaxpar.layout import make_layout
-    from jaxpar.meshes import resolve_mesh_arg
-    from jaxpar.models import get_model_preset
-    from jaxpar.shardings import param_shardings
-    from jaxpar.train.config import PipelineConfig
-
+    """Compile and analyse ``model`` (its preset with ``model_overrides``) under ``mesh`` on the simulated
+    devices JAX has (or the first ``devices``) and predict it on ``hardware`` (see the module docstring),
+    run as ``plan_execution(model, execution)`` says. With ``stage`` > 1 the step runs ``schedule`` over
+    ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s). ``efficiency``/``overlap``:
+    force the roofline with these (``step_times``)."""
     hw = get_hardware(hardware)
-    cfg = get_model_preset(model, **({"dtype": "bfloat16"} | model_overrides))
+    cfg, run = get_model_preset(model, **model_overrides), plan_execution(model, execution)
     preset = resolve_mesh_arg(mesh)
-    layout = make_layout(
-        cfg, preset, batch=batch, seq=seq, devices=None if devices is None else jax.devices()[:devices]
-    )
+    devices = None if devices is None else jax.devices()[:devices]
+    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=run)
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
     default = PipelineConfig()
     pipe = (
@@ -363,9 +368,10 @@ def plan(
     table = pipeline_for(
         cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2]
     )
-    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=pipe if table else None)
-    report = analyze_compiled(compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table), mesh=layout.mesh)
-    remat_full = cfg.remat.value == "full"
+    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=pipe if table else None, execution=run)
+    compiled = compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table, execution=run)
+    report = analyze_compiled(compiled, mesh=layout.mesh)
+    remat_full = run.remat == Remat.FULL
     costs = pipeline_costs(cfg, acts, shape, remat_full=remat_full) if table else None
     measured, stage_path = _pipeline_traffic(report, costs, acts, shape, layout.rules, acts.act_bytes / 4)
     shardings = param_shardings(cfg, layout)
@@ -381,11 +387,12 @@ def plan(
     model_flops = cfg.flops_per_token(seq) * batch * seq / layout.mesh.size
     train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if remat_full else 1.0)
     hbm = hbm_bytes(shardings, acts, shape, token_axes)
-    memory = memory_parts(cfg, shardings, acts, shape, token_axes)
+    memory = memory_parts(cfg, run, shardings, acts, shape, token_axes)
     if costs:
         costs["memory"] = memory
     times, assumptions = step_times(
         cfg,
+        run,
         shape,
         preset.mesh.dcn_sizes(),
         measured,
@@ -399,7 +406,7 @@ def plan(
         stage_bytes=stage_path,
         pipeline=costs,
     )
-    assumptions["attention"] = "flash" if flash_attention(cfg) else "xla: every score in HBM"
+    assumptions["attention"] = "flash" if flash_attention(run) else "xla: every score in HBM"
     return _make_plan(
         model,
         batch,

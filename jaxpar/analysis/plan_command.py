@@ -14,14 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 
+from jaxpar.analysis.costmodel import flash_attention
+from jaxpar.analysis.hardware import HARDWARE, get_hardware
+from jaxpar.config import hints
+from jaxpar.errors import ConfigError, LayoutError, MeshError
+from jaxpar.execution import MOVED_FROM_MODEL, ExecutionConfig
+from jaxpar.mesh import simulate_cpu_devices
+from jaxpar.train.config import parse_value
+
 HELP = "compile a model's train step for a layout and predict it on named hardware"
 MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 compiles in 49 s, 1.35 GB;
 # at 4096 XLA:CPU refuses ("Multiprocess computations aren't implemented")
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
-    from jaxpar.analysis.hardware import HARDWARE
-
     parser.add_argument("--model", required=True, help="model preset")
     parser.add_argument("--mesh", default=None, help="mesh preset or axis spec, e.g. fsdp=32,tensor=8")
     parser.add_argument(
@@ -99,27 +105,34 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="model config field, e.g. remat=dots or context_parallel=ring",
+        help="a model config field (num_layers=4) or an execution setting (execution.remat=dots, "
+        "execution.context_parallel=ring, execution.attention_impl=cudnn)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _overrides(items: list[str]) -> dict:
-    from jaxpar.rules import LayoutError
-
-    out = {}
+    """``--set`` items as keyword arguments of ``plan``/``search``: model config fields as they are,
+    ``execution.<field>`` parsed by the field's type into ``execution``."""
+    out, execution = {}, {}
+    fields = hints(ExecutionConfig)
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise LayoutError(f"--set {item!r}: expected FIELD=VALUE")
-        out[key] = int(value) if value.isdigit() else value
-    return out
+        field = key.removeprefix("execution.")
+        if field != key:
+            if field not in fields:
+                raise ConfigError(f"--set {key}: unknown execution setting; they are {', '.join(fields)}")
+            execution[field] = parse_value(key, fields[field], value)
+        elif key in MOVED_FROM_MODEL:
+            raise ConfigError(f"--set {key}={value}: an execution setting now; use --set execution.{key}={value}")
+        else:
+            out[key] = int(value) if value.isdigit() else value
+    return out | ({"execution": execution} if execution else {})
 
 
 def run(args: argparse.Namespace, /) -> int:
-    from jaxpar.analysis.hardware import get_hardware
-    from jaxpar.mesh import MeshError, simulate_cpu_devices
-
     get_hardware(args.hardware)  # unknown names fail before any work
     if args.search == bool(args.mesh):
         raise MeshError("give either --mesh (compile and analyse one layout) or --search (rank them all)")
@@ -134,7 +147,7 @@ def run(args: argparse.Namespace, /) -> int:
         return _inference(args)
     if args.search:
         return _search(args)
-    from jaxpar.analysis.plan import plan
+    from jaxpar.analysis.plan import plan  # deferred: imports jax, flax and the model zoo
 
     result = plan(
         args.model,
@@ -157,8 +170,6 @@ def run(args: argparse.Namespace, /) -> int:
 
 
 def _check_mode(args) -> None:
-    from jaxpar.mesh import MeshError
-
     if args.inference:
         if not args.context or args.context < 1 or args.batch < 1:
             raise MeshError(f"--inference needs --context ≥ 1 (got {args.context}) and --batch ≥ 1 (got {args.batch})")
@@ -169,7 +180,7 @@ def _check_mode(args) -> None:
 
 
 def _inference(args) -> int:
-    from jaxpar.analysis.inference_plan import (
+    from jaxpar.analysis.inference_plan import (  # deferred: imports jax, flax and the model zoo
         format_inference_plan,
         format_search,
         plan_inference,
@@ -223,7 +234,7 @@ def _inference(args) -> int:
 
 
 def _search(args) -> int:
-    from jaxpar.analysis.search import search
+    from jaxpar.analysis.search import search  # deferred: imports jax, flax and the model zoo
 
     ranked, refused = search(
         args.model,
@@ -274,20 +285,19 @@ def _search(args) -> int:
 
 def _attention_line(args) -> str:
     """Which attention kernel the ranking priced (``costmodel.flash_attention``)."""
-    from jaxpar.analysis.costmodel import flash_attention
-    from jaxpar.models import get_model_preset
+    from jaxpar.analysis.plan import plan_execution  # deferred: imports jax, flax and the model zoo
 
-    if flash_attention(get_model_preset(args.model, **_overrides(args.overrides))):
+    if flash_attention(plan_execution(args.model, _overrides(args.overrides).get("execution"))):
         return "attention: a flash kernel (cuDNN or ring)"
     return (
-        "attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set attention_impl=cudnn "
+        "attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set execution.attention_impl=cudnn "
         "prices cuDNN's flash kernel"
     )
 
 
 def plot_candidates(ranked, path: str, *, title: str) -> None:
     """``candidates_figure`` saved to ``path`` (the CLI's ``--plot``; no display needed)."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib is the optional `plot` extra
 
     matplotlib.use("Agg")
 
@@ -297,7 +307,7 @@ def plot_candidates(ranked, path: str, *, title: str) -> None:
 def candidates_figure(ranked, *, title: str):
     """Memory and analytic traffic per axis group of each candidate, as two stacked bar charts (a matplotlib
     Figure, drawn with the current backend: a notebook shows it inline)."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib is the optional `plot` extra
 
     short = {"stage": "p"}  # s is sequence
     labels = [",".join(f"{short.get(a, a[0])}{n}" for a, n in c.mesh.items()) or "1" for c in ranked]

@@ -26,8 +26,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections.abc import Mapping
+from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import AxisType
 
 from jaxpar.analysis.costmodel import (
     hbm_bytes,
@@ -38,9 +42,16 @@ from jaxpar.analysis.costmodel import (
     stage_sends,
 )
 from jaxpar.analysis.hardware import get_hardware
-from jaxpar.analysis.plan import activations_of, pipeline_for, step_times
+from jaxpar.analysis.plan import activations_of, pipeline_for, plan_execution, step_times
 from jaxpar.errors import JaxparError
+from jaxpar.execution import ExecutionConfig, Remat
+from jaxpar.layout import Layout, check_model_layout
 from jaxpar.mesh import AXES
+from jaxpar.meshes import compose_rules
+from jaxpar.models import get_model_preset
+from jaxpar.pipeline.ops import Schedule
+from jaxpar.rules import Dim
+from jaxpar.shardings import normalize_spec, param_shardings
 
 SEARCH_AXES = AXES
 
@@ -86,21 +97,20 @@ def estimate(
     microbatches: int | None = None,
     virtual_stages: int | None = None,
     base=None,
+    execution: ExecutionConfig | None = None,
 ):
     """One candidate's ``Candidate`` (raises ``LayoutError``/``ConfigError`` when the layout cannot divide
-    the model, or the pipeline the batch). ``base``: ``base_report(cfg)``, built once for many candidates."""
-    from jaxpar.meshes import compose_rules
-    from jaxpar.rules import Dim, check_layout
-
+    the model, or the pipeline the batch), the model run as ``execution`` says (default
+    ``ExecutionConfig()``). ``base``: ``base_report(cfg)``, built once for many candidates."""
+    execution = ExecutionConfig() if execution is None else execution
     hw = get_hardware(hardware)
     full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
     spec = ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
     rules = compose_rules(spec, {a for a, n in mesh.items() if n > 1})
-    dims = dict(cfg.logical_dims())
-    dims.update(batch=Dim(batch, "batch"), length=Dim(seq, "seq"), inner_length=Dim(seq, "seq"))
-    rules = check_layout(dims, rules, full)
+    rules = check_model_layout(cfg, execution, rules, full, batch=Dim(batch, "batch"), seq=Dim(seq, "seq"))
     acts, costs = _pipeline(
         cfg,
+        execution,
         full,
         rules,
         batch=batch,
@@ -114,7 +124,8 @@ def estimate(
     traffic = minimum_bytes(report, acts, full, rules)
     n = math.prod(full.values())
     model_flops = cfg.flops_per_token(seq) * batch * seq / n
-    train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if cfg.remat.value == "full" else 1.0)
+    remat_full = execution.remat == Remat.FULL
+    train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if remat_full else 1.0)
     stage_path = None
     if costs:  # the sends on the critical path, not their mean per device
         send = stage_input_bytes(acts, full, rules)
@@ -122,6 +133,7 @@ def estimate(
         stage_path = traffic["stage"] - mean + costs["send_ticks"] * send
     times, _ = step_times(
         cfg,
+        execution,
         full,
         {},
         traffic,
@@ -135,7 +147,7 @@ def estimate(
         stage_bytes=stage_path,
         pipeline=costs,
     )
-    memory = memory_estimate(cfg, report, acts, full, token_axes)
+    memory = memory_estimate(cfg, execution, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
     return Candidate(
         {a: n for a, n in mesh.items() if n > 1},
@@ -162,25 +174,21 @@ def estimate(
     )
 
 
-def _pipeline(cfg, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages):
+def _pipeline(cfg, execution, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages):
     """(Activations, ``pipeline_costs``) of a candidate; costs None without stage."""
     p = mesh["stage"]
     if p == 1:
-        return activations_of(cfg, batch=batch, seq=seq), None
+        return activations_of(cfg, batch=batch, seq=seq, execution=execution), None
     v = virtual_stages or (2 if schedule == "interleaved" else 1)
     ways = math.prod(mesh[a] for a in rules["batch"])
     m = microbatches or default_microbatches(p, batch // ways if batch % ways == 0 else 0, schedule)
     pipeline_for(cfg, mesh, rules, batch=batch, schedule=schedule, microbatches=m, virtual_stages=v)
-    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=(schedule, m, v))
-    return acts, pipeline_costs(cfg, acts, mesh, remat_full=cfg.remat.value == "full")
+    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=(schedule, m, v), execution=execution)
+    return acts, pipeline_costs(cfg, acts, mesh, remat_full=execution.remat == Remat.FULL)
 
 
 def base_report(cfg):
     """The model's parameters (paths, shapes, logical names) from one abstract build on one device."""
-    from jaxpar.layout import Layout
-    from jaxpar.meshes import compose_rules
-    from jaxpar.shardings import param_shardings
-
     return param_shardings(cfg, Layout(_abstract_mesh({}), compose_rules("data=1", set())))
 
 
@@ -188,8 +196,6 @@ def resharded(base, rules, mesh: dict) -> types.SimpleNamespace:
     """``base``'s parameters with the specs and shard shapes ``rules`` give them on ``mesh``: what
     ``jaxpar.shardings.param_shardings`` reports for that layout (names and shapes do not depend on it;
     tests/test_plan.py checks the two agree), without building the model again for every candidate."""
-    from jaxpar.shardings import normalize_spec
-
     params = []
     for p in base.params:
         spec = tuple(normalize_spec(rules.spec(p.names), len(p.shape)))
@@ -206,15 +212,9 @@ def resharded(base, rules, mesh: dict) -> types.SimpleNamespace:
 def _abstract_mesh(shape: dict):
     """A mesh over the first N devices JAX has when there are enough, else an abstract one (shapes and
     shardings only: the search never places arrays)."""
-    import jax
-
-    from jaxpar.mesh import AXES
-
     sizes = tuple(shape.get(a, 1) for a in AXES)
     n = math.prod(sizes)
     if n <= jax.device_count():
-        from jax.sharding import AxisType
-
         return jax.make_mesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=jax.devices()[:n])
     return jax.sharding.AbstractMesh(sizes, AXES)
 
@@ -231,18 +231,17 @@ def search(
     schedule: str | None = None,
     microbatches: int | None = None,
     virtual_stages: int | None = None,
+    execution: Mapping[str, Any] | None = None,
     **overrides,
 ) -> tuple[list, list]:
     """(ranked candidates: fitting ones by predicted step time, then the rest by memory; refused
-    factorizations with their reasons). ``schedule``, ``microbatches``, ``virtual_stages``: the pipeline of
-    candidates with ``stage`` > 1 (defaults: every schedule, each a candidate of its own,
+    factorizations with their reasons) of ``model`` (its preset with ``overrides``) run as
+    ``plan_execution(model, execution)`` says. ``schedule``, ``microbatches``, ``virtual_stages``: the
+    pipeline of candidates with ``stage`` > 1 (defaults: every schedule, each a candidate of its own,
     ``default_microbatches``, 1 chunk a device, 2 interleaved)."""
-    from jaxpar.models import get_model_preset
-    from jaxpar.pipeline.schedules import Schedule
-
-    cfg = get_model_preset(model, **({"dtype": "bfloat16"} | overrides))
+    cfg, run = get_model_preset(model, **overrides), plan_execution(model, execution)
     schedules = [Schedule.parse(schedule, field="--schedule")] if schedule else list(Schedule)
-    axes = SEARCH_AXES if getattr(cfg, "moe", None) is not None else tuple(a for a in SEARCH_AXES if a != "expert")
+    axes = SEARCH_AXES if cfg.moe is not None else tuple(a for a in SEARCH_AXES if a != "expert")
     ranked, refused, base = [], [], base_report(cfg)
     for mesh in factorizations(devices, axes):
         piped = mesh.get("stage", 1) > 1
@@ -261,6 +260,7 @@ def search(
                         microbatches=microbatches,
                         virtual_stages=virtual_stages,
                         base=base,
+                        execution=run,
                     )
                 )
             except JaxparError as err:

@@ -317,14 +317,11 @@ def model_flops(
     return tokens * (6 * params + att + extra)
 
 
-def mechanism_times(w: Workload, chip, cal: Calibration | None = None) -> dict:
-    """``step_seconds`` under the published calibration (``jaxpar.analysis.calibration.CALIBRATED``), in
+def mechanism_times(w: Workload, chip, cal: Calibration) -> dict:
+    """``step_seconds`` under ``cal`` (the published one: ``jaxpar.analysis.calibration.CALIBRATED``), in
     the keys ``jaxpar.analysis.plan.predict`` reports: compute (matmuls, attention, LM head), memory
     (elementwise work and the optimizer over HBM), exposed communication per kind, the stages' busy time
     with its bubble (``pipelined_s``), and the parts."""
-    from jaxpar.analysis.calibration import CALIBRATED
-
-    cal = cal or CALIBRATED
     parts = {k: float(v) for k, v in step_seconds(w, chip, cal).items()}
     exposed = {k.removesuffix("_exposed_s"): v for k, v in parts.items() if k.endswith("_exposed_s")}
     after = parts["optimizer_s"] + parts["dcn_exposed_s"] + (exposed["stage"] if w.stage_bytes is not None else 0.0)

@@ -12,8 +12,10 @@ import math
 import numpy as np
 
 from jaxpar.analysis.costmodel import flash_attention
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import AXES
+from jaxpar.parallel.ring import ring_work
 
-AXES = ("data", "fsdp", "tensor", "stage", "expert", "sequence")
 CONTEXT = ("ring", "ulysses", "allgather")
 
 # what the backward runs again of the forward: (matmuls: a share of all, or a tuple naming the ones kept, the
@@ -139,8 +141,6 @@ class Workload:
             return 0.5
         if self.context_parallel == "allgather":  # zigzag: load-balanced as a ring's
             return (n - 0.5) / n if self.cp_order == "contiguous" else 0.5
-        from jaxpar.parallel.ring import ring_work
-
         if W and W < S:  # the tiles that meet the window, at the real length
             return float(ring_work(S, n, self.cp_order, window=W).max()) / (4 * n)
         return float(ring_work(4 * n, n, self.cp_order).max()) / (4 * n)
@@ -228,8 +228,6 @@ class Workload:
         return (self.params() - experts) / (split * (e if self.expert_fsdp else 1)) + experts / (split * e)
 
     def check(self) -> None:
-        from jaxpar.errors import ConfigError
-
         for axis, n in {**self.mesh, **{f"dcn.{a}": v for a, v in self.dcn.items()}}.items():
             if axis.removeprefix("dcn.") not in AXES or int(n) < 1:
                 raise ConfigError(f"mesh: {axis}={n}: the step-time model takes {', '.join(AXES)} sizes ≥ 1")
@@ -274,59 +272,22 @@ class Workload:
 
 
 def workload_of(
-    cfg, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None, pipeline: dict | None = None
+    cfg, execution, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None, pipeline: dict | None = None
 ) -> Workload | None:
-    """The ``Workload`` of a jaxpar model under ``mesh`` (ICI axis sizes), or None where the model does not
-    describe it: expert-choice routing. A split sequence without ring or Ulysses attention
-    is GSPMD's: the full K/V gathered on every device (``allgather``).
-    ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and stage_bytes of the executor."""
-    moe = getattr(cfg, "moe", None)
-    if moe is not None and moe.router == "expert_choice":
+    """The ``Workload`` of a jaxpar model config (any family: ``DenseConfig`` and the families that extend
+    it) run as ``execution`` (a ``jaxpar.execution.ExecutionConfig``) says, under ``mesh`` (ICI axis
+    sizes), or None where the step-time model does not describe it: expert-choice routing. A split
+    sequence without ring or Ulysses attention is GSPMD's: the full K/V gathered on every device
+    (``allgather``). ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and
+    stage_bytes of the executor."""
+    if cfg.moe is not None and cfg.moe.router == "expert_choice":
         return None
     dcn = {a: int(n) for a, n in (dcn or {}).items() if int(n) > 1}
     sizes = {a: int(n) for a, n in mesh.items() if int(n) > 1}
-    cp = str(getattr(cfg, "context_parallel", "none"))
     if set(sizes) - set(AXES) or set(dcn) - set(AXES):
         return None
-    experts, mla = {}, {}
-    if moe is not None:
-        experts = dict(
-            experts=moe.num_experts,
-            top_k=moe.top_k,
-            expert_mlp_dim=moe.mlp_dim,
-            capacity_factor=moe.capacity_factor,
-            shared_mlp_dim=moe.num_shared_experts * moe.shared_mlp_dim,
-            dense_layers=cfg.first_dense_layers,
-        )
-    if getattr(cfg, "mla", None) is not None:
-        m = cfg.mla
-        mla = dict(kv_lora=m.kv_lora_rank, q_lora=m.q_lora_rank or 0, qk_rope=m.qk_rope_head_dim, v_head=m.v_head_dim)
-    head_dim = cfg.mla.qk_nope_head_dim if mla else cfg.head_dim
-    w = Workload(
-        embed_dim=cfg.embed_dim,
-        num_heads=cfg.num_heads,
-        kv_heads=cfg.num_kv_heads,
-        head_dim=head_dim,
-        mlp_dim=cfg.mlp_dim,
-        mlp_matrices=3,
-        num_layers=cfg.num_layers,
-        vocab=cfg.padded_vocab,
-        batch=batch,
-        seq=seq,
-        mesh=sizes,
-        dcn=dcn,
-        remat=cfg.remat.value,
-        weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize,
-        grad_bytes=4,
-        act_bytes=np.dtype(str(cfg.dtype)).itemsize,
-        tied=cfg.tie_embeddings,
-        window=cfg.sliding_window or 0,
-        context_parallel="allgather" if cp == "none" else cp,
-        flash=flash_attention(cfg),
-        cp_order="contiguous" if cp != "ring" else str(getattr(cfg, "cp_order", "zigzag")),
-        **experts,
-        **mla,
-    )
+    run = _execution_fields(execution, cfg.moe is not None)
+    w = Workload(batch=batch, seq=seq, mesh=sizes, dcn=dcn, **_model_fields(cfg), **run)
     if pipeline and w.size("stage") > 1:
         w = dataclasses.replace(
             w,
@@ -335,3 +296,48 @@ def workload_of(
             **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")},
         )
     return w
+
+
+def _model_fields(cfg) -> dict:
+    """The ``Workload`` fields the model config states: its shape, its experts and its MLA."""
+    out = dict(
+        embed_dim=cfg.embed_dim,
+        num_heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim if cfg.mla is None else cfg.mla.qk_nope_head_dim,
+        mlp_dim=cfg.mlp_dim,
+        mlp_matrices=3,
+        num_layers=cfg.num_layers,
+        vocab=cfg.padded_vocab,
+        weight_bytes=np.dtype(str(cfg.param_dtype)).itemsize,
+        grad_bytes=4,
+        tied=cfg.tie_embeddings,
+        window=cfg.sliding_window or 0,
+    )
+    if cfg.moe is not None:
+        m = cfg.moe
+        out |= dict(
+            experts=m.num_experts,
+            top_k=m.top_k,
+            expert_mlp_dim=m.mlp_dim,
+            shared_mlp_dim=m.num_shared_experts * m.shared_mlp_dim,
+            dense_layers=cfg.first_dense_layers,
+        )
+    if cfg.mla is not None:
+        m = cfg.mla
+        out |= dict(kv_lora=m.kv_lora_rank, q_lora=m.q_lora_rank or 0, qk_rope=m.qk_rope_head_dim, v_head=m.v_head_dim)
+    return out
+
+
+def _execution_fields(execution, experts: bool) -> dict:
+    """The ``Workload`` fields of how the model runs: remat, the compute dtype, the attention kernel and
+    context parallelism, and with ``experts`` their capacity."""
+    cp = str(execution.context_parallel)
+    return dict(
+        remat=execution.remat.value,
+        act_bytes=np.dtype(str(execution.dtype)).itemsize,
+        context_parallel="allgather" if cp == "none" else cp,
+        cp_order=str(execution.cp_order) if cp == "ring" else "contiguous",
+        flash=flash_attention(execution),
+        capacity_factor=execution.capacity_factor if experts else None,
+    )

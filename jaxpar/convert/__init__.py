@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,6 +28,8 @@ from jaxpar.convert.families import FAMILIES, Family, check_fields, family_of, g
 from jaxpar.convert.files import ConvertError, HFFolder, ShardWriter
 from jaxpar.convert.mapping import read_shard, write_pieces
 from jaxpar.errors import JaxparError
+from jaxpar.models import build_model
+from jaxpar.shardings import default_layout
 
 __all__ = ["from_hf", "to_hf", "hf_config", "ConvertError", "FAMILIES"]
 
@@ -98,18 +102,25 @@ def _skipped(hf: HFFolder, cfg) -> set[str]:
     return {n for n in hf.names() if n.endswith("rotary_emb.inv_freq") or (mtp and n.startswith(mtp))}
 
 
-def from_hf(folder: str | os.PathLike, mesh=None, *, param_dtype: str = "float32", **overrides):
+def from_hf(
+    folder: str | os.PathLike,
+    mesh=None,
+    *,
+    param_dtype: str = "float32",
+    execution: Mapping[str, Any] | None = None,
+    **overrides,
+):
     """A jaxpar model from a Hugging Face folder, its parameters placed shard by shard on ``mesh`` (a
     mesh preset name or spec such as ``"fsdp=4,tensor=2"``; None: one device). ``model(ids)`` with int32
-    ids [B, T] returns float32 logits [B, T, V]. ``overrides`` set config fields (e.g. ``remat``)."""
-    from jaxpar.models import build_model
-    from jaxpar.shardings import default_layout
-
+    ids [B, T] returns float32 logits [B, T, V]. ``overrides`` set model config fields; the model runs as
+    the family's HF implementation does (``Family.execution``) with the ``execution`` changes (e.g.
+    ``{"remat": "none"}``)."""
     cfg, fam, hf = hf_config(folder, param_dtype=param_dtype, **overrides)
+    run = dataclasses.replace(fam.execution(hf.config), **dict(execution or {}))
     try:
-        layout = default_layout(cfg, mesh or "dp", devices=None if mesh else jax.devices()[:1])
+        layout = default_layout(cfg, mesh or "dp", devices=None if mesh else jax.devices()[:1], execution=run)
         with layout.activate():
-            abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+            abstract = nnx.eval_shape(lambda: build_model(cfg, execution=run, rngs=nnx.Rngs(0)))
             graphdef, state = nnx.split(abstract)
             shardings = nnx.get_named_sharding(state, layout.mesh)
         plan = _plan(cfg, fam, hf, state)
@@ -183,7 +194,7 @@ def to_hf(
     ``dtype``: the tensors' dtype (default: the parameters'). ``folder`` must not exist."""
     cfg = model.cfg
     fam = FAMILIES[family] if family else guess_family(cfg)
-    config = fam.to_hf(cfg)
+    config = fam.to_hf(cfg, model.execution)
     state = nnx.state(model)
     table = sources(cfg, fam)
     writer = ShardWriter(folder, max_shard_bytes=max_shard_bytes)

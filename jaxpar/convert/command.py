@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from jaxpar.mesh import simulate_cpu_devices
+
 HELP = "convert Hugging Face checkpoints to jaxpar model checkpoints and back"
 
 
@@ -39,10 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
 
 
 def run(args: argparse.Namespace, /) -> int:
-    from jaxpar.mesh import simulate_cpu_devices
-
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
+    # deferred: jax, flax and the model zoo, imported once the simulated devices are set
     import jax
 
     from jaxpar.convert import FAMILIES, ConvertError, from_hf, to_hf

@@ -6,9 +6,10 @@ Each family has an allow-list. A config field is either *read* (it sets somethin
 Any other field, and any fixed field with another value, is refused with its name: a field we do not
 understand may change the model, and a silently wrong conversion is worse than none.
 
-Routing: HF's MoE models run every routed token (no capacity), so imports use dropless execution
-(``capacity_factor=None``) and take the balancing-loss weight from ``router_aux_loss_coef``; the router
-z-loss is off (no HF family here has one).
+Execution (``jaxpar.execution.ExecutionConfig``, ``Family.execution``): HF's MoE models run every routed
+token (no capacity), so imports run dropless (``capacity_factor=None``) and take the balancing-loss
+weight from ``router_aux_loss_coef`` (written back on export); the router z-loss is off (no HF family
+here has one). Dense families run under ``ExecutionConfig()``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 
 from jaxpar.convert.files import ConvertError
 from jaxpar.convert.mapping import Source
+from jaxpar.execution import ExecutionConfig
 from jaxpar.layers.mla import MLAConfig
 from jaxpar.layers.moe import MoEConfig
 from jaxpar.layers.rope import RopeScaling, YarnScaling
@@ -74,7 +76,8 @@ class Family:
     read: frozenset
     fixed: dict
     to_ours: Callable[[dict], DenseConfig]
-    to_hf: Callable[[DenseConfig], dict]
+    to_hf: Callable[[DenseConfig, ExecutionConfig], dict]
+    execution: Callable[[dict], ExecutionConfig] = lambda hf: ExecutionConfig()  # how HF runs the model
 
 
 def check_fields(hf: dict, fam: Family, where: str) -> None:
@@ -221,8 +224,19 @@ def _dense_out(cfg: DenseConfig, fam: Family, **extra) -> dict:
     )
 
 
-def _family(model_type, architecture, read, fixed, to_ours, to_hf) -> Family:
-    return Family(model_type, architecture, frozenset(DENSE_READ | set(read)), fixed, to_ours, to_hf)
+def _family(model_type, architecture, read, fixed, to_ours, to_hf, execution=None) -> Family:
+    read = frozenset(DENSE_READ | set(read))
+    if execution is None:
+        return Family(model_type, architecture, read, fixed, to_ours, to_hf)
+    return Family(model_type, architecture, read, fixed, to_ours, to_hf, execution)
+
+
+def _routed_execution(hf: dict) -> ExecutionConfig:
+    """How HF runs Mixtral's and Qwen3-MoE's experts: every routed token, the balancing loss weighted by
+    ``router_aux_loss_coef``, no router z-loss."""
+    return ExecutionConfig(
+        capacity_factor=None, aux_loss_weight=hf.get("router_aux_loss_coef", 0.001), router_z_loss_weight=0.0
+    )
 
 
 def _llama() -> Family:
@@ -232,7 +246,7 @@ def _llama() -> Family:
         (),
         NO_EXTRAS,
         lambda hf: DenseConfig(**_dense_kw(hf)),
-        lambda cfg: _dense_out(cfg, FAMILIES["llama"]),
+        lambda cfg, run: _dense_out(cfg, FAMILIES["llama"]),
     )
 
 
@@ -244,7 +258,7 @@ def _mistral() -> Family:
         {"sliding_window"},
         fixed,
         lambda hf: DenseConfig(**_dense_kw(hf, sliding_window=hf.get("sliding_window"))),
-        lambda cfg: _dense_out(cfg, FAMILIES["mistral"], sliding_window=cfg.sliding_window),
+        lambda cfg, run: _dense_out(cfg, FAMILIES["mistral"], sliding_window=cfg.sliding_window),
     )
 
 
@@ -260,7 +274,7 @@ def _qwen(model_type, architecture, **ours) -> Family:
         {"sliding_window"},
         fixed,
         lambda hf: DenseConfig(**_dense_kw(hf, **ours)),
-        lambda cfg: _dense_out(cfg, FAMILIES[model_type]),
+        lambda cfg, run: _dense_out(cfg, FAMILIES[model_type]),
     )
 
 
@@ -277,14 +291,11 @@ def _mixtral() -> Family:
                 num_experts=hf["num_local_experts"],
                 top_k=hf["num_experts_per_tok"],
                 mlp_dim=hf["intermediate_size"],
-                capacity_factor=None,
-                aux_loss_weight=hf.get("router_aux_loss_coef", 0.001),
-                router_z_loss_weight=0.0,
             ),
             sliding_window=hf.get("sliding_window"),
         )
 
-    def to_hf(cfg):
+    def to_hf(cfg, run):
         m = cfg.moe
         return _dense_out(
             cfg,
@@ -292,7 +303,7 @@ def _mixtral() -> Family:
             sliding_window=cfg.sliding_window,
             num_local_experts=m.num_experts,
             num_experts_per_tok=m.top_k,
-            router_aux_loss_coef=m.aux_loss_weight,
+            router_aux_loss_coef=run.aux_loss_weight,
         )
 
     fixed = {k: v for k, v in NO_EXTRAS.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
@@ -303,6 +314,7 @@ def _mixtral() -> Family:
         fixed | {"router_jitter_noise": 0.0},
         to_ours,
         to_hf,
+        _routed_execution,
     )
 
 
@@ -316,14 +328,11 @@ def _qwen3_moe() -> Family:
                 top_k=hf["num_experts_per_tok"],
                 mlp_dim=hf["moe_intermediate_size"],
                 norm_topk=bool(hf.get("norm_topk_prob", False)),
-                capacity_factor=None,
-                aux_loss_weight=hf.get("router_aux_loss_coef", 0.001),
-                router_z_loss_weight=0.0,
             ),
             qk_norm=True,
         )
 
-    def to_hf(cfg):
+    def to_hf(cfg, run):
         m = cfg.moe
         return _dense_out(
             cfg,
@@ -332,7 +341,7 @@ def _qwen3_moe() -> Family:
             num_experts_per_tok=m.top_k,
             moe_intermediate_size=m.mlp_dim,
             norm_topk_prob=m.norm_topk,
-            router_aux_loss_coef=m.aux_loss_weight,
+            router_aux_loss_coef=run.aux_loss_weight,
         )
 
     fixed = {k: v for k, v in NO_EXTRAS.items() if k not in ("mlp_bias", "pretraining_tp")}
@@ -352,6 +361,7 @@ def _qwen3_moe() -> Family:
         fixed,
         to_ours,
         to_hf,
+        _routed_execution,
     )
 
 
@@ -396,17 +406,13 @@ def _deepseek_v3() -> Family:
             num_groups=hf.get("n_group", 1),
             topk_groups=hf.get("topk_group", 1),
             routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
-            capacity_factor=None,
             num_shared_experts=hf.get("n_shared_experts") or 0,
             shared_mlp_dim=hf["moe_intermediate_size"] if hf.get("n_shared_experts") else 0,
-            aux_loss_weight=0.0,
-            router_z_loss_weight=0.0,
-            bias_update_rate=0.0,
         )
         kw = _dense_kw(hf, yarn=True) | dict(num_kv_heads=heads, head_dim=hf["v_head_dim"])
         return MoEModelConfig(**kw, moe=moe, mla=mla, first_dense_layers=hf.get("first_k_dense_replace", 0))
 
-    def to_hf(cfg):
+    def to_hf(cfg, run):
         m, a = cfg.moe, cfg.mla
         out = _dense_out(
             cfg,
@@ -431,7 +437,9 @@ def _deepseek_v3() -> Family:
         return out
 
     fixed = dict(NO_EXTRAS) | {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "ep_size": 1}
-    return _family("deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK_READ, fixed, to_ours, to_hf)
+    # every routed token; no balancing loss, router z-loss or bias updates (the bias is a loaded tensor)
+    execution = lambda hf: ExecutionConfig(capacity_factor=None, aux_loss_weight=0.0, router_z_loss_weight=0.0)
+    return _family("deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK_READ, fixed, to_ours, to_hf, execution)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -505,7 +513,7 @@ def sources(cfg: DenseConfig, fam: Family) -> dict[tuple[str, ...], Source]:
 
 def _attention(cfg, s) -> dict:
     a = "self_attn."
-    if getattr(cfg, "mla", None) is not None:
+    if cfg.mla is not None:
         out = {
             ("kv_a",): s([a + "kv_a_proj_with_mqa.weight"], ("d", "c"), ("c", "d")),
             ("kv_a_norm", "scale"): s([a + "kv_a_layernorm.weight"], ("r",), ("r",)),

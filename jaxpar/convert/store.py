@@ -1,9 +1,10 @@
 """Model checkpoints: what ``jaxpar convert --from-hf`` writes, ``jaxpar train --init-from`` fine-tunes
 from and ``jaxpar convert --to-hf`` exports (which also takes a training run's directory).
 
-A model checkpoint is a folder with ``model.json`` (the jaxpar model config and where it came from) and
-``checkpoints/0``, an orbax checkpoint of the same kind a training run writes (items state, data,
-config) whose state is the model's alone. Restores place each array straight into its shards.
+A model checkpoint is a folder with ``model.json`` (the jaxpar model config, the execution it was made to
+run under, and where it came from) and ``checkpoints/0``, an orbax checkpoint of the same kind a training
+run writes (items state, data, config) whose state is the model's alone. Restores place each array
+straight into its shards.
 """
 
 from __future__ import annotations
@@ -11,23 +12,31 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer, abstract_like, latest
+from jaxpar.config import from_dict, to_dict
 from jaxpar.convert.files import ConvertError
+from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig, split_saved_model
 from jaxpar.identity import Entry, check_fits
+from jaxpar.models import build_model, config_from_dict, config_to_dict
 
 MODEL_JSON = "model.json"
 
 
 def save_model(model, out: str | Path, *, source: dict) -> Path:
     """Write ``model`` as a model checkpoint in the new folder ``out`` (refused if it exists)."""
-    from jaxpar.models import config_to_dict
-
     out = Path(out).resolve()
     if out.exists():
         raise ConvertError(f"{out}: exists; conversion writes a new folder and never overwrites")
-    info = {"format": "jaxpar-model", "model": config_to_dict(model.cfg), "source": source}
+    info = {
+        "format": "jaxpar-model",
+        "model": config_to_dict(model.cfg),
+        "execution": to_dict(model.execution),
+        "source": source,
+    }
     tmp = out.with_name(f".{out.name}.partial")
     checkpoints = Checkpointer(tmp / "checkpoints", every=1, keep=1, async_save=False)
     try:
@@ -41,9 +50,6 @@ def save_model(model, out: str | Path, *, source: dict) -> Path:
 
 def model_config(ckpt: str | Path):
     """(model config, step, whether ``ckpt`` is a training run) of a model checkpoint or a run folder."""
-    from jaxpar.errors import ConfigError
-    from jaxpar.models import config_from_dict
-
     ckpt = Path(ckpt).resolve()
     saved = latest(ckpt / "checkpoints")
     if saved is None:
@@ -58,16 +64,30 @@ def model_config(ckpt: str | Path):
     return cfg, saved.step, saved.config.get("format") != "jaxpar-model"
 
 
+def saved_execution(ckpt: str | Path) -> ExecutionConfig:
+    """The execution a model checkpoint was made to run under, or a training run ran under: its
+    ``execution`` section; a run saved before the execution settings left the model config holds them
+    under ``model`` (``jaxpar.execution.split_saved_model``); ``ExecutionConfig()`` for the rest."""
+    ckpt = Path(ckpt).resolve()
+    saved = latest(ckpt / "checkpoints")
+    config = saved.config if saved is not None and isinstance(saved.config, dict) else {}
+    data = config.get("execution")
+    if not isinstance(data, dict):
+        data = split_saved_model(config.get("model"))[1]
+    try:
+        return from_dict(ExecutionConfig, data, where="execution")
+    except ConfigError as err:
+        raise ConvertError(f"{ckpt}: its execution settings cannot be read by this version of jaxpar ({err})") from None
+
+
 def load_model(ckpt: str | Path, layout, /):
     """The model of a model checkpoint or of a training run's newest checkpoint, restored onto
     ``layout`` (a ``jaxpar.layout.Layout``); the optimizer state of a run is not read."""
-    import orbax.checkpoint as ocp
-
-    from jaxpar.models import build_model
-
     cfg, step, is_run = model_config(ckpt)
+    execution = saved_execution(ckpt)
     with layout.activate():
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
+        abstract = nnx.eval_shape(lambda: build_model(cfg, execution=execution, rngs=nnx.Rngs(0)))
+        graphdef, abstract = nnx.split(abstract)
         target = abstract_like(abstract, nnx.get_named_sharding(abstract, layout.mesh))
     check_fits(
         Entry.LOAD,

@@ -145,7 +145,7 @@ class Parser:
         self.tokenizer, self.special = tokenizer, special_tokens or {}
         self.template = None
         if chat_template is not None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred: only for a chat template
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = self._template_error

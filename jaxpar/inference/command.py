@@ -26,6 +26,9 @@ import json
 import sys
 from pathlib import Path
 
+from jaxpar.errors import CheckpointError, ConfigError, ConvertError, DataError, LayoutError
+from jaxpar.mesh import simulate_cpu_devices
+
 HELP = "generate text from a run, a model checkpoint or a Hugging Face folder (streamed, or --json)"
 TOKENIZER = "tokenizer.json"
 PICKLES = (".bin", ".pt", ".pth")
@@ -97,8 +100,6 @@ def _positive(text: str) -> int:
 
 def parse_ids(text: str, flag: str) -> list[int]:
     """``"1,2,3"`` -> [1, 2, 3]; spaces allowed, anything else named with its flag."""
-    from jaxpar.errors import ConfigError
-
     parts = [p.strip() for p in text.split(",")] if text.strip() else []
     for p in parts:
         if not p.lstrip("-").isdigit():
@@ -108,8 +109,6 @@ def parse_ids(text: str, flag: str) -> list[int]:
 
 def source_kind(folder: str) -> str:
     """``"jaxpar"`` (a run folder or model checkpoint: checkpoints/) or ``"hf"`` (config.json + weights)."""
-    from jaxpar.errors import CheckpointError
-
     path = Path(folder)
     if not path.is_dir():
         raise CheckpointError(f"--from {path}: " + ("not a directory" if path.exists() else "no such directory"))
@@ -126,8 +125,6 @@ def source_kind(folder: str) -> str:
 
 def load_tokenizer(flag_value: str | None, folder: str):
     """The ``tokenizers.Tokenizer`` of --tokenizer, else of --from's tokenizer.json, else None."""
-    from jaxpar.errors import DataError
-
     if flag_value is None:
         found = Path(folder) / TOKENIZER
         if not found.is_file():
@@ -137,7 +134,7 @@ def load_tokenizer(flag_value: str | None, folder: str):
         path, flag = Path(flag_value), "--tokenizer"
     if not path.is_file():
         raise DataError(f"{flag} {path}: no such file")
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # deferred: only when a tokenizer is read
 
     try:
         return Tokenizer.from_file(str(path))
@@ -147,8 +144,6 @@ def load_tokenizer(flag_value: str | None, folder: str):
 
 def read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     """Every --prompt (encoded) or --prompt-ids (parsed), refused when one is empty."""
-    from jaxpar.errors import ConfigError, DataError
-
     if args.prompt_ids is not None:
         prompts, flag = [parse_ids(p, "--prompt-ids") for p in args.prompt_ids], "--prompt-ids"
     elif tokenizer is None:
@@ -166,8 +161,6 @@ def read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
 
 def hf_eos_ids(folder: Path) -> tuple[int, ...]:
     """``eos_token_id`` (one id or a list) of generation_config.json, else of config.json; () if neither."""
-    from jaxpar.errors import ConvertError
-
     for name in ("generation_config.json", "config.json"):
         path = folder / name
         if not path.is_file():
@@ -188,13 +181,11 @@ def hf_eos_ids(folder: Path) -> tuple[int, ...]:
 
 def model_config(kind: str, folder: str):
     """(model config, EOS ids, what --from is) without reading a weight."""
-    from jaxpar.errors import CheckpointError, ConvertError
-
     if kind == "hf":
-        from jaxpar.convert import hf_config
+        from jaxpar.convert import hf_config  # deferred: imports jax, flax and the model zoo
 
         return hf_config(folder)[0], hf_eos_ids(Path(folder)), "Hugging Face folder"
-    from jaxpar.convert.store import model_config as saved_config
+    from jaxpar.convert.store import model_config as saved_config  # deferred: imports flax and orbax
 
     try:
         cfg, step, is_run = saved_config(folder)
@@ -208,7 +199,7 @@ def check_fit(
 ) -> None:
     """What ``Generator.generate`` would refuse, refused on the config alone (no weight read yet). The
     prompts' errors name ``flag`` (--prompt or --prompt-ids), the layout's ``where`` (--mesh data=8)."""
-    from jaxpar.errors import ConfigError, LayoutError
+    # deferred: jaxpar.inference.generate imports jax, flax and the model zoo
     from jaxpar.inference.generate import check_fit as check_request_fit
     from jaxpar.inference.generate import check_request
 
@@ -229,9 +220,10 @@ def check_fit(
 def load_weights(kind: str, folder: str, cfg, mesh, name: str):
     """The model, restored onto the decode layout (a jaxpar checkpoint) or onto one device (HF)."""
     if kind == "hf":
-        from jaxpar.convert import from_hf
+        from jaxpar.convert import from_hf  # deferred: imports jax, flax and the model zoo
 
         return from_hf(folder)  # the Generator reshards it onto the decode layout
+    # deferred: these import jax, flax and the model zoo
     from jaxpar.convert.store import load_model
     from jaxpar.inference.layouts import weight_layout
 
@@ -285,10 +277,9 @@ class Stream:
 
 
 def run(args: argparse.Namespace, /) -> int:
-    from jaxpar.mesh import simulate_cpu_devices
-
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
+    # deferred: jax, flax and the model zoo, imported once the simulated devices are set
     import jax
 
     from jaxpar.inference.generate import Generator

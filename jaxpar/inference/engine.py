@@ -35,12 +35,14 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.inference.generate import bucket, for_generation
-from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, compose_decode_rules, placed_state
+from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, placed_state
 from jaxpar.inference.pages import PagedAllocator
 from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
 from jaxpar.inference.scheduler import Request, Scheduler
 from jaxpar.inference.speculative import acceptance, distribution, host_rng, ngram_draft, one_hot, verify
 from jaxpar.layers.kvcache import with_table
+from jaxpar.meshes import Phase, compose_rules
+from jaxpar.model_api import LanguageModel
 from jaxpar.rules import trace_layout
 
 GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
@@ -56,13 +58,13 @@ class StepLog:
     seconds: float
 
 
-def page_bytes(model, page_size: int, /) -> int:
+def page_bytes(model: LanguageModel, page_size: int, /) -> int:
     """Bytes one page takes in every layer's pool together (K and V, or latent and rope key)."""
     one = jax.eval_shape(lambda: model.empty_pages(1, page_size))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one))
 
 
-def pages_for_budget(model, page_size: int, budget_bytes: int, /) -> int:
+def pages_for_budget(model: LanguageModel, page_size: int, budget_bytes: int, /) -> int:
     """The most pages (null page included) whose pools fit in ``budget_bytes``."""
     pages = budget_bytes // page_bytes(model, page_size)
     if pages < 2:
@@ -87,7 +89,7 @@ def engine_layout(cfg, mesh: str | None, devices=None, *, slots: int, length: in
             f"(use tensor, data or expert)"
         )
     layout = check_inference_layout(cfg, built, name, batch=slots, prompt=1, slots=length)
-    wanted = compose_decode_rules(name, {a for a, n in built.shape.items() if n > 1}, prefill=False)
+    wanted = compose_rules(name, {a for a, n in built.shape.items() if n > 1}, phase=Phase.DECODE)
     ways = math.prod(built.shape[a] for a in wanted["cache_kv_heads"])
     if not cfg.uses_mla and cfg.num_kv_heads % ways:
         raise LayoutError(
@@ -107,7 +109,7 @@ class _Weights:
     pools: dict
 
     @classmethod
-    def of(cls, model, num_pages: int, page_size: int, layout) -> _Weights:
+    def of(cls, model: LanguageModel, num_pages: int, page_size: int, layout) -> _Weights:
         """``model``'s weights moved onto ``layout`` (an ``InferenceLayout``), its pools made there."""
         graphdef, state = nnx.graphdef(model), placed_state(model, layout.phase("decode"))
 
@@ -132,7 +134,7 @@ class Engine:
 
     def __init__(
         self,
-        model,
+        model: LanguageModel,
         *,
         max_slots: int = 8,
         page_size: int = 16,
@@ -143,7 +145,7 @@ class Engine:
         token_budget: int | None = None,
         record_logits: bool = False,
         speculate: int = 0,
-        draft=None,
+        draft: LanguageModel | None = None,
         prefix_cache: bool = True,
         mesh: str | None = None,
         devices=None,

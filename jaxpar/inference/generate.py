@@ -32,10 +32,13 @@ from jaxpar.inference.layouts import (
     InferenceLayout,
     build_inference_mesh,
     check_inference_layout,
+    generation_execution,
     reshard,
     weight_layout,
 )
 from jaxpar.inference.sampling import SamplingParams, sample
+from jaxpar.model_api import LanguageModel
+from jaxpar.models import build_model
 from jaxpar.rules import trace_layout
 
 MIN_BUCKET = 16
@@ -46,26 +49,10 @@ def bucket(n: int, /, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def generation_config(cfg, *, sequence_split: bool = False):
-    """``cfg`` with the settings generation needs: no remat, natural token order, dropless MoE routing,
-    and ring attention for prefill when positions are split (``sequence_split``)."""
-    from jaxpar.models.dense import Remat
-    from jaxpar.parallel.attention import ContextParallel, TokenOrder
-
-    changes = dict(remat=Remat.NONE, cp_order=TokenOrder.CONTIGUOUS)
-    if sequence_split and cfg.context_parallel == ContextParallel.NONE:
-        changes["context_parallel"] = ContextParallel.RING
-    if hasattr(cfg, "moe"):
-        changes["moe"] = dataclasses.replace(cfg.moe, capacity_factor=None)
-    return dataclasses.replace(cfg, **changes)
-
-
-def for_generation(model, *, sequence_split: bool = False):
-    """``model`` (its state shared, not copied) rebuilt with ``generation_config``."""
-    from jaxpar.models import build_model
-
-    cfg = generation_config(model.cfg, sequence_split=sequence_split)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
+def for_generation(model: LanguageModel, *, sequence_split: bool = False) -> LanguageModel:
+    """``model`` (its state shared, not copied) rebuilt to run as ``generation_execution`` says."""
+    execution = generation_execution(model.execution, sequence_split=sequence_split)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model.cfg, execution=execution, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, nnx.state(model))
 
 
@@ -103,8 +90,7 @@ def check_fit(cfg, mesh, name: str, prompts, max_new_tokens) -> InferenceLayout:
     config alone: nothing loaded or compiled). Raises ``ConfigError`` / ``LayoutError``."""
     check_request(cfg, prompts, max_new_tokens)
     prompt, slots = shapes(prompts, max_new_tokens)
-    gen_cfg = generation_config(cfg, sequence_split=mesh.shape["sequence"] > 1)
-    return check_inference_layout(gen_cfg, mesh, name, batch=len(prompts), prompt=prompt, slots=slots)
+    return check_inference_layout(cfg, mesh, name, batch=len(prompts), prompt=prompt, slots=slots)
 
 
 @dataclasses.dataclass
@@ -139,7 +125,7 @@ class GenerationResult:
         return out
 
 
-def abstract_cache(model, layout: InferenceLayout, batch: int, slots: int) -> dict:
+def abstract_cache(model: LanguageModel, layout: InferenceLayout, batch: int, slots: int) -> dict:
     """The cache's shapes and dtypes, each placed by its logical names under ``layout``."""
 
     def placed(c):
@@ -155,7 +141,7 @@ def abstract_cache(model, layout: InferenceLayout, batch: int, slots: int) -> di
     return {k: placed(c) for k, c in jax.eval_shape(lambda: model.empty_cache(batch, slots)).items()}
 
 
-def compile_programs(model, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
+def compile_programs(model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
     """(prefill, decode) of ``model`` compiled for ``layout`` from ``state``, a tree of
     ``jax.ShapeDtypeStruct`` with shardings (``model`` may be abstract: ``nnx.eval_shape``; nothing the
     size of the model is allocated)."""
@@ -194,7 +180,7 @@ class Generator:
     """Generation from ``model`` on ``mesh`` (a decode layout name, a training preset, an axis spec; None:
     one device). The weights are moved onto the decode layout with one reshard."""
 
-    def __init__(self, model, mesh: str | None = None, *, devices=None, eos_ids: Sequence[int] = ()):
+    def __init__(self, model: LanguageModel, mesh: str | None = None, *, devices=None, eos_ids: Sequence[int] = ()):
         if mesh is None:  # one device
             devices = list(jax.devices() if devices is None else devices)[:1]
         self.mesh_name, self.mesh = build_inference_mesh(mesh or "decode_dp", devices=devices)
@@ -207,7 +193,15 @@ class Generator:
 
     # ------------------------------------------------------------------------------------- programs
     def layout(self, batch: int, prompt: int, slots: int) -> InferenceLayout:
-        return check_inference_layout(self.cfg, self.mesh, self.mesh_name, batch=batch, prompt=prompt, slots=slots)
+        return check_inference_layout(
+            self.cfg,
+            self.mesh,
+            self.mesh_name,
+            batch=batch,
+            prompt=prompt,
+            slots=slots,
+            execution=self.model.execution,
+        )
 
     def programs(self, batch: int, prompt: int, slots: int):
         """(prefill, decode) compiled for this shape (compiled once, then kept)."""

@@ -34,11 +34,13 @@ import math
 import jax
 from flax import nnx
 
-from jaxpar.errors import LayoutError
-from jaxpar.layout import Layout
-from jaxpar.mesh import AXES, MeshConfig, build_mesh, suggest
-from jaxpar.parallel.attention import check_context_parallel
-from jaxpar.rules import LOGICAL_AXES, Dim, Rules, check_layout
+from jaxpar.errors import LayoutError, suggest
+from jaxpar.execution import ContextParallel, ExecutionConfig, Remat, TokenOrder
+from jaxpar.layout import Layout, check_model_layout
+from jaxpar.mesh import AXES, MeshConfig, build_mesh
+from jaxpar.meshes import PRESETS as TRAINING
+from jaxpar.meshes import Phase, compose_rules
+from jaxpar.rules import Dim, Rules
 
 PRESETS: dict[str, str] = {
     "decode_tp": "tensor=-1",
@@ -46,29 +48,10 @@ PRESETS: dict[str, str] = {
     "decode_ep": "expert=-1",
     "prefill_cp": "sequence=-1",
 }
-_TENSOR = ("vocab", "heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp", "act_vocab", "cache_kv_heads")
-
-
-def compose_decode_rules(name: str, axes, /, *, prefill: bool) -> Rules:
-    """The table for generation on a mesh splitting ``axes``, for the prefill or the decode phase."""
-    rules = dict.fromkeys(LOGICAL_AXES)
-    batch = tuple(a for a in ("expert", "data", "fsdp") if a in axes)
-    rules["batch"] = rules["cache_batch"] = batch
-    if "expert" in axes:
-        rules["experts"] = rules["act_experts"] = "expert"
-    if "tensor" in axes:
-        rules.update(dict.fromkeys(_TENSOR, "tensor"))
-    if "sequence" in axes:
-        rules["cache_length"] = "sequence"
-        if prefill:
-            rules["length"] = rules["inner_length"] = "sequence"
-    return Rules.from_mapping(f"{name}:{'prefill' if prefill else 'decode'}", rules)
 
 
 def mesh_config(value: str, /, *, flag: str = "--mesh") -> tuple[str, MeshConfig]:
     """(name, MeshConfig) of a decode preset, a training preset's mesh, or an axis spec."""
-    from jaxpar.meshes import PRESETS as TRAINING
-
     if "=" in value:
         return value, MeshConfig.parse(value)
     if value in PRESETS:
@@ -148,31 +131,37 @@ def place_cache(dims: dict[str, Dim], rules: Rules, shape) -> dict[str, tuple[st
     )
 
 
-def check_inference_layout(cfg, mesh, name: str, *, batch: int, prompt: int, slots: int) -> InferenceLayout:
+def generation_execution(execution: ExecutionConfig | None = None, /, *, sequence_split: bool = False):
+    """``execution`` (default ``ExecutionConfig()``) with what generation needs: no remat, natural token
+    order, dropless MoE routing, and ring attention for prefill when positions are split
+    (``sequence_split``) and ``execution`` names no context-parallel kernel."""
+    execution = ExecutionConfig() if execution is None else execution
+    changes = dict(remat=Remat.NONE, cp_order=TokenOrder.CONTIGUOUS, capacity_factor=None)
+    if sequence_split and execution.context_parallel == ContextParallel.NONE:
+        changes["context_parallel"] = ContextParallel.RING
+    return dataclasses.replace(execution, **changes)
+
+
+def check_inference_layout(
+    cfg, mesh, name: str, *, batch: int, prompt: int, slots: int, execution: ExecutionConfig | None = None
+) -> InferenceLayout:
     """Both phase tables for ``cfg`` on ``mesh``, checked for ``batch`` prompts padded to ``prompt``
-    positions and a cache of ``slots``; raises ``LayoutError`` naming field, axis and numbers."""
+    positions and a cache of ``slots``, run as ``execution`` says (default: ``generation_execution``'s for
+    this mesh); raises ``LayoutError`` naming field, axis and numbers."""
+    if execution is None:
+        execution = generation_execution(sequence_split=mesh.shape["sequence"] > 1)
     shape = dict(mesh.shape)
     axes = {a for a in AXES if shape[a] > 1}
-    dims = dict(cfg.logical_dims()) | cache_dims(cfg, batch, slots)
+    cache = cache_dims(cfg, batch, slots)
     tables = []
-    for prefill in (True, False):
-        rules = compose_decode_rules(name, axes, prefill=prefill)
-        rules = rules.replace(**place_cache(dims, rules, shape))
-        seq = prompt if prefill else 1
+    for phase, seq in ((Phase.PREFILL, prompt), (Phase.DECODE, 1)):
+        rules = compose_rules(name, axes, phase=phase)
+        rules = rules.replace(**place_cache(cache, rules, shape))
         tables.append(
-            check_layout(
-                dims | dict(length=Dim(seq, "prompt bucket"), inner_length=Dim(seq, "prompt bucket")), rules, shape
+            check_model_layout(
+                cfg, execution, rules, shape, batch=cache["batch"], seq=Dim(seq, "prompt bucket"), extra_dims=cache
             )
         )
-    check_context_parallel(
-        cfg.context_parallel,
-        "contiguous",
-        seq=prompt,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        rules=tables[0],
-        mesh_shape=shape,
-    )
     return InferenceLayout(mesh, *tables)
 
 

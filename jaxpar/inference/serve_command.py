@@ -22,6 +22,10 @@ import socket
 import sys
 from pathlib import Path
 
+from jaxpar.errors import ConfigError, DataError
+from jaxpar.inference.command import TOKENIZER, _positive, load_tokenizer, load_weights, model_config, source_kind
+from jaxpar.mesh import simulate_cpu_devices
+
 HELP = "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)"
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
 
@@ -36,8 +40,6 @@ def _bytes(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
-    from jaxpar.inference.command import _positive
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n")[1]
     parser.add_argument(
@@ -90,11 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
 
 def check_args(args, cfg) -> tuple[int, int]:
     """(max_length, device group size): everything the engines would refuse, refused from the config."""
+    # deferred: jax, and modules that import it and the model zoo
     import jax
 
-    from jaxpar.errors import ConfigError
     from jaxpar.inference.engine import engine_layout
-    from jaxpar.inference.generate import generation_config
 
     max_length = args.max_length or min(cfg.max_seq_len, 4096)
     max_length -= max_length % args.page_size
@@ -114,17 +115,15 @@ def check_args(args, cfg) -> tuple[int, int]:
             f"(--cpu-devices simulates more on CPU)"
         )
     group = len(devices) // args.replicas if args.mesh else 1
-    engine_layout(
-        generation_config(cfg), args.mesh, devices[:group], slots=args.max_slots, length=max_length, flag="--mesh"
-    )
+    engine_layout(cfg, args.mesh, devices[:group], slots=args.max_slots, length=max_length, flag="--mesh")
     return max_length, group
 
 
 def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
+    # deferred: jax, and modules that import it, the model zoo and the HTTP stack
     import jax
 
     from jaxpar.inference.api import Parser, load_chat_template
-    from jaxpar.inference.command import load_weights
     from jaxpar.inference.engine import Engine
     from jaxpar.inference.layouts import build_inference_mesh
     from jaxpar.inference.server import Service
@@ -164,9 +163,9 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
 
 def load_draft(folder: str):
     """The draft model of --draft, on one device (the engine places it beside the target)."""
+    # deferred: jax, and a module that imports it
     import jax
 
-    from jaxpar.inference.command import load_weights, model_config, source_kind
     from jaxpar.inference.layouts import build_inference_mesh
 
     kind = source_kind(folder)
@@ -177,6 +176,7 @@ def load_draft(folder: str):
 
 def serve(service, host: str, port: int) -> int:
     """Run uvicorn on ``host:port`` until SIGTERM/SIGINT; the engines drain before it returns 0."""
+    # deferred: the HTTP stack, and a module that imports jax
     import uvicorn
 
     from jaxpar.inference.server import build_app
@@ -208,13 +208,8 @@ def serve(service, host: str, port: int) -> int:
 
 
 def run(args: argparse.Namespace, /) -> int:
-    from jaxpar.mesh import simulate_cpu_devices
-
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
-    from jaxpar.errors import DataError
-    from jaxpar.inference.command import TOKENIZER, load_tokenizer, model_config, source_kind
-
     kind = source_kind(args.source)
     tokenizer = load_tokenizer(args.tokenizer, args.source)
     if tokenizer is None:

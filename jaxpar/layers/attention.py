@@ -15,20 +15,14 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.config import Choice, check_choices
+from jaxpar.config import check_choices
+from jaxpar.execution import AttentionImpl
 from jaxpar.layers.common import param, zeros
 from jaxpar.layers.kvcache import DECODE, KVCache, Step, filled, gqa_decode
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.layers.rope import RopeScaling, YarnScaling, apply_rope, rope_frequencies
 from jaxpar.parallel.attention import ContextParallel, context_attention
 from jaxpar.rules import constrain
-
-
-class AttentionImpl(Choice):
-    """``jax.nn.dot_product_attention``'s implementation (``model.attention_impl``; None: jax picks)."""
-
-    XLA = "xla"
-    CUDNN = "cudnn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +41,7 @@ class AttentionConfig:
     context_parallel: ContextParallel = ContextParallel.NONE  # attention over a split sequence
 
     def __post_init__(self):
-        check_choices(self, "model")
+        check_choices(self, "execution")  # its choices are execution settings
 
 
 class Attention(nnx.Module):

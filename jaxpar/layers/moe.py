@@ -5,7 +5,8 @@ C capacity (token slots per expert), G groups of experts (sigmoid router).
 Weights: router [D, E] (float32), gate_up [E, D, 2, F], down [E, F, D] — ``SwiGLU``'s fused layout with a
 leading expert axis — plus an optional always-on ``SwiGLU`` for the shared experts.
 
-Routers (``MoEConfig.router``):
+Routers (``MoEConfig.router``; capacity, loss weights and the bias rate are execution settings,
+``jaxpar.execution.ExecutionConfig``, which the layer takes beside its config):
     softmax        Mixtral/Qwen: softmax over E, the k best, weights renormalised over the k if norm_topk.
     sigmoid        DeepSeek-V3: sigmoid scores; only the ``topk_groups`` best groups (a group scores the sum
                    of its two best experts) compete; the k best there; weights are the k raw scores
@@ -51,6 +52,7 @@ from flax import nnx
 
 from jaxpar.config import Choice, check_choices
 from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.layers.common import param
 from jaxpar.layers.mlp import SwiGLU
 from jaxpar.parallel.dropless import dropless_apply
@@ -74,12 +76,8 @@ class MoEConfig:
     num_groups: int = 1  # sigmoid: experts split into this many groups …
     topk_groups: int = 1  # … and only this many best groups are routed to
     routed_scale: float = 1.0  # multiplies the routing weights (DeepSeek-V3)
-    bias_update_rate: float = 0.0  # aux-loss-free balancing step, see ``updated_bias``
-    capacity_factor: float | None = 1.25  # None = dropless (token-choice routers only)
     num_shared_experts: int = 0  # always-on experts, each of width shared_mlp_dim
     shared_mlp_dim: int = 0
-    aux_loss_weight: float = 0.01  # Switch balancing loss E · Σ_e f_e · P_e
-    router_z_loss_weight: float = 0.001  # mean over tokens of logsumexp(logits)²
 
     def __post_init__(self):
         check_choices(self, "model.moe")
@@ -91,13 +89,6 @@ class MoEConfig:
             )
         if k > e:
             raise ConfigError(f"model.moe.top_k={k} exceeds model.moe.num_experts={e}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
-        if self.capacity_factor is None and self.router == "expert_choice":
-            raise ConfigError(
-                "model.moe.capacity_factor=None: router 'expert_choice' needs a capacity; "
-                "dropless is for token-choice routers"
-            )
         if g < 1 or e % g:
             raise ConfigError(f"model.moe.num_groups={g} does not divide model.moe.num_experts={e}")
         if not 1 <= kg <= g:
@@ -114,10 +105,19 @@ class MoEConfig:
             )
 
 
-def capacity(num_tokens: int, cfg: MoEConfig) -> int:
+def check_execution(cfg: MoEConfig, execution: ExecutionConfig) -> None:
+    """Refuses an execution these experts cannot run, naming the fields."""
+    if execution.capacity_factor is None and cfg.router == "expert_choice":
+        raise ConfigError(
+            "execution.capacity_factor=None: model.moe.router 'expert_choice' needs a capacity; "
+            "dropless is for token-choice routers"
+        )
+
+
+def capacity(num_tokens: int, cfg: MoEConfig, capacity_factor: float) -> int:
     """Token slots per expert per group of ``num_tokens`` (one sequence: T):
     max(1, ceil(capacity_factor · T · k / E)); at most T for expert choice."""
-    c = max(1, math.ceil(cfg.capacity_factor * num_tokens * cfg.top_k / cfg.num_experts))
+    c = max(1, math.ceil(capacity_factor * num_tokens * cfg.top_k / cfg.num_experts))
     return min(c, num_tokens) if cfg.router == "expert_choice" else c
 
 
@@ -174,9 +174,22 @@ def _group_limited(sel: jax.Array, groups: int, keep: int) -> jax.Array:
 
 
 class MoE(nnx.Module):
-    def __init__(self, embed_dim: int, cfg: MoEConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        embed_dim: int,
+        cfg: MoEConfig,
+        *,
+        execution: ExecutionConfig | None = None,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
+        """``execution``: its capacity, loss weights and bias rate (default ``ExecutionConfig()``; the
+        compute ``dtype`` is given apart)."""
+        execution = ExecutionConfig() if execution is None else execution
+        check_execution(cfg, execution)
         e, d, f = cfg.num_experts, embed_dim, cfg.mlp_dim
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.execution, self.dtype = cfg, execution, dtype
         self.router = param(rngs, (d, e), ("embed", None), dtype=jnp.float32)
         self.gate_up = param(rngs, (e, d, 2, f), ("experts", "embed", None, "mlp"), dtype=param_dtype)
         self.down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), dtype=param_dtype)
@@ -185,16 +198,16 @@ class MoE(nnx.Module):
         self.shared = SwiGLU(d, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs) if width else None
 
     def update_bias(self, expert_load: jax.Array) -> None:
-        """Apply ``updated_bias`` with ``cfg.bias_update_rate`` in place (a no-op at rate 0)."""
-        self.router_bias[...] = updated_bias(self.router_bias[...], expert_load, self.cfg.bias_update_rate)
+        """Apply ``updated_bias`` with ``execution.bias_update_rate`` in place (a no-op at rate 0)."""
+        self.router_bias[...] = updated_bias(self.router_bias[...], expert_load, self.execution.bias_update_rate)
 
     def __call__(self, x: jax.Array, index: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
         """x [B, T, D]; index [B, T]: each stored token's place in the original sequence (capacity ranks
         tokens in that order; None: the stored order is the original one)."""
-        cfg = self.cfg
+        cfg, run = self.cfg, self.execution
         x = constrain(x, ("batch", "inner_length", "act_embed"))  # x: [B, T, D]
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])  # fp32 [B, T, E]
-        z_loss = cfg.router_z_loss_weight * jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+        z_loss = run.router_z_loss_weight * jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
         xc = x.astype(self.dtype)
         if cfg.router == "expert_choice":
             y, aux, load, dropped = self._expert_choice(xc, logits)
@@ -202,8 +215,8 @@ class MoE(nnx.Module):
             idx, weight, probs = self._route(logits)  # [B, T, k] ×2
             load = jax.nn.one_hot(idx, cfg.num_experts, dtype=jnp.float32).sum((0, 1, 2))  # [E]
             f = load / idx.size  # share of assignments per expert
-            aux = cfg.aux_loss_weight * cfg.num_experts * jnp.sum(f * probs.mean((0, 1)))
-            if cfg.capacity_factor is None:
+            aux = run.aux_loss_weight * cfg.num_experts * jnp.sum(f * probs.mean((0, 1)))
+            if run.capacity_factor is None:
                 y, dropped = self._dropless(xc, idx, weight), jnp.zeros((), jnp.float32)
             else:
                 y, dropped = self._capacity(xc, idx, weight, index)
@@ -236,7 +249,7 @@ class MoE(nnx.Module):
         (y, aux=0, load [E], dropped: the share of tokens no expert took)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        c = capacity(t, cfg)
+        c = capacity(t, cfg, self.execution.capacity_factor)
         scores = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
         gate, token = jax.lax.top_k(jnp.swapaxes(scores, 1, 2), c)  # [B, E, C] each
         pick = jax.nn.one_hot(token, t, dtype=jnp.float32)  # [B, E, C, T]
@@ -251,7 +264,7 @@ class MoE(nnx.Module):
         """Capacity-limited token choice (priority rule in the module docstring); returns (y, dropped)."""
         b, t, k = idx.shape
         e = self.cfg.num_experts
-        c = capacity(t, self.cfg)
+        c = capacity(t, self.cfg, self.execution.capacity_factor)
         slot = expert_slots(idx, e, index)  # [B, T, k]
         kept = slot < c
         expert_hot = jax.nn.one_hot(idx, e, dtype=jnp.float32)  # [B, T, k, E]

@@ -23,24 +23,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.config import Choice
+from jaxpar.execution import ContextParallel, TokenOrder  # noqa: F401  (TokenOrder: re-exported)
 from jaxpar.parallel.common import zigzag_order
+from jaxpar.parallel.ring import ring_attention
+from jaxpar.parallel.ulysses import ulysses_attention, ulysses_check
 from jaxpar.rules import LayoutError, Rules, active_layout
-
-
-class ContextParallel(Choice):
-    """How attention runs when positions are split over a mesh axis (``model.context_parallel``)."""
-
-    NONE = "none"  # GSPMD gathers the full K/V on every device
-    RING = "ring"  # K/V blocks travel the ring
-    ULYSSES = "ulysses"  # all-to-all from sequence-split to head-split and back
-
-
-class TokenOrder(Choice):
-    """How a ring stores the sequence over its devices (``model.cp_order``)."""
-
-    ZIGZAG = "zigzag"  # device i holds chunks i and 2n-1-i: causal work balanced
-    CONTIGUOUS = "contiguous"  # device i holds chunk i
 
 
 def sequence_axis(rules: Rules, mesh_shape, /) -> str | None:
@@ -58,8 +45,8 @@ def check_context_parallel(
     strategy: str, order: str, /, *, seq: int, num_heads: int, num_kv_heads: int, rules: Rules, mesh_shape
 ) -> None:
     """Refuses, before anything compiles, a strategy the layout cannot run; names field and axis."""
-    strategy = ContextParallel.parse(strategy, field="model.context_parallel")
-    order = TokenOrder.parse(order, field="model.cp_order")
+    strategy = ContextParallel.parse(strategy, field="execution.context_parallel")
+    order = TokenOrder.parse(order, field="execution.cp_order")
     axis = sequence_axis(rules, mesh_shape)
     if axis is None or strategy == "none":
         return
@@ -67,11 +54,9 @@ def check_context_parallel(
     if strategy == "ring" and order == "zigzag" and seq % (2 * n):
         raise LayoutError(
             f"seq={seq} is not divisible by 2 × {axis}={n} = {2 * n}: the zig-zag order gives "
-            f"each device two chunks of seq / {2 * n} (or set model.cp_order=contiguous)"
+            f"each device two chunks of seq / {2 * n} (or set execution.cp_order=contiguous)"
         )
     if strategy == "ulysses":
-        from jaxpar.parallel.ulysses import ulysses_check
-
         heads_ways = math.prod(mesh_shape[a] for a in rules["act_heads"])
         kv_ways = math.prod(mesh_shape[a] for a in rules["act_kv_heads"])
         local_kv = num_kv_heads // kv_ways
@@ -128,9 +113,9 @@ def context_attention(
             k, v = (_own_kv_head(x, heads, mesh.shape, q.shape[2]) for x in (k, v))
         return kernel(q, k, v, index, index, axis_name=axis, causal=True, window=window)
 
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, index_spec), out_specs=q_spec, check_vma=False
-    )(q, k, v, index)
+    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, index_spec), out_specs=q_spec)(
+        q, k, v, index
+    )
 
 
 def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.Array:
@@ -143,11 +128,7 @@ def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.A
 
 
 def _kernel(strategy: str):
-    strategy = ContextParallel.parse(strategy, field="model.context_parallel")
+    strategy = ContextParallel.parse(strategy, field="execution.context_parallel")
     if strategy == ContextParallel.RING:
-        from jaxpar.parallel.ring import ring_attention
-
         return ring_attention
-    from jaxpar.parallel.ulysses import ulysses_attention  # (none never gets here)
-
-    return ulysses_attention
+    return ulysses_attention  # (none never gets here)

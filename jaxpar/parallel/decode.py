@@ -86,4 +86,4 @@ def run_over_slots(body: Callable, args: Sequence[jax.Array], names: Sequence[tu
 
     specs = tuple(rules.spec(n) for n in names)
     out_specs = tuple(rules.spec(n) for n in out_names)
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs)(*args)

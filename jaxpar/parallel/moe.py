@@ -73,6 +73,10 @@ def experts_apply(buf: jax.Array, gate_up: jax.Array, down: jax.Array, /) -> jax
         in_specs=(groups, PartitionSpec(axis), PartitionSpec(axis)),
         out_specs=groups,
         axis_names=frozenset(batch),
+        # Unchecked: the weights enter as stored and are cast to the compute dtype inside, and with vma
+        # checking JAX reduces their cotangents over the other batch axes inside the map, after that cast:
+        # in bf16, which XLA:CPU aborts on ("Invalid binary instruction opcode copy") and which would sum
+        # gradients in bf16. Unchecked, the reduction happens where they enter, in the parameter dtype.
         check_vma=False,
     )(buf, gate_up, down)
 

@@ -8,17 +8,10 @@ A ``Table`` says, per tick and stage, which op (F, B, W) runs on which microbatc
 which buffer slots the executor reads and writes. Numpy only: nothing here imports jax.
 """
 
-from jaxpar.pipeline.schedules import (
-    Op,
-    Schedule,
-    Table,
-    bubble_formula,
-    build,
-    check_pipeline,
-    durations,
-    min_microbatches,
-    simulate,
-)
+from jaxpar.pipeline.ops import Op, Schedule, check_pipeline, min_microbatches
+from jaxpar.pipeline.schedules import build
+from jaxpar.pipeline.table import Table
+from jaxpar.pipeline.timing import bubble_formula, durations, simulate
 
 __all__ = [
     "Op",

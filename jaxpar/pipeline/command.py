@@ -14,6 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from jaxpar.errors import ConfigError
+from jaxpar.pipeline.ops import Schedule
+from jaxpar.pipeline.schedules import build
+
 HELP = "print a pipeline schedule (gpipe, 1f1b, interleaved, zero_bubble) as a Gantt chart with its bubble"
 
 
@@ -40,8 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
 
 def parse_times(text: str | None) -> dict:
     """``"1,2"`` or ``"1,1,1"`` as the keyword arguments ``t_f, t_b, t_w`` of ``Table.makespan``."""
-    from jaxpar.errors import ConfigError
-
     if text is None:
         return {}
     parts = text.split(",")
@@ -55,8 +57,6 @@ def parse_times(text: str | None) -> dict:
 
 
 def run(args: argparse.Namespace, /) -> int:
-    from jaxpar.pipeline.schedules import Schedule, build
-
     schedule = Schedule.parse(args.schedule, field="pipeline.schedule")
     virtual = args.virtual_stages
     if virtual is None:

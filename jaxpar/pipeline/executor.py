@@ -21,8 +21,9 @@ whose message is used at that tick send (one ``ppermute`` per distinct pair list
 the tick), so the bytes are exactly one activation forward and one gradient back per microbatch and
 chunk boundary.
 
-What a stage keeps per microbatch in flight is its chunk's *input* (``acts``, as many slots as the table
-needs: O(p) for 1F1B-like schedules, m for GPipe) and the cotangent that came back (``grads``). B and W
+What a stage keeps per microbatch in flight is its chunk's *input* (``Carry.chunk_inputs``, as many slots
+as the table needs: O(p) for 1F1B-like schedules, m for GPipe) and the cotangent that came back
+(``Carry.cotangents``). B and W
 recompute the chunk's forward from the input (remat at stage granularity; the model's remat policy still
 applies inside), so no residuals outlive a tick; that recomputed forward is also the F stages' forward in
 a mixed tick. The embedding runs with model chunk 0 and the final norm, LM head and loss with the last
@@ -30,6 +31,9 @@ chunk: in every vjp section on every stage (masked), since they hold collectives
 Weight gradients accumulate in float32. Layers before the pipelined stack (DeepSeek's dense prefix) run
 before the schedule with the embedding, each stage taking m/p of the microbatches (``_prologue``); model
 chunk 0 starts from their output, and its input gradients flow back through them after the schedule.
+
+This module splits the model and runs the schedule; ``jaxpar.pipeline.stage`` is the per-stage program:
+the scan's ``Carry``, each tick's ``TickRow`` and each stage's ``Action`` in it, and the ``Sections``.
 """
 
 from __future__ import annotations
@@ -44,10 +48,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
-from jaxpar.rules import constrain
-
-AXIS = "stage"
-F, B, W = 1, 2, 3  # jaxpar.pipeline.schedules.Op
+from jaxpar.model_api import LanguageModel
+from jaxpar.pipeline.stage import AXIS, here, send_patterns, stage_body  # noqa: F401  (send_patterns: re-exported)
+from jaxpar.pipeline.timing import executor_bubble_fraction, tick_sections  # noqa: F401  (re-exported)
 
 
 @jax.tree_util.register_dataclass
@@ -62,7 +65,7 @@ class PipelineResult:
 def check_stack(model_cfg, stages: int, virtual: int, microbatches: int | None = None) -> None:
     """Refuses, naming the fields, a model whose pipelined stack does not split into stages × virtual
     stages equal chunks, or (with a dense prefix) whose microbatches do not split over the stages."""
-    prefix = getattr(model_cfg, "first_dense_layers", 0)
+    prefix = model_cfg.first_dense_layers
     layers = model_cfg.num_layers - prefix
     if layers % (stages * virtual):
         field = "model.num_layers - first_dense_layers" if prefix else "model.num_layers"
@@ -88,42 +91,8 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
     )
 
 
-def _table_arrays(table) -> dict:
-    clamp = lambda a, k: np.where(a < 0, k, a).astype(np.int32)  # -1 -> the trash slot k
-    return dict(
-        op=table.op.astype(np.int32),
-        mb=np.maximum(table.mb, 0).astype(np.int32),
-        chunk=np.maximum(table.chunk, 0).astype(np.int32),
-        act=clamp(table.act_slot, table.act_slots),
-        grad=clamp(table.grad_slot, table.grad_slots),
-        frecv=clamp(table.fwd_recv_slot, table.act_slots),
-        brecv=clamp(table.bwd_recv_slot, table.grad_slots),
-        section=tick_sections(table),
-    )
-
-
-def tick_sections(table) -> np.ndarray:
-    """[ticks]: the one section each tick runs on every stage, as an index into the executor's list
-    (idle, forward, [input-gradient vjp when the table splits the backward,] full vjp): the cheapest that
-    covers every stage's op in the tick."""
-    op = table.op
-    any_f, any_b, any_w = ((op == o).any(1) for o in (F, B, W))
-    full = 3 if table.split_backward else 2
-    if table.split_backward:
-        return np.where(any_w, full, np.where(any_b, 2, np.where(any_f, 1, 0))).astype(np.int32)
-    return np.where(any_b, full, np.where(any_f, 1, 0)).astype(np.int32)
-
-
-def executor_bubble_fraction(table, t_f: float, t_b: float, t_w: float | None = None) -> float:
-    """The idle share of stage time when this executor runs ``table``: a tick lasts as long as its
-    section (``tick_sections``): ``t_f`` the forward, ``t_b`` the vjp (in split tables the input-gradient
-    one, and ``t_w`` the full one, which W actions need). Each action's own time is its useful work."""
-    cost = np.array([0.0, t_f, t_b] + ([t_w] if table.split_backward else []))[tick_sections(table)]
-    return float(1 - table.busy_time(t_f, t_b, t_w) / (table.stages * cost.sum()))
-
-
 def pipeline_grads(
-    model: nnx.Module, ids: jax.Array, targets: jax.Array, table, /, *, mesh, losses: Callable
+    model: LanguageModel, ids: jax.Array, targets: jax.Array, table, /, *, mesh, losses: Callable
 ) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
     ``table``; the same as accumulating over the m microbatches on one device.
@@ -141,12 +110,16 @@ def pipeline_grads(
     if stored is not None:  # zig-zag: tokens and targets in storage order, once, outside the stages
         ids, targets = ids[..., stored], targets[..., stored]
     prefixed = model.prefix_stack is not None
-    body = _stage_body(graphdef, model.pipeline_stack, table, num_layers // (p * v), losses, prefixed)
+    body = stage_body(graphdef, model.pipeline_stack, table, num_layers // (p * v), losses, prefixed)
     specs = (P(AXIS), P(), P(AXIS), P(), P(), P())
     run = jax.shard_map(
         body,
         mesh=mesh,
         axis_names={AXIS},
+        # Unchecked: every stage runs the model's own layer scan (nnx.scan) on its stage's weights, which
+        # vary over `stage`, from inputs that do not (zero buffers, the replicated embedding), so the scan's
+        # carry changes type and the checker refuses it; making it hold needs pcast inside model code,
+        # which never names a mesh axis. The outputs are right by construction: psum where replicated.
         check_vma=False,
         in_specs=specs + (P(),) * prefixed,
         out_specs=(P(AXIS), P(), P(), P(), P(AXIS)) + (P(AXIS),) * prefixed,
@@ -173,7 +146,7 @@ def _prologue(graphdef, sp, op, sr, orest, ids, *, mesh):
 
     def local(sp, op, sr, orest, ids):
         def one(ids_i):
-            model = nnx.merge(graphdef, *_here((sp, op, sr, orest)))
+            model = nnx.merge(graphdef, *here((sp, op, sr, orest)))
             ids_i, positions, index, _ = model.inputs(ids_i, stored=True)
             return model.prefix(model.embed(ids_i), positions, index)
 
@@ -183,188 +156,11 @@ def _prologue(graphdef, sp, op, sr, orest, ids, *, mesh):
         local,
         mesh=mesh,
         axis_names={AXIS},
-        check_vma=False,
         in_specs=(P(AXIS), P(), P(AXIS), P(), P(AXIS)),
         out_specs=P(AXIS),
+        # Unchecked: the replicated weights (embedding, dense prefix) are cast to the compute dtype inside,
+        # and with vma checking JAX reduces their cotangents over `stage` inside the map, after that cast:
+        # in bf16, which XLA:CPU aborts on ("Invalid binary instruction opcode copy") and which would sum
+        # gradients in bf16. Unchecked, the reduction happens where they enter, in the parameter dtype.
+        check_vma=False,
     )(sp, op, sr, orest, ids)
-
-
-def _here(tree):
-    """The same state with its Variables rebuilt at the current trace level (nnx refuses Variables made
-    outside a transform it runs, e.g. its scan inside our vjp)."""
-    return jax.tree.map(lambda a: a, tree)
-
-
-def _rows(tree, j, n: int):
-    """Rows [j·n, (j+1)·n) of every leaf (local chunk j of a stage's layers)."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=0), tree)
-
-
-def _add_rows(acc, tree, j, n: int, keep):
-    """acc[j·n:(j+1)·n] += tree where ``keep`` (float32 accumulators)."""
-
-    def add(a, g):
-        part = jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=0) + jnp.where(keep, g.astype(a.dtype), 0)
-        return jax.lax.dynamic_update_slice_in_dim(a, part, j * n, axis=0)
-
-    return jax.tree.map(add, acc, tree)
-
-
-def _add(acc, tree, keep):
-    return jax.tree.map(lambda a, g: a + jnp.where(keep, g.astype(a.dtype), 0), acc, tree)
-
-
-def _zeros_f32(tree):
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
-
-
-def _chunk_programs(graphdef, stack_name: str, sr, orest, ids, targets, losses: Callable, n: int, prefixed: bool):
-    """(forward, objective) of one model chunk on this stage, for the action ``k`` (a dict of the tick's
-    microbatch i, local chunk j and whether the chunk is the model's first or last)."""
-
-    def forward(sp_c, op_, x_in, k):
-        """Chunk ``k["j"]`` from x_in (or microbatch i's embedding on model chunk 0):
-        (model, x_out, weighted auxiliary loss, MoE statistics); ids and targets are in storage order."""
-        model = nnx.merge(graphdef, *_here((sp_c, op_, _rows(sr, k["j"], n), orest)))
-        ids_i, positions, index, _ = model.inputs(ids[k["i"]], stored=True)
-        x = x_in if prefixed else jnp.where(k["first"], model.embed(ids_i), x_in)
-        x = constrain(x, ("batch", "length", "act_embed"))
-        x, aux, stats = model.run_stack(getattr(model, stack_name), x, positions, index)
-        return model, x, aux, stats
-
-    def objective(sp_c, op_, x_in, k):
-        """``forward`` and the loss on the last model chunk:
-        ((x_out, objective), (cross_entropy, z_loss, MoE statistics))."""
-        model, x, aux, stats = forward(sp_c, op_, x_in, k)
-        ce, z = losses(model.head(x), targets[k["i"]])
-        ce, z = jnp.where(k["last"], ce, 0.0), jnp.where(k["last"], z, 0.0)
-        return (x, ce + z + aux), (ce, z, stats)
-
-    return forward, objective
-
-
-def _stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callable, prefixed: bool):
-    """The per-stage program (inside ``shard_map``, manual over ``stage``). ``prefixed``: model chunk 0
-    starts from ``start`` [m, b, T, D] (``_prologue``), and the program also returns its gradient."""
-    p, v, m = table.stages, table.virtual_stages, table.microbatches
-    last_chunk, split = p * v - 1, table.split_backward
-    xs = _table_arrays(table)
-    fwd_sends, xs["send_f"] = send_patterns(table.fwd_recv_slot, -1)
-    bwd_sends, xs["send_b"] = send_patterns(table.bwd_recv_slot, +1)
-    n = per_chunk
-
-    def body(sp, op, sr, orest, ids, targets, start=None):
-        s = jax.lax.axis_index(AXIS)
-
-        def chunk_input(c, k):
-            x = c["acts"][k["act"]]
-            return jnp.where(k["first"], start[k["i"]], x) if prefixed else x
-
-        forward, objective = _chunk_programs(graphdef, stack_name, sr, orest, ids, targets, losses, n, prefixed)
-
-        def f_section(c, k):
-            _, x, _, stats = forward(_rows(sp, k["j"], n), op, chunk_input(c, k), k)
-            return _kept_stats(c, k, stats), x, jnp.zeros_like(x)
-
-        def vjp_section(c, k, weights: bool):
-            """Every stage's chunk forward and backward from its own input: F keeps the output, B the input
-            gradient (and the weight gradient unless the schedule splits it off), W the weight gradient."""
-            x_in, dy, w = chunk_input(c, k), _cotangent(c, k), _rows(sp, k["j"], n)
-            if weights:
-                (x, _), vjp, (ce, z, stats) = jax.vjp(lambda w, o, x: objective(w, o, x, k), w, op, x_in, has_aux=True)
-                dw, do, dx = vjp((dy, jnp.float32(1 / m)))
-                keep = k["op"] == (W if split else B)
-                c = c | {"dsp": _add_rows(c["dsp"], dw, k["j"], n, keep), "dop": _add(c["dop"], do, keep)}
-            else:  # input gradients only: the weights are constants here
-                (x, _), vjp, (ce, z, stats) = jax.vjp(lambda x: objective(w, op, x, k), x_in, has_aux=True)
-                (dx,) = vjp((dy, jnp.float32(1 / m)))
-            keep = k["op"] == B
-            if prefixed:
-                c = c | {"dstart": c["dstart"].at[k["i"]].add(jnp.where(keep & k["first"], dx, 0))}
-            c = c | {"ce": c["ce"] + jnp.where(keep, ce, 0.0), "z": c["z"] + jnp.where(keep, z, 0.0)}
-            return _kept_stats(c, k, stats), x, dx
-
-        def _kept_stats(c, k, stats):  # MoE statistics count at the microbatch's forward
-            if stats is None:
-                return c
-            return c | {"stats": _add_rows(c["stats"], stats, k["j"], n, k["op"] == F)}
-
-        def _cotangent(c, k):  # the last chunk's output goes nowhere: its loss is the seed
-            return jnp.where(k["last"], jnp.zeros_like(c["grads"][0]), c["grads"][k["grad"]])
-
-        def idle(c, k):
-            zero = jnp.zeros_like(c["grads"][0])
-            return c, zero, zero
-
-        sections = (
-            [idle, f_section] + [lambda c, k: vjp_section(c, k, False)] * split + [lambda c, k: vjp_section(c, k, True)]
-        )
-
-        def tick(c, row):
-            k = {name: row[name][s] for name in ("op", "mb", "chunk", "act", "grad")}
-            g = k["chunk"] * p + s
-            k |= {"i": k["mb"], "j": k["chunk"], "first": g == 0, "last": g == last_chunk}
-            c, send_f, send_b = jax.lax.switch(row["section"], sections, c, k)
-            fwd, bwd = _send(row["send_f"], fwd_sends, send_f), _send(row["send_b"], bwd_sends, send_b)
-            return c | {
-                "acts": c["acts"].at[row["frecv"][s]].set(fwd),
-                "grads": c["grads"].at[row["brecv"][s]].set(bwd),
-            }, None
-
-        carry = _initial_carry(graphdef, stack_name, sp, op, sr, orest, ids, table, n)
-        if prefixed:
-            carry["dstart"] = jnp.zeros_like(start)
-        carry, _ = jax.lax.scan(tick, carry, {k: jnp.asarray(a) for k, a in xs.items()})
-        psum = lambda x: jax.lax.psum(x, AXIS)
-        out = carry["dsp"], psum(carry["dop"]), psum(carry["ce"]), psum(carry["z"]), carry["stats"]
-        return out + ((carry["dstart"][None],) if prefixed else ())
-
-    return body
-
-
-def send_patterns(recv_slot: np.ndarray, source: int) -> tuple[list[tuple], np.ndarray]:
-    """The (sender, receiver) pairs whose send is used, per tick: stage r receives from r + ``source``
-    (mod p) when its recv slot is set. Returns the distinct non-empty pair lists and, per tick, 1 + the
-    index of its list (0: nobody sends). Sending only these pairs moves exactly what the schedule needs:
-    per microbatch, one activation forward and one gradient back over each chunk boundary."""
-    ticks, p = recv_slot.shape
-    per_tick = [tuple(((r + source) % p, r) for r in range(p) if recv_slot[t, r] >= 0) for t in range(ticks)]
-    patterns = sorted({pairs for pairs in per_tick if pairs})
-    return patterns, np.array([patterns.index(pairs) + 1 if pairs else 0 for pairs in per_tick], np.int32)
-
-
-def _send(which, patterns: list[tuple], x):
-    """``ppermute`` of x over the pairs ``patterns[which - 1]`` (zeros when ``which`` is 0); ``which``
-    depends on the tick only, so every device takes the same branch."""
-    branches = [jnp.zeros_like] + [lambda x, pairs=pairs: jax.lax.ppermute(x, AXIS, list(pairs)) for pairs in patterns]
-    return jax.lax.switch(which, branches, x)
-
-
-def _initial_carry(graphdef, stack_name, sp, op, sr, orest, ids, table, n: int) -> dict:
-    """Zeroed buffers (one trash slot at the end for "nothing") and float32 accumulators."""
-    parts = (_rows(sp, 0, n), op, _rows(sr, 0, n), orest)
-    cfg = nnx.merge(graphdef, *_here(parts)).cfg
-    b, t = ids.shape[1:]
-    x = jax.ShapeDtypeStruct((b, t, cfg.embed_dim), cfg.dtype)
-
-    def stack_stats(parts):
-        model = nnx.merge(graphdef, *_here(parts))
-        index = jnp.zeros((b, t), jnp.int32)
-        return model.run_stack(getattr(model, stack_name), jnp.zeros(x.shape, x.dtype), index, index)[2]
-
-    stats = jax.eval_shape(stack_stats, parts)
-    stats = (
-        None
-        if stats is None
-        else jax.tree.map(lambda a: jnp.zeros((table.virtual_stages * n, *a.shape[1:]), jnp.float32), stats)
-    )
-    buffer = lambda k: constrain(jnp.zeros((k + 1, *x.shape), x.dtype), (None, "batch", "length", "act_embed"))
-    return {
-        "acts": buffer(table.act_slots),
-        "grads": buffer(table.grad_slots),
-        "dsp": _zeros_f32(sp),
-        "dop": _zeros_f32(op),
-        "ce": jnp.zeros((), jnp.float32),
-        "z": jnp.zeros((), jnp.float32),
-        "stats": stats,
-    }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxpar.pipeline.schedules import Op, op_ticks
+from jaxpar.pipeline.ops import Op, op_ticks
 
 
 def _buffer_entries(op, mb, chunk, p: int, v: int, split: bool) -> tuple[list[list], list[list]]:

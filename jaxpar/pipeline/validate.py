@@ -1,4 +1,5 @@
-"""Validity of a pipeline ``Table`` (``Table.validate``, run by ``build`` on every table it makes).
+"""Validity of a pipeline ``Table`` (``jaxpar.pipeline.table``): ``Table.validate``, which ``build`` runs on
+every table it makes.
 
 A table is valid when, in this order (the first broken rule raises ``ConfigError`` naming the stage,
 tick and ops):
@@ -10,7 +11,7 @@ tick and ops):
                   where the op reads a cotangent (B or W below the last model chunk), -1 elsewhere;
                   fwd_recv_slot and bwd_recv_slot are -1 or in range.
     counts        one F and one B per (stage, microbatch, chunk), and one W iff the backward is split.
-    dependencies  every op at a later tick than the ops it needs (``schedules._dependencies``).
+    dependencies  every op at a later tick than the ops it needs (``ops.dependencies``).
     slots         replaying each stage's act and grad buffers: every arrival (chunk 0's input from the
                   executor at the end of the tick before its F; an F's output from the previous stage;
                   a B's input gradient from the next) goes into a free slot, a recv slot is -1 where
@@ -24,10 +25,10 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.schedules import Op, Table, _count, _dependencies, _name, check_pipeline, op_ticks
+from jaxpar.pipeline.ops import Op, check_pipeline, count, dependencies, op_name, op_ticks
 
 
-def check_table(table: Table) -> None:
+def check_table(table) -> None:
     """``ConfigError`` for the first rule (module docstring) ``table`` breaks."""
     check_pipeline(table.schedule, table.stages, table.microbatches, table.virtual_stages)
     _check_shapes(table)
@@ -39,11 +40,11 @@ def check_table(table: Table) -> None:
         _check_slots(table, s, ticks)
 
 
-def _where(table: Table, t: int, s: int) -> str:
+def _where(table, t: int, s: int) -> str:
     return f"pipeline table ({table.schedule}): stage {s}, tick {t}"
 
 
-def _check_shapes(table: Table) -> None:
+def _check_shapes(table) -> None:
     ticks = table.op.shape[0] if isinstance(table.op, np.ndarray) and table.op.ndim == 2 else None
     for name in ("op", "mb", "chunk", "act_slot", "grad_slot", "fwd_recv_slot", "bwd_recv_slot"):
         array = getattr(table, name)
@@ -58,7 +59,7 @@ def _check_shapes(table: Table) -> None:
                 f"shape [ticks, stages] = [{ticks}, {table.stages}]"
             )
     for name in ("act_slots", "grad_slots"):
-        if _count(getattr(table, name), f"pipeline table {name}") < 1:
+        if count(getattr(table, name), f"pipeline table {name}") < 1:
             raise ConfigError(f"pipeline table ({table.schedule}): {name}={getattr(table, name)} must be >= 1")
 
 
@@ -67,7 +68,7 @@ def _first_cell(mask: np.ndarray) -> tuple[int, int] | None:
     return (int(hits[0][0]), int(hits[0][1])) if len(hits) else None
 
 
-def _check_cells(table: Table) -> None:
+def _check_cells(table) -> None:
     """Values in range, idle cells empty, W only with a split backward, slots where an op reads one."""
     op, p, chunks = table.op, table.stages, table.stages * table.virtual_stages
     idle, busy = op == Op.IDLE, op != Op.IDLE
@@ -116,7 +117,7 @@ def _check_cells(table: Table) -> None:
             raise ConfigError(f"{_where(table, t, s)}: {message.format(**values)}")
 
 
-def _check_counts(table: Table) -> None:
+def _check_counts(table) -> None:
     """Exactly one F and one B per (stage, microbatch, chunk), and one W iff the backward is split."""
     counts = np.zeros((table.stages, table.microbatches, table.virtual_stages, 4), np.int64)
     t, s = np.nonzero(table.op)
@@ -133,14 +134,14 @@ def _check_counts(table: Table) -> None:
         )
 
 
-def _check_dependencies(table: Table, ticks: dict) -> None:
+def _check_dependencies(table, ticks: dict) -> None:
     """Every op after the ops it needs, at an earlier tick."""
     p, chunks = table.stages, table.stages * table.virtual_stages
     for (o, i, g), t in sorted(ticks.items(), key=lambda item: item[1]):
-        for d in _dependencies(o, i, g, chunks):
+        for d in dependencies(o, i, g, chunks):
             if ticks[d] >= t:
                 raise ConfigError(
-                    f"{_where(table, t, g % p)}: {_name(o, i, g // p)} needs "
+                    f"{_where(table, t, g % p)}: {op_name(o, i, g // p)} needs "
                     f"{d[0].name}(mb {i}, model chunk {d[2]}) on stage {d[2] % p} at an earlier "
                     f"tick; it runs at tick {ticks[d]}"
                 )
@@ -151,7 +152,7 @@ class _Buffer:
     An entry leaves its slot after its last read, so a slot read for the last time in tick u is free to
     be written at the end of tick u."""
 
-    def __init__(self, table: Table, stage: int, name: str, recv_field: str, last_use: dict):
+    def __init__(self, table, stage: int, name: str, recv_field: str, last_use: dict):
         self.table, self.stage, self.name, self.recv_field = table, stage, name, recv_field
         self.last_use = last_use  # {(microbatch, chunk): tick of its last read}
         self.held: dict[int, tuple[int, int]] = {}
@@ -185,7 +186,7 @@ class _Buffer:
             del self.held[int(slot)]
 
 
-def _check_slots(table: Table, s: int, ticks: dict) -> None:
+def _check_slots(table, s: int, ticks: dict) -> None:
     """Replays stage ``s``'s two buffers: every arrival stored in a free slot, every op reading a slot
     that holds its own (microbatch, chunk)."""
     p = table.stages
@@ -197,9 +198,9 @@ def _check_slots(table: Table, s: int, ticks: dict) -> None:
     for t in range(-1, table.ticks):
         o, i, j = (int(x[t, s]) for x in (table.op, table.mb, table.chunk)) if t >= 0 else (0, -1, -1)
         if o != Op.IDLE:
-            act.read(t, table.act_slot[t, s], (i, j), _name(o, i, j))
+            act.read(t, table.act_slot[t, s], (i, j), op_name(o, i, j))
             if o != Op.F and j * p + s < chunks - 1:
-                grad.read(t, table.grad_slot[t, s], (i, j), _name(o, i, j))
+                grad.read(t, table.grad_slot[t, s], (i, j), op_name(o, i, j))
         if s == 0 and t + 1 < table.ticks and table.op[t + 1, 0] == Op.F and table.chunk[t + 1, 0] == 0:
             i = int(table.mb[t + 1, 0])
             act.write(t, table.act_slot[t + 1, 0], (i, 0), f"the executor (the input of F(mb {i}, chunk 0))")
@@ -208,7 +209,7 @@ def _check_slots(table: Table, s: int, ticks: dict) -> None:
             _check_arrival(table, t, s, grad, Op.B, (s + 1) % p, table.bwd_recv_slot[t, s])
 
 
-def _check_arrival(table: Table, t: int, s: int, buffer: _Buffer, kind: Op, sender: int, slot: int) -> None:
+def _check_arrival(table, t: int, s: int, buffer: _Buffer, kind: Op, sender: int, slot: int) -> None:
     """What ``sender`` sends stage ``s`` at the end of tick ``t``: the output of an F (the input of the
     next model chunk) or the input gradient of a B (the cotangent of the previous chunk), if any."""
     p, chunks = table.stages, table.stages * table.virtual_stages
@@ -216,7 +217,7 @@ def _check_arrival(table: Table, t: int, s: int, buffer: _Buffer, kind: Op, send
     g = j * p + sender
     target = g + 1 if kind == Op.F else g - 1
     if o == kind and 0 <= target < chunks:
-        buffer.write(t, int(slot), (i, target // p), f"{_name(o, i, j)} on stage {sender}")
+        buffer.write(t, int(slot), (i, target // p), f"{op_name(o, i, j)} on stage {sender}")
     elif slot != -1:
         raise ConfigError(
             f"{_where(table, t, s)}: {buffer.recv_field} is {slot}, but stage {sender} sends "

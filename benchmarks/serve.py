@@ -166,7 +166,7 @@ def prefix(model, n: int = 32) -> dict:
         seconds = timed_run(engine, [Request(i, system + q, 8) for i, q in enumerate(questions)])
         out["with_cache" if cached else "without_cache"] = {
             "seconds": seconds,
-            "prompt_tokens_computed": sum(s.prefilled for s in engine.log),
+            "prompt_tokens_computed": engine.totals.prefilled,
             "hit_rate": engine.pages.hits / max(1, engine.pages.lookups),
             "hit_pages": engine.pages.hits,
         }

@@ -136,7 +136,10 @@ def test_text_stream_holds_back_a_stop_string_until_it_is_decided(tokenizer):
 
 class FakeWorker:
     def __init__(self, load):
-        self.load, self.error = load, None
+        self.load, self.error, self.stuck = load, None, False
+
+    def available(self, timeout):
+        return self.error is None and not self.stuck
 
 
 def test_router_picks_the_least_loaded_and_keeps_sessions_sticky():
@@ -156,3 +159,6 @@ def test_router_picks_the_least_loaded_and_keeps_sessions_sticky():
     workers[0].load = 0
     assert router.pick(None) != 0  # a failed replica gets nothing
     assert router.routed["sticky"] == 1  # the second pick of the key (the first placed it)
+    workers[1].stuck = workers[2].stuck = True
+    assert router.pick(None) is None  # none available: the server answers 503
+    assert "alice" not in "".join(router.sticky)  # the router keeps a hash of `user`, not the string

@@ -200,7 +200,7 @@ def test_the_openai_client_sees_a_bad_request_error(server):
 def test_models_health_and_metrics(server):
     models = json.loads(get(server, "/v1/models"))
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 128
-    assert json.loads(get(server, "/health")) == {"status": "ok", "replicas": 2}
+    assert json.loads(get(server, "/health")) == {"status": "ok", "replicas": 2, "failed": [], "stalled": []}
     metrics = get(server, "/metrics")
     for name in (
         "jaxpar_queue_depth",

@@ -177,7 +177,7 @@ def prefix_run(cached: bool):
     while rs[0].generated == 0:
         engine.step()
     engine.run(rs[1:])
-    return sum(s.prefilled for s in engine.log), engine.pages.hits
+    return engine.totals.prefilled, engine.pages.hits
 
 
 (with_cache, hits), (without_cache, _) = prefix_run(True), prefix_run(False)

@@ -4,13 +4,21 @@
 (token ids, limits, sampling settings) or raises ``APIError``, which the server sends as OpenAI's error
 object with status 400 (the engine never sees a bad request). Refused, each with the field named:
 
-* a body that is not UTF-8, not JSON, or not a JSON object; a field this server does not know or does
-  not implement (``logprobs``, ``logit_bias``, ...); a model other than the one served;
+* a body that is not UTF-8, not JSON (NaN and Infinity included), nested too deep, or not a JSON object;
+  a field this server does not know or does not implement (``logit_bias``, ...); a model other than the
+  one served;
 * a prompt that is empty, not text or token ids, outside the vocabulary, holds a lone surrogate (not
   encodable as UTF-8), or is too long for the cache ever to hold (``max_length`` positions per sequence);
 * ``max_tokens`` that is not a positive integer or does not fit beside the prompt in the cache;
-* sampling settings out of range (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``min_p`` in [0, 1],
-  ``top_k`` ≥ 0), ``n`` outside 1…16, ``stop`` not a string or a list of at most 4.
+* sampling settings that are not finite or out of range (``temperature`` in [0, 2], ``top_p`` in (0, 1],
+  ``min_p`` in [0, 1], ``top_k`` ≥ 0, ``seed`` in [0, 2**32), the one seed range of the engine);
+* anything over the server's ``Limits`` (``jaxpar.inference.limits``): text longer than
+  ``max_text_chars`` (checked before tokenizing), more than ``max_choices`` choices (prompts × n), more
+  than ``max_stops`` stop strings or one longer than ``max_stop_chars``, a ``user`` longer than
+  ``max_user_chars``.
+
+Every string of the client's that a message quotes is JSON-escaped and cut short, so an error body and
+a log line are always valid text.
 
 Chat messages are rendered with the tokenizer's chat template (Hugging Face's Jinja format, rendered in
 a sandbox), as ``apply_chat_template`` does with ``add_generation_prompt``.
@@ -20,13 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import secrets
 import time
 from pathlib import Path
 
+from jaxpar.inference.limits import Limits
+from jaxpar.inference.sampling import SEEDS, choice_seed
+
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-MAX_N = 16
-MAX_STOPS = 4
+QUOTED = 80  # characters of a client's string that an error message quotes
 COMMON = {
     "model",
     "max_tokens",
@@ -56,9 +67,11 @@ class APIError(Exception):
         code: str | None = None,
         status: int = 400,
         kind: str = "invalid_request_error",
+        headers: dict | None = None,
     ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -85,10 +98,17 @@ class Job:
         """(index, prompt, max_tokens, sampling) per choice; choice i of n samples with seed + i."""
         limits = self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens] * len(self.prompts)
         return [
-            (p * self.n + i, prompt, limits[p], {**self.sampling, "seed": self.sampling["seed"] + i})
+            (p * self.n + i, prompt, limits[p], {**self.sampling, "seed": choice_seed(self.sampling["seed"], i)})
             for p, prompt in enumerate(self.prompts)
             for i in range(self.n)
         ]
+
+
+def quote(value) -> str:
+    """A client's value as an error message shows it: JSON (non-ASCII and lone surrogates escaped),
+    at most ``QUOTED`` characters."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= QUOTED else text[: QUOTED - 1] + "…"
 
 
 def _number(body: dict, name: str, default, low, high, *, low_open: bool = False, integer: bool = False):
@@ -97,7 +117,9 @@ def _number(body: dict, name: str, default, low, high, *, low_open: bool = False
         return default
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise APIError(f"'{name}' must be {kind}, got {json.dumps(value)}", param=name)
+        raise APIError(f"'{name}' must be {kind}, got {quote(value)}", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise APIError(f"'{name}' must be a finite number, got {value}", param=name)
     if value < low or (low_open and value == low) or (high is not None and value > high):
         span = f"{'(' if low_open else '['}{low}, {high if high is not None else '∞'}{']' if high is not None else ')'}"
         raise APIError(f"'{name}' = {value} is outside {span}", param=name)
@@ -140,8 +162,10 @@ class Parser:
         tokenizer=None,
         chat_template: str | None = None,
         special_tokens: dict | None = None,
+        limits: Limits | None = None,
     ):
         self.model_name, self.vocab_size, self.max_length = model_name, vocab_size, max_length
+        self.limits = limits or Limits()
         self.tokenizer, self.special = tokenizer, special_tokens or {}
         self.template = None
         if chat_template is not None:
@@ -160,30 +184,34 @@ class Parser:
         body = self._body(raw, kind)
         if body.get("model") != self.model_name:
             raise APIError(
-                f"model {json.dumps(body.get('model'))} is not served here; this server serves '{self.model_name}'",
+                f"model {quote(body.get('model'))} is not served here; this server serves '{self.model_name}'",
                 param="model",
                 code="model_not_found",
             )
         prompts = [self._chat(body)] if kind == "chat" else self._prompts(body.get("prompt"))
         limit_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         limits = [self._max_tokens(body, limit_field, p, kind) for p in prompts]
-        seed = _number(body, "seed", None, -(2**31), 2**31 - 1, integer=True)
+        seed = _number(body, "seed", None, 0, SEEDS - 1, integer=True)
         sampling = dict(
             temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
             top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
             top_k=int(_number(body, "top_k", 0, 0, self.vocab_size, integer=True)),
             min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
-            seed=secrets.randbelow(2**31 - MAX_N) if seed is None else seed,
+            seed=secrets.randbelow(SEEDS) if seed is None else seed,
         )
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise APIError("'stream_options' must be an object with at most 'include_usage'", param="stream_options")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise APIError(f"'stream' must be true or false, got {json.dumps(stream)}", param="stream")
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise APIError("'user' must be a string", param="user")
+            raise APIError(f"'stream' must be true or false, got {quote(stream)}", param="stream")
+        n = _number(body, "n", 1, 1, self.limits.max_choices, integer=True)
+        if len(prompts) * n > self.limits.max_choices:
+            raise APIError(
+                f"{len(prompts)} prompts × n={n} = {len(prompts) * n} choices; at most {self.limits.max_choices} "
+                "per request",
+                param="n",
+            )
         return Job(
             kind,
             prompts,
@@ -193,9 +221,16 @@ class Parser:
             self._stop_ids(body),
             stream,
             bool(options.get("include_usage")),
-            _number(body, "n", 1, 1, MAX_N, integer=True),
-            user,
+            n,
+            self._user(body.get("user")),
         )
+
+    def _user(self, user) -> str | None:
+        if user is not None and not isinstance(user, str):
+            raise APIError("'user' must be a string", param="user")
+        if user is not None and len(user) > self.limits.max_user_chars:
+            raise APIError(f"'user' has {len(user)} characters; at most {self.limits.max_user_chars}", param="user")
+        return user
 
     def _body(self, raw: bytes, kind: str) -> dict:
         try:
@@ -203,21 +238,30 @@ class Parser:
         except UnicodeDecodeError as err:
             raise APIError(f"the request body is not valid UTF-8 (byte {err.start})", code="invalid_encoding") from None
         try:
-            body = json.loads(text)
+            body = json.loads(text, parse_constant=_no_constant)
         except ValueError as err:
             raise APIError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+        except RecursionError:
+            raise APIError("the request body is nested too deep", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
         unknown = sorted(set(body) - FIELDS[kind])
         if unknown:
+            name = quote(unknown[0])[1:-1]  # the name escaped, without JSON's quotes
             raise APIError(
-                f"unknown or unsupported field '{unknown[0]}'; this endpoint accepts {', '.join(sorted(FIELDS[kind]))}",
-                param=unknown[0],
+                f"unknown or unsupported field '{name}'; this endpoint accepts {', '.join(sorted(FIELDS[kind]))}",
+                param=name,
                 code="unknown_field",
             )
         return body
 
     def _text(self, text: str, field: str, *, special: bool = True) -> list[int]:
+        if len(text) > self.limits.max_text_chars:
+            raise APIError(
+                f"'{field}' has {len(text)} characters; this server tokenizes at most {self.limits.max_text_chars}",
+                param=field.split("[")[0],
+                code="context_length_exceeded",
+            )
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -248,8 +292,10 @@ class Parser:
         if prompt is None:
             raise APIError("'prompt' is required", param="prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) > MAX_N:
-                raise APIError(f"'prompt': {len(prompt)} prompts; at most {MAX_N} per request", param="prompt")
+            if len(prompt) > self.limits.max_choices:
+                raise APIError(
+                    f"'prompt': {len(prompt)} prompts; at most {self.limits.max_choices} per request", param="prompt"
+                )
             return [ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
         return [ids(prompt, "prompt")]
 
@@ -271,6 +317,13 @@ class Parser:
         ):
             raise APIError(
                 "'messages' must be a non-empty list of {role, content} objects with text content", param="messages"
+            )
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.limits.max_text_chars:
+            raise APIError(
+                f"'messages' hold {chars} characters; this server tokenizes at most {self.limits.max_text_chars}",
+                param="messages",
+                code="context_length_exceeded",
             )
         text = self.template.render(messages=messages, add_generation_prompt=True, **self.special)
         out = self._text(text, "messages", special=False)
@@ -299,10 +352,14 @@ class Parser:
 
     def _stops(self, stop) -> list[str]:
         stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
-        if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-            raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} of them", param="stop")
+        most, longest = self.limits.max_stops, self.limits.max_stop_chars
+        if not isinstance(stops, list) or len(stops) > most or not all(isinstance(s, str) and s for s in stops):
+            raise APIError(f"'stop' must be a non-empty string or a list of at most {most} of them", param="stop")
         for s in stops:
-            self._text(s, "stop") if self.tokenizer is not None else None
+            if len(s) > longest:
+                raise APIError(f"'stop': a stop string of {len(s)} characters; at most {longest}", param="stop")
+            if self.tokenizer is not None:
+                self._text(s, "stop")
         return stops
 
     def _stop_ids(self, body: dict) -> frozenset:
@@ -314,6 +371,10 @@ class Parser:
                 f"'stop_token_ids' must be a list of token ids in [0, {self.vocab_size})", param="stop_token_ids"
             )
         return frozenset(ids)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 class TextStream:

@@ -24,6 +24,7 @@ heads like the dense cache, and every step is traced under the decode rules. Pos
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -46,6 +47,7 @@ from jaxpar.model_api import LanguageModel
 from jaxpar.rules import trace_layout
 
 GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+LOG_STEPS = 4096  # the steps ``Engine.log`` keeps (the newest); ``Engine.totals`` counts them all
 
 
 @dataclasses.dataclass
@@ -57,6 +59,9 @@ class StepLog:
     preempted: int
     seconds: float
 
+    def __add__(self, other: StepLog) -> StepLog:
+        return StepLog(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
 
 def page_bytes(model: LanguageModel, page_size: int, /) -> int:
     """Bytes one page takes in every layer's pool together (K and V, or latent and rope key)."""
@@ -64,13 +69,16 @@ def page_bytes(model: LanguageModel, page_size: int, /) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one))
 
 
-def pages_for_budget(model: LanguageModel, page_size: int, budget_bytes: int, /) -> int:
-    """The most pages (null page included) whose pools fit in ``budget_bytes``."""
-    pages = budget_bytes // page_bytes(model, page_size)
-    if pages < 2:
+def pages_for_budget(model: LanguageModel, page_size: int, budget_bytes: int, max_length: int, /) -> int:
+    """The most pages (null page included) whose pools fit in ``budget_bytes``: at least one full
+    sequence of ``max_length`` positions and the null page, or a ConfigError naming the least budget."""
+    one = page_bytes(model, page_size)
+    pages, least = budget_bytes // one, max_length // page_size + 1
+    if pages < least:
         raise ConfigError(
-            f"memory_budget={budget_bytes} bytes: one page of {page_size} positions takes "
-            f"{page_bytes(model, page_size)} bytes in all layers; at least 2 pages are needed"
+            f"memory_budget={budget_bytes} bytes holds {pages} pages of {page_size} positions ({one} bytes "
+            f"each in all layers); one sequence of max_length={max_length} positions and the null page need "
+            f"{least}, {least * one} bytes"
         )
     return int(pages)
 
@@ -158,8 +166,10 @@ class Engine:
         self.layout = self._layout(mesh, devices, max_slots, max_length)
         self.width = max_length // page_size  # page-table entries per sequence
         if memory_budget is not None:
-            num_pages = pages_for_budget(self.model, page_size, memory_budget)
+            num_pages = pages_for_budget(self.model, page_size, memory_budget, max_length)
         num_pages = num_pages or max_slots * self.width + 1
+        if num_pages < self.width + 1:
+            raise ConfigError(f"num_pages={num_pages}: one sequence of max_length={max_length} needs {self.width + 1}")
         self.pages = PagedAllocator(num_pages, page_size, prefix_cache=prefix_cache)
         self.scheduler = Scheduler(
             self.pages,
@@ -181,7 +191,8 @@ class Engine:
         self.record_logits = record_logits
         self.check_writes = check_writes  # tests: every write lands in a page of its own
         self.logits: dict = {}  # request id -> list of [V] float32 rows
-        self.log: list[StepLog] = []
+        self.log: collections.deque[StepLog] = collections.deque(maxlen=LOG_STEPS)  # the newest steps
+        self.totals = StepLog(0, 0, 0, 0.0)  # every step's, summed
         self._programs: dict[tuple, object] = {}
         self.compiles = 0
 
@@ -265,7 +276,11 @@ class Engine:
 
     # ----------------------------------------------------------------------------------- serving
     def submit(self, request: Request, sampling: dict | None = None) -> None:
-        request.sampling = {**GREEDY, **(sampling or {})}
+        """Queue ``request``. Its sampling settings are checked here (``ConfigError`` naming the field),
+        so a bad request is refused alone and never reaches a step."""
+        settings = {**GREEDY, **(sampling or {})}
+        SamplingParams.check(**settings)
+        request.sampling = settings
         self.scheduler.add(request)
 
     @property
@@ -294,11 +309,11 @@ class Engine:
                 for c in chunks:
                     c.request.draft_computed = c.start + c.length
         finished = self.scheduler.finish_step(plan, sampled)
-        self.log.append(
-            StepLog(
-                len(plan.decode), sum(c.length for c in plan.chunks), len(plan.preempted), time.perf_counter() - start
-            )
+        step = StepLog(
+            len(plan.decode), sum(c.length for c in plan.chunks), len(plan.preempted), time.perf_counter() - start
         )
+        self.log.append(step)
+        self.totals += step
         return finished
 
     def _inputs(self, t: int, rows, *, greedy: bool = False):

@@ -25,7 +25,10 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 
-__all__ = ["SamplingParams", "filtered_logits", "sample"]
+__all__ = ["SEEDS", "SamplingParams", "choice_seed", "filtered_logits", "sample"]
+
+# Seeds are unsigned 32-bit integers everywhere (the CLI, the API, the engine): [0, SEEDS).
+SEEDS = 2**32
 
 # A running probability within this of top_p counts as reaching it, so float32 rounding (0.4 + 0.3
 # summing to 0.69999999) cannot let one more token into the nucleus.
@@ -49,9 +52,15 @@ class SamplingParams:
         of ``batch`` numbers. Checks every value on the host first and raises ``ConfigError`` naming the
         field and its command-line flag: temperature finite and >= 0, top_k an integer >= 0, top_p in
         (0, 1], min_p in [0, 1], seed an integer in [0, 2**32). NaN is refused everywhere."""
+        columns = cls.check(batch, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        return cls(**{name: jnp.asarray(column) for name, column in columns.items()})
+
+    @staticmethod
+    def check(batch: int = 1, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0) -> dict:
+        """The checks of ``make`` on the host alone (no device work): {field: numpy [batch] array}."""
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
             raise ConfigError(f"batch = {batch!r} must be an integer >= 1")
-        return cls(
+        return dict(
             temperature=_column(
                 "temperature",
                 temperature,
@@ -76,7 +85,7 @@ class SamplingParams:
                 seed,
                 batch,
                 np.uint32,
-                lambda v: 0 <= v < 2**32,
+                lambda v: 0 <= v < SEEDS,
                 "must be an integer in [0, 2**32)",
                 integer=True,
             ),
@@ -88,7 +97,13 @@ class SamplingParams:
         return cls.make(batch)
 
 
-def _column(name: str, value, batch: int, dtype, ok, rule: str, integer: bool = False) -> jax.Array:
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of a request's choice ``index`` (n > 1 samples n choices): seed + index, wrapped into
+    [0, SEEDS) so that every seed a request may give has n valid ones."""
+    return (seed + index) % SEEDS
+
+
+def _column(name: str, value, batch: int, dtype, ok, rule: str, integer: bool = False) -> np.ndarray:
     """One field as a [batch] array of ``dtype``, after checking every entry with ``ok`` (a
     ConfigError naming ``name``, its flag and ``rule`` for the first entry that fails)."""
     where = f"{name} (--{name.replace('_', '-')})"
@@ -105,7 +120,7 @@ def _column(name: str, value, batch: int, dtype, ok, rule: str, integer: bool = 
         if not (whole and ok(v)):
             index = f"[{i}]" if arr.ndim else ""
             raise ConfigError(f"{where}{index} = {v!r} {rule}")
-    return jnp.asarray(np.broadcast_to(arr, (batch,)).astype(dtype))
+    return np.broadcast_to(arr, (batch,)).astype(dtype)
 
 
 def _support(row: jax.Array, k: jax.Array, p: jax.Array, m: jax.Array) -> jax.Array:

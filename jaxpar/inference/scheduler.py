@@ -6,7 +6,9 @@ reports the sampled tokens back with ``finish_step``. Per step:
 1. **Every running sequence that has its prompt in the cache decodes one token.** Its next position
    gets a page first; when the pool is empty the most recently admitted other sequence is preempted
    (its pages freed, it goes back to the front of the queue and is recomputed later: prompt and the
-   tokens it generated become its new prompt). The oldest sequences keep running.
+   tokens it generated become its new prompt). The oldest sequences keep running. A sequence running
+   alone that still finds no page ends with "length" (the pool can give it no more): it is never
+   preempted to make room for itself, which would recompute it forever.
 2. **Prompts go in chunks.** A prompt is cut at multiples of ``chunk`` positions counted from 0, whatever
    else is running, so a request computes the same chunks alone or in a crowd (the tests rely on it);
    the last chunk is the remainder (the engine pads it to a bucket). A chunk runs only if it fits in
@@ -79,6 +81,7 @@ class Plan:
     decode: list[Request]
     chunks: list[Chunk]
     preempted: list[Request]
+    ended: list[Request] = dataclasses.field(default_factory=list)  # finished while planning ("length")
 
     @property
     def tokens(self) -> int:
@@ -122,14 +125,9 @@ class Scheduler:
         freed. ``finish_reason`` becomes "abort"; a finished request is left as it is."""
         if request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
+            request.status, request.finish_reason = Status.FINISHED, "abort"
         elif request.status is Status.RUNNING:
-            self.pages.free(request.id)
-            self.running.remove(request)
-            self.free_slots.append(request.slot)
-            self.free_slots.sort()
-        else:
-            return
-        request.status, request.finish_reason = Status.FINISHED, "abort"
+            self._end(request, "abort")
 
     # --------------------------------------------------------------------------------- planning
     def schedule(self) -> Plan:
@@ -184,6 +182,10 @@ class Scheduler:
             except OutOfPages:
                 if not may_preempt:
                     return False
+                if self.running == [r]:  # alone, and the pool has no page for it: it cannot grow
+                    self._end(r, "length")
+                    plan.ended.append(r)
+                    return False
                 youngest = self.running[-1]
                 self._preempt(youngest, plan)
                 if youngest is r:
@@ -229,13 +231,17 @@ class Scheduler:
             if not reason and self.lookahead:
                 self.pages.rollback(r.id, r.computed)  # pages reserved for rejected guesses go back
             if reason:
-                r.finish_reason, r.status = reason, Status.FINISHED
-                self.pages.free(r.id)
-                self.running.remove(r)
-                self.free_slots.append(r.slot)
+                self._end(r, reason)
                 done.append(r)
         for c in plan.chunks:
             if not c.last and c.request.status is Status.RUNNING:
                 self.pages.commit(c.request.id, c.request.tokens[: c.request.computed])
+        return plan.ended + done
+
+    def _end(self, r: Request, reason: str) -> None:
+        """``r`` finishes with ``reason``: its pages and its slot are freed."""
+        r.finish_reason, r.status = reason, Status.FINISHED
+        self.pages.free(r.id)
+        self.running.remove(r)
+        self.free_slots.append(r.slot)
         self.free_slots.sort()
-        return done

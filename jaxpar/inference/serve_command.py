@@ -10,12 +10,16 @@ tokenizer is --tokenizer or tokenizer.json in --from, and its chat template (``c
 split into --replicas equal groups; each group runs one engine on --mesh (default: one device each).
 Every option is checked before a weight is read; the engines compile every shape before the port opens.
 The server prints ``listening on http://HOST:PORT`` to stderr when it is ready. SIGTERM (or Ctrl-C)
-stops new requests (503), completes those in flight and exits 0.
+stops new requests (503), completes those in flight (for at most --shutdown-timeout seconds, then
+aborts them) and exits 0. The limits a client meets are flags with defaults (``jaxpar.inference.limits``).
+Binding an address other than loopback needs --api-key (or JAXPAR_API_KEY), or --insecure.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import re
 import signal
 import socket
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from jaxpar.errors import ConfigError, DataError
 from jaxpar.inference.command import TOKENIZER, _positive, load_tokenizer, load_weights, model_config, source_kind
+from jaxpar.inference.limits import Limits
 from jaxpar.mesh import simulate_cpu_devices
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)"
@@ -88,6 +93,17 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     engine.add_argument("--chunk", type=_positive, default=64, help="prompt chunk (prefill) size")
     engine.add_argument("--speculate", type=int, default=0, metavar="K", help="speculative guesses per step (0 = off)")
     engine.add_argument("--draft", default=None, metavar="DIR", help="a draft model (same vocabulary) for --speculate")
+    access = parser.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXPAR_API_KEY"),
+        metavar="KEY",
+        help="clients send 'Authorization: Bearer KEY' on /v1/* (default: $JAXPAR_API_KEY; none: open)",
+    )
+    access.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
+    limits = parser.add_argument_group("limits (each request alone; the status over the limit in docs/serving.md)")
+    for name, field, kind, default, text in Limits.flags():
+        limits.add_argument(name, dest=field, type=kind, default=default, help=f"{text} (default {default})")
 
 
 def check_args(args, cfg) -> tuple[int, int]:
@@ -106,6 +122,8 @@ def check_args(args, cfg) -> tuple[int, int]:
         )
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port}: not a port number (0 … 65535)")
+    check_access(args.host, args.api_key, args.insecure)
+    limits(args)
     if args.speculate < 0 or (args.draft and not args.speculate):
         raise ConfigError(f"--speculate {args.speculate}: must be ≥ 0, and > 0 with --draft")
     devices = jax.devices()
@@ -119,6 +137,43 @@ def check_args(args, cfg) -> tuple[int, int]:
     return max_length, group
 
 
+def check_access(host: str, api_key: str | None, insecure: bool) -> None:
+    """A server reachable from other machines needs an API key, or --insecure said on purpose."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not api_key and not insecure:
+        raise ConfigError(
+            f"--host {host}: other machines could reach this server; give --api-key (or JAXPAR_API_KEY), "
+            "or --insecure to serve without one"
+        )
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key: empty")
+
+
+def limits(args) -> Limits:
+    """The ``Limits`` of the command line."""
+    return Limits(**{field: getattr(args, field) for _, field, _, _, _ in Limits.flags()})
+
+
+def check_budget(cfg, args, max_length: int) -> None:
+    """--memory-budget must hold one sequence of max_length positions: checked on the abstract model."""
+    # deferred: jax, flax and modules that import them
+    from flax import nnx
+
+    from jaxpar.inference.engine import pages_for_budget
+    from jaxpar.inference.generate import for_generation
+    from jaxpar.models import build_model
+
+    if args.memory_budget is not None:
+        abstract = for_generation(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
+        try:
+            pages_for_budget(abstract, args.page_size, args.memory_budget, max_length)
+        except ConfigError as err:
+            raise ConfigError(f"--memory-budget: {err}") from None
+
+
 def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     # deferred: jax, and modules that import it, the model zoo and the HTTP stack
     import jax
@@ -129,6 +184,7 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     from jaxpar.inference.server import Service
 
     max_length, group = check_args(args, cfg)
+    check_budget(cfg, args, max_length)
     template, special = load_chat_template(tokenizer_file, args.chat_template)
     parser = Parser(
         model_name=args.model_name or Path(args.source).resolve().name,
@@ -137,6 +193,7 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
         tokenizer=tokenizer,
         chat_template=template,
         special_tokens=special,
+        limits=limits(args),
     )
     name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
     model = load_weights(kind, args.source, cfg, mesh, name)
@@ -158,7 +215,15 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
         )
         engine.warm_up()
         engines.append(engine)
-    return Service(engines, parser, tokenizer=tokenizer, eos_ids=eos, page_size=args.page_size)
+    return Service(
+        engines,
+        parser,
+        tokenizer=tokenizer,
+        eos_ids=eos,
+        page_size=args.page_size,
+        limits=limits(args),
+        api_key=args.api_key,
+    )
 
 
 def load_draft(folder: str):
@@ -185,7 +250,13 @@ def serve(service, host: str, port: int) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=None))
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        limit_concurrency=service.limits.max_connections,
+        timeout_graceful_shutdown=service.limits.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
     original = server.handle_exit
 
     def on_signal(sig, frame):  # stop taking requests at once; uvicorn waits for the rest

@@ -5,70 +5,59 @@ replicas (``jaxpar.inference.worker``).
     POST /v1/chat/completions    when the tokenizer carries a chat template
     GET  /v1/models   /health   /metrics (Prometheus text)
 
-A request is parsed and checked (``jaxpar.inference.api``) before any replica sees it: a bad one gets
-OpenAI's error object with status 400 and the engines go on. Each choice becomes one engine request on
-the replica the router picks; its tokens come back as events and leave as they arrive (streaming) or
-together at the end. A client that goes away has its requests aborted (pages and slots freed).
-While the server drains (SIGTERM), new requests get 503 and the ones in flight complete.
+A request is read within the body limits, then parsed and checked (``jaxpar.inference.api``) on a
+thread beside the event loop, before any replica sees it: a bad one gets OpenAI's error object with
+status 400 and the engines go on. Each choice becomes one engine request on the replica the router
+picks; its tokens come back as events and leave as they arrive (streaming) or together at the end. A
+client that goes away has its requests aborted (pages and slots freed), streaming or not. Every limit a
+request can meet, and the status that answers it, is in ``jaxpar.inference.limits``. While the server
+drains (SIGTERM), new requests get 503 and the ones in flight complete.
+
+With an API key, every ``/v1/`` route wants ``Authorization: Bearer KEY`` (compared in constant time);
+``/health`` and ``/metrics`` stay open to the orchestrator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
+import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxpar.inference.api import APIError, Job, Parser, TextStream
+from jaxpar.inference.api import APIError, Job, Parser, TextStream, quote
+from jaxpar.inference.limits import Limits
+from jaxpar.inference.middleware import APIKey, Metrics, StatusCounter
 from jaxpar.inference.scheduler import Request
 from jaxpar.inference.worker import Router, Worker
-
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class Metrics:
-    """The Prometheus series: per replica queue depth, running sequences and pages; latency histograms."""
-
-    def __init__(self, workers: list[Worker]):
-        self.registry = r = CollectorRegistry()
-        queued = Gauge("jaxpar_queue_depth", "requests waiting for a slot", ["replica"], registry=r)
-        running = Gauge("jaxpar_running_sequences", "sequences holding a slot", ["replica"], registry=r)
-        used = Gauge("jaxpar_pages_used", "KV pages referenced by sequences", ["replica"], registry=r)
-        total = Gauge("jaxpar_pages_total", "KV pages in the pool (the null page excluded)", ["replica"], registry=r)
-        hits = Gauge("jaxpar_prefix_cache_hit_pages", "prompt pages found in the prefix cache", ["replica"], registry=r)
-        for w in workers:
-            i, s = str(w.index), w.engine.scheduler
-            queued.labels(i).set_function(lambda w=w, s=s: w._pending + len(s.waiting))
-            running.labels(i).set_function(lambda s=s: len(s.running))
-            used.labels(i).set_function(lambda p=s.pages: p.used)
-            total.labels(i).set(s.pages.num_pages - 1)
-            hits.labels(i).set_function(lambda p=s.pages: p.hits)
-        self.ttft = Histogram(
-            "jaxpar_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "jaxpar_inter_token_seconds", "between a request's tokens", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.requests = Counter("jaxpar_requests", "requests answered", ["status"], registry=r)
-        self.tokens = Counter("jaxpar_generated_tokens", "tokens generated", registry=r)
-        self.routed = Counter("jaxpar_routed_requests", "choices sent to each replica", ["replica"], registry=r)
-
-    def observe(self, kind: str, seconds: float) -> None:
-        (self.ttft if kind == "ttft" else self.itl).observe(seconds)
 
 
 class Service:
     """What the routes share: the parser, the replicas, the router, the metrics."""
 
-    def __init__(self, engines: list, parser: Parser, *, tokenizer, eos_ids=frozenset(), page_size: int):
+    def __init__(
+        self,
+        engines: list,
+        parser: Parser,
+        *,
+        tokenizer,
+        eos_ids=frozenset(),
+        page_size: int,
+        limits: Limits | None = None,
+        api_key: str | None = None,
+    ):
         self.parser, self.tokenizer, self.eos_ids = parser, tokenizer, frozenset(eos_ids)
+        self.limits, self.api_key = limits or Limits(), api_key
+        self.parsing = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="parse")
         self.workers = [Worker(e, i) for i, e in enumerate(engines)]
         self.metrics = Metrics(self.workers)
         for w in self.workers:
@@ -81,12 +70,34 @@ class Service:
         for w in self.workers:
             w.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Let each replica finish what it holds, for at most ``timeout`` seconds (default
+        ``limits.shutdown_timeout``); then abort the rest."""
         self.draining = True
         for w in self.workers:
             w.stop()
+        deadline = time.monotonic() + (self.limits.shutdown_timeout if timeout is None else timeout)
         for w in self.workers:
-            w.join()
+            w.join(max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            if w.thread.is_alive():
+                w.halt()
+                w.join(1.0)  # a replica stuck inside a step stays behind (a daemon thread)
+        self.parsing.shutdown(wait=False, cancel_futures=True)
+
+    def admit(self, job: Job) -> None:
+        """Refuse ``job`` when the replicas' queues are full (429) or none is available (503)."""
+        held = sum(w.load for w in self.workers)
+        wanted = len(job.prompts) * job.n
+        if held + wanted > self.limits.max_pending:
+            raise APIError(
+                f"{held} choices are queued or running; this server holds at most {self.limits.max_pending}",
+                status=429,
+                kind="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+        if not any(w.available(self.limits.stall_timeout) for w in self.workers):
+            raise APIError("no engine replica is available", status=503, kind="server_error")
 
     def submit(self, job: Job) -> list[tuple[int, Request, Worker, asyncio.Queue]]:
         """Every choice of ``job`` on the replica the router picks; events arrive on each queue."""
@@ -95,7 +106,7 @@ class Service:
         for index, prompt, limit, sampling in job.choices():
             request = Request((job.id, index, next(self._ids)), prompt, limit, self.eos_ids | job.stop_ids)
             sibling = first if index % job.n else None  # choice 0 of a prompt computes it first
-            worker = sibling[1] if sibling else self.workers[self.router.pick(self.router.key(job.user, prompt))]
+            worker = sibling[1] if sibling else self._pick(job.user, prompt)
             self.metrics.routed.labels(str(worker.index)).inc()
             events: asyncio.Queue = asyncio.Queue()
             worker.add(
@@ -108,15 +119,23 @@ class Service:
             out.append((index, request, worker, events))
         return out
 
+    def _pick(self, user: str | None, prompt: list[int]) -> Worker:
+        index = self.router.pick(self.router.key(user, prompt), self.limits.stall_timeout)
+        if index is None:  # every replica failed or stalled since ``admit``: this choice fails alone
+            raise APIError("no engine replica is available", status=503, kind="server_error")
+        return self.workers[index]
+
 
 def _error(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def _choice_events(request: Request, worker: Worker, events: asyncio.Queue, text: TextStream):
     """(text delta, finish reason) pairs of one choice until it ends; a stop string aborts the request."""
     while True:
         event = await events.get()
+        if event.error and event.status == 400:
+            raise APIError(f"the engine refused the request: {event.error}")
         if event.error:
             raise APIError(f"the engine failed: {event.error}", status=500, kind="server_error")
         final = event.finish_reason is not None
@@ -169,22 +188,57 @@ class API:
         return await self._generate(http, "chat")
 
     async def _generate(self, http: HTTPRequest, kind: str) -> Response:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.service.limits.request_timeout
         try:
-            job = self.service.parser.parse(kind, await http.body())
+            raw = await self._body(http)
+            job = await loop.run_in_executor(self.service.parsing, self.service.parser.parse, kind, raw)
+            if self.service.draining:
+                raise APIError("the server is shutting down", status=503, kind="server_error")
+            self.service.admit(job)
+            choices = self.service.submit(job)
         except APIError as err:
-            self.service.metrics.requests.labels("400").inc()
             return _error(err)
-        if self.service.draining:
-            return _error(APIError("the server is shutting down", status=503, kind="server_error"))
-        choices = self.service.submit(job)
         if job.stream:
-            return StreamingResponse(self._stream(job, choices), media_type="text/event-stream")
+            return StreamingResponse(self._stream(job, choices, deadline), media_type="text/event-stream")
+        whole = asyncio.ensure_future(self._whole(job, choices))
+        gone = asyncio.ensure_future(_disconnected(http))
         try:
-            return JSONResponse(await self._whole(job, choices))
+            await asyncio.wait({whole, gone}, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+            if whole.done():
+                return JSONResponse(whole.result())
+            if gone.done():  # nobody is there to read an answer
+                return Response(status_code=499)
+            raise APIError("the request ran past the server's request timeout", status=504, kind="timeout")
         except APIError as err:
             return _error(err)
         finally:
+            whole.cancel()
+            gone.cancel()
             self._abort(choices)
+
+    async def _body(self, http: HTTPRequest) -> bytes:
+        """The request's body, within ``max_body_bytes`` (413) and ``body_timeout`` (408)."""
+        limits = self.service.limits
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise APIError(
+                f"the body has {declared} bytes; this server reads at most {limits.max_body_bytes}", status=413
+            )
+
+        async def read() -> bytes:
+            parts, size = [], 0
+            async for part in http.stream():
+                size += len(part)
+                if size > limits.max_body_bytes:
+                    raise APIError(f"the body is over {limits.max_body_bytes} bytes", status=413)
+                parts.append(part)
+            return b"".join(parts)
+
+        try:
+            return await asyncio.wait_for(read(), limits.body_timeout)
+        except TimeoutError:
+            raise APIError(f"the body did not arrive within {limits.body_timeout} s", status=408) from None
 
     async def _whole(self, job: Job, choices) -> dict:
         async def one(index, request, worker, events):
@@ -197,14 +251,15 @@ class API:
             return _choice(job, index, "".join(parts), reason, ids)
 
         done = await asyncio.gather(*(one(*c) for c in choices))
-        self._count(choices)
+        self.service.metrics.tokens.inc(sum(r.generated for _, r, _, _ in choices))
         return _envelope(job, self.model, chunk=False) | {
             "choices": sorted(done, key=lambda c: c["index"]),
             "usage": _usage(choices),
         }
 
-    async def _stream(self, job: Job, choices):
+    async def _stream(self, job: Job, choices, deadline: float):
         merged: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
 
         async def pump(index, request, worker, events):
             text = TextStream(self.service.tokenizer, job.stop_text)
@@ -219,7 +274,12 @@ class API:
         try:
             left = len(tasks)
             while left:
-                item = await merged.get()
+                try:
+                    item = await asyncio.wait_for(merged.get(), deadline - loop.time())
+                except TimeoutError:
+                    timeout = APIError("the request ran past the server's request timeout", status=504, kind="timeout")
+                    yield f"data: {json.dumps(timeout.body())}\n\n"
+                    break
                 if item is None:
                     left -= 1
                 elif isinstance(item, APIError):
@@ -230,7 +290,7 @@ class API:
                 usage = _envelope(job, self.model, chunk=True) | {"choices": [], "usage": _usage(choices)}
                 yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
-            self._count(choices)
+            self.service.metrics.tokens.inc(sum(r.generated for _, r, _, _ in choices))
         finally:  # the client went away, or all is sent
             for t in tasks:
                 t.cancel()
@@ -240,10 +300,6 @@ class API:
         for _, request, worker, _ in choices:
             if request.finish_reason is None:
                 worker.abort(request)
-
-    def _count(self, choices) -> None:
-        self.service.metrics.requests.labels("200").inc()
-        self.service.metrics.tokens.inc(sum(r.generated for _, r, _, _ in choices))
 
     async def models(self, http: HTTPRequest) -> Response:
         engine = self.service.workers[0].engine
@@ -263,21 +319,31 @@ class API:
         )
 
     async def health(self, http: HTTPRequest) -> Response:
-        broken = [w.index for w in self.service.workers if w.error is not None]
-        if self.service.draining or broken:
-            return JSONResponse(
-                {"status": "draining" if self.service.draining else f"replicas {broken} failed"}, status_code=503
-            )
-        return JSONResponse({"status": "ok", "replicas": len(self.service.workers)})
+        """200 while every replica is alive and progressing; 503 when one failed or stalled (the others
+        still serve), or while the server drains."""
+        workers, timeout = self.service.workers, self.service.limits.stall_timeout
+        failed = [w.index for w in workers if w.error is not None]
+        stalled = [w.index for w in workers if w.error is None and w.stalled(timeout)]
+        state = {"replicas": len(workers), "failed": failed, "stalled": stalled}
+        if self.service.draining or failed or stalled:
+            status = "draining" if self.service.draining else "degraded"
+            return JSONResponse({"status": status, **state}, status_code=503)
+        return JSONResponse({"status": "ok", **state})
 
     async def metrics(self, http: HTTPRequest) -> Response:
         return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client has gone (its body was read already, so nothing else arrives)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _http_error(http: HTTPRequest, exc: HTTPException) -> Response:
     return _error(
         APIError(
-            f"{http.method} {http.url.path}: {exc.detail}",
+            f"{http.method} {quote(http.url.path)}: {exc.detail}",
             status=exc.status_code,
             code="not_found" if exc.status_code == 404 else None,
         )
@@ -292,7 +358,7 @@ def build_app(service: Service) -> Starlette:
     async def lifespan(_app):
         service.start()
         yield
-        service.stop()  # uvicorn has answered every request in flight by now
+        service.stop()  # uvicorn has answered the requests in flight, or cancelled them at its limit
 
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -301,4 +367,17 @@ def build_app(service: Service) -> Starlette:
         Route("/health", api.health),
         Route("/metrics", api.metrics),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
+    middleware = [Middleware(StatusCounter, counter=service.metrics.requests)]
+    if service.api_key is not None:
+        middleware.append(Middleware(APIKey, key=service.api_key))
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+        lifespan=lifespan,
+    )
+
+
+async def _server_error(http: HTTPRequest, exc: Exception) -> Response:
+    """A fault of the server's own (never a client's): OpenAI's error object with status 500."""
+    return _error(APIError(f"internal error: {type(exc).__name__}", status=500, kind="server_error"))

@@ -6,9 +6,15 @@ receive ``Event``s through the sink they passed (called on the worker's thread: 
 ``loop.call_soon_threadsafe``). Between steps the worker takes everything in its inbox (new requests,
 aborts), steps the engine, and reports each request's new tokens and its end.
 
+A request can fail only itself: one the engine refuses (``Engine.submit`` checks its settings) gets an
+error event with status 400 and the engine goes on. An engine whose step raises is unusable: every
+request it held, queued, running or still in the inbox, gets an error event at once, later ones too,
+and the router sends it nothing more. A worker that holds work and has not finished a step for
+``stall_timeout`` seconds counts as stalled (``available`` is False) until it does.
+
 ``Router`` sends a request to the replica with the least work (queued + running sequences), but keeps
-a session together: a request with the same key (the OpenAI ``user`` field, or else the hash of the
-prompt's first full page) goes back to the replica that served the key before, so the pages of a shared
+a session together: a request with the same key (a hash of the OpenAI ``user`` field, or else the hash
+of the prompt's first full page) goes back to the replica that served the key before, so the pages of a shared
 prefix are found in that replica's cache. It stays sticky unless that replica has ``slack`` more
 sequences than the least loaded one (then the key moves).
 """
@@ -32,6 +38,7 @@ class Event:
     tokens: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 500  # of an error: 400 when the engine refused the request itself
 
 
 class Worker:
@@ -47,6 +54,7 @@ class Worker:
         self._lock = threading.Lock()
         self.stopping = False
         self.error: str | None = None
+        self.beat = time.monotonic()  # when the thread last finished a step or found nothing to do
         self.thread = threading.Thread(target=self._loop, name=f"engine-{index}", daemon=True)
 
     def start(self) -> Worker:
@@ -59,9 +67,21 @@ class Worker:
         s = self.engine.scheduler
         return self._pending + len(s.waiting) + len(s.running)
 
+    def stalled(self, timeout: float) -> bool:
+        """Holding work, and no step finished for ``timeout`` seconds."""
+        return self.load > 0 and time.monotonic() - self.beat > timeout
+
+    def available(self, timeout: float) -> bool:
+        """Alive (no engine failure) and not stalled: the router may send it a request."""
+        return self.error is None and not self.stalled(timeout)
+
     def add(self, request: Request, sampling: dict, sink, *, after: Request | None = None) -> None:
         """Queue ``request``; with ``after`` (a sibling with the same prompt, n > 1) it is held until
-        that one's prompt is in the cache, so it starts from the shared full pages."""
+        that one's prompt is in the cache, so it starts from the shared full pages. On a failed engine
+        the request fails at once."""
+        if self.error is not None:
+            sink(Event([], "error", self.error))
+            return
         with self._lock:
             self._pending += 1
         self.inbox.put(("add", request, sampling, sink, time.perf_counter(), after))
@@ -74,6 +94,11 @@ class Worker:
         self.stopping = True
         self.inbox.put(("wake",))
 
+    def halt(self) -> None:
+        """Abort everything it holds (each request gets its "abort" event), then end the thread."""
+        self.stopping = True
+        self.inbox.put(("halt",))
+
     def join(self, timeout: float | None = None) -> None:
         self.thread.join(timeout)
 
@@ -85,7 +110,9 @@ class Worker:
             except queue.Empty:
                 return
             block = False
-            if item[0] == "add":
+            if item[0] == "halt":
+                self._abort_all()
+            elif item[0] == "add":
                 self.held.append(item)
             elif item[0] == "abort" and item[1].id in self.tracked:
                 self.engine.scheduler.abort(item[1])
@@ -105,28 +132,65 @@ class Worker:
             if after is not None and after.finish_reason is None and after.generated == 0:
                 keep.append(item)
                 continue
-            self.tracked[request.id] = [request, sink, 0, arrival, None]
-            self.engine.submit(request, sampling)
             with self._lock:
                 self._pending -= 1
+            try:
+                self.engine.submit(request, sampling)
+            except (ValueError, TypeError) as err:  # ConfigError included: this request's own fault
+                request.finish_reason = "error"
+                sink(Event([], "error", str(err), status=400))
+                continue
+            self.tracked[request.id] = [request, sink, 0, arrival, None]
         self.held = keep
+
+    def _abort_all(self) -> None:
+        now = time.perf_counter()
+        for entry in self.tracked.values():
+            self.engine.scheduler.abort(entry[0])
+            self._report(entry, now, "abort")
+        for _, request, _, sink, _, _ in self.held:
+            request.finish_reason = "abort"
+            sink(Event([], "abort"))
+        self.tracked.clear()
+        self.held = []
+        with self._lock:
+            self._pending = 0
+
+    def _fail(self, err: Exception) -> None:
+        """The engine is unusable: every request it holds or will be given fails now."""
+        self.error = f"{type(err).__name__}: {err}"
+        event = Event([], "error", self.error)
+        for entry in self.tracked.values():
+            entry[1](event)
+        for item in self.held:
+            item[3](event)
+        while True:  # what is still in the inbox
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "add":
+                item[3](event)
+        self.tracked.clear()
+        self.held = []
+        with self._lock:
+            self._pending = 0
 
     def _loop(self) -> None:
         while True:
             self._take(block=self.engine.idle and not self.held)
             self._release()
             if self.engine.idle:
+                self.beat = time.monotonic()
                 if self.stopping and self.inbox.empty() and not self._pending:
                     return
                 continue
             try:
                 finished = {r.id for r in self.engine.step()}
-            except Exception as err:  # the engine is unusable: fail everything it holds
-                self.error = f"{type(err).__name__}: {err}"
-                for entry in self.tracked.values():
-                    entry[1](Event([], "error", self.error))
-                self.tracked.clear()
+            except Exception as err:  # noqa: BLE001 (any failure inside a step leaves the engine unusable)
+                self._fail(err)
                 return
+            self.beat = time.monotonic()
             now = time.perf_counter()
             for rid in list(self.tracked):
                 entry = self.tracked[rid]
@@ -158,15 +222,19 @@ class Router:
 
     def key(self, user: str | None, prompt: list[int]) -> str | None:
         if user:
-            return "user:" + user
+            return "user:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()
         if len(prompt) > self.page_size:  # a full page the cache could share
             head = ",".join(map(str, prompt[: self.page_size])).encode()
             return "prefix:" + hashlib.sha256(head).hexdigest()
         return None
 
-    def pick(self, key: str | None) -> int:
-        loads = [w.load if w.error is None else float("inf") for w in self.workers]
+    def pick(self, key: str | None, stall_timeout: float = float("inf")) -> int | None:
+        """The replica for a request with ``key``, or None when no replica is available (all failed
+        or stalled)."""
+        loads = [w.load if w.available(stall_timeout) else float("inf") for w in self.workers]
         best = min(range(len(loads)), key=loads.__getitem__)
+        if loads[best] == float("inf"):
+            return None
         chosen = self.sticky.get(key) if key is not None else None
         if chosen is not None and loads[chosen] <= loads[best] + self.slack:
             self.routed["sticky"] += 1

@@ -140,3 +140,32 @@ def test_abort_frees_a_running_and_dequeues_a_waiting_request():
     s.pages.check()
     s.abort(a)  # already finished: nothing happens
     assert a.finish_reason == "abort"
+
+
+def test_a_lone_sequence_that_cannot_grow_ends_with_length_and_the_queue_goes_on():
+    """A pool smaller than one full sequence (the engine refuses it; the scheduler must still not
+    livelock): 4 usable pages of 4 positions, sequences up to 64. The lone sequence fills the pool, ends
+    with "length" rather than being preempted for itself and recomputed forever, and the next runs."""
+    s = make(pages=5, page=4, max_length=64)
+    first, second = Request("a", [1] * 6, max_new_tokens=40), Request("b", [2] * 3, max_new_tokens=2)
+    s.add(first)
+    s.add(second)
+    plans = drive(s, steps=200)
+    assert s.idle and first.finish_reason == "length" and second.finish_reason == "length"
+    assert first.preemptions == 0 and len(first.tokens) == 17  # the 16 positions the pool holds, and one more
+    assert second.generated == 2 and len(plans) < 50
+
+
+def test_a_memory_budget_below_one_sequence_is_refused():
+    from flax import nnx
+
+    from jaxpar.errors import ConfigError
+    from jaxpar.inference.engine import Engine, page_bytes
+    from jaxpar.inference.generate import for_generation
+    from jaxpar.models import build_model, get_model_preset
+
+    model = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))
+    one = page_bytes(for_generation(model), 16)
+    with pytest.raises(ConfigError, match=r"memory_budget=.*need 5"):
+        Engine(model, page_size=16, max_length=64, memory_budget=4 * one)
+    assert Engine(model, page_size=16, max_length=64, memory_budget=5 * one).pages.num_pages == 5

@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from flax import nnx
 openai = pytest.importorskip("openai")
 
 PAGE = 16
+SHUTDOWN = 20  # --shutdown-timeout: seconds SIGTERM waits for the requests in flight
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
@@ -69,6 +71,10 @@ def server(tmp_path_factory):
             str(PAGE),
             "--chunk",
             "32",
+            "--shutdown-timeout",
+            str(SHUTDOWN),
+            "--body-timeout",
+            "600",  # so that only the shutdown limit can end the hung client of the SIGTERM test
         ],
         stderr=log,
         stdout=log,
@@ -247,7 +253,11 @@ def test_a_client_that_leaves_frees_its_sequence(server):
 
 
 def test_sigterm_completes_the_requests_in_flight_and_exits_0(server):
-    """Last in the module: it stops the server."""
+    """Last in the module: it stops the server. A client that sent 1 byte of a 100-byte body and hangs
+    does not hold the server past --shutdown-timeout."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    hung = socket.create_connection((host, int(port)))
+    hung.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
 
     def ask(p):
         chunks = list(
@@ -266,6 +276,7 @@ def test_sigterm_completes_the_requests_in_flight_and_exits_0(server):
         server.proc.send_signal(signal.SIGTERM)
         results = [f.result(timeout=120) for f in futures]
     assert all(reason == "length" for _, reason in results)
-    assert server.proc.wait(timeout=120) == 0, server.log.read_text()
+    assert server.proc.wait(timeout=SHUTDOWN + 60) == 0, server.log.read_text()
+    hung.close()
     drained = re.search(r"SIGTERM: finishing (\d+) sequence", server.log.read_text())
     assert drained and int(drained.group(1)) >= 1, server.log.read_text()  # some were still running

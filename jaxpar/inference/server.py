@@ -26,8 +26,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxpar.inference.api import APIError, Job, Parser, TextStream
+from jaxpar.inference.api import APIError, Job, Parser
 from jaxpar.inference.scheduler import Request
+from jaxpar.inference.text import TextStream
 from jaxpar.inference.worker import Router, Worker
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -52,6 +52,17 @@ def llama_style() -> Tokenizer:
     return tok
 
 
+def metaspace_style() -> Tokenizer:
+    """The same vocabulary, split and decoded by Metaspace (Mistral v0.3, Llama with legacy=False): its
+    decoder strips the first token's "▁" only."""
+    tok = llama_style()
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    metaspace = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), metaspace, decoders.Fuse()])
+    return tok
+
+
 def byte_level() -> Tokenizer:
     """GPT-2's layout: byte-level BPE trained on LINES, so some tokens end inside a character."""
     tok = Tokenizer(models.BPE())
@@ -65,7 +76,7 @@ def byte_level() -> Tokenizer:
     return tok
 
 
-TOKENIZERS = {"byte-fallback": llama_style(), "byte-level": byte_level()}
+TOKENIZERS = {"byte-fallback": llama_style(), "metaspace": metaspace_style(), "byte-level": byte_level()}
 
 
 @pytest.fixture(params=list(TOKENIZERS))

@@ -20,8 +20,10 @@ Text is held back (an empty delta, the window grows) while it is not final:
   tokens do not end a run: ``decode`` drops them before the decoder sees the tokens.
 
 With both rules the concatenated deltas equal the full decode exactly, also for invalid UTF-8 (random
-ids), for these decoders and those that act per token (``Replace``, ``Fuse``, ``Strip``, ``Metaspace``,
-WordLevel's join). At ``final`` the rest is sent whatever it ends in. The cost: text spelled in byte
+ids), for these decoders combined with those that act per token or on the first one (``Replace``,
+``Fuse``, ``Strip``, ``Metaspace``; WordLevel's join): tests/test_text.py checks Llama-2's, Metaspace's
+and GPT-2's layouts. A decoder that rewrites text across tokens in other ways gets the window's text
+past the context's length. At ``final`` the rest is sent whatever it ends in. The cost: text spelled in byte
 tokens (an emoji, a character outside the vocabulary) is sent when its run ends, not character by
 character. Each step decodes the window only: the last delta's ids plus those since (a run of byte tokens
 is not decoded until it ends).

@@ -1,12 +1,12 @@
-"""The OpenAI request format without a server: what is refused and why, chat templates, streamed text
-with stop strings, and the replica router."""
+"""The OpenAI request format without a server: what is refused and why, chat templates, and the replica
+router (streamed text and stop strings: tests/test_text.py)."""
 
 import json
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from jaxpar.inference.api import APIError, Parser, TextStream, load_chat_template
+from jaxpar.inference.api import APIError, Parser, load_chat_template
 from jaxpar.inference.worker import Router
 
 TEMPLATE = (
@@ -122,16 +122,6 @@ def test_chat_template_found_beside_the_tokenizer(tmp_path):
     assert load_chat_template(tmp_path / "tokenizer.json") == ("T", {"bos_token": "<s>"})
     (tmp_path / "chat_template.jinja").write_text("J")
     assert load_chat_template(tmp_path / "tokenizer.json")[0] == "J"
-
-
-def test_text_stream_holds_back_a_stop_string_until_it_is_decided(tokenizer):
-    ids = lambda text: tokenizer.encode(text).ids
-    stream = TextStream(tokenizer, ["w3 w4"])
-    assert stream.add(ids("w1")) == "w1"
-    assert stream.add(ids("w3")) == " "  # "w3" may begin the stop string: held back
-    assert stream.add(ids("w5")) == "w3 w5"
-    assert stream.add(ids("w3 w4 w6")) == " " and stream.stopped  # cut before the stop string
-    assert stream.sent == "w1 w3 w5 "
 
 
 class FakeWorker:

@@ -375,29 +375,3 @@ class Parser:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
-
-
-class TextStream:
-    """A choice's text as its tokens arrive: the new suffix each time, held back while the decoded text
-    ends in an incomplete UTF-8 character, cut at the first stop string."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.sent = ""
-        self.stopped = False
-
-    def add(self, ids: list[int], *, final: bool = False) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
-        for s in self.stops:
-            at = text.find(s)
-            if at >= 0:
-                text, self.stopped, final = text[:at], True, True
-        if not final:  # a stop string may be starting: hold it back
-            hold = max([k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
-            text = text[: len(text) - hold]
-        if (not final and text.endswith("\ufffd")) or not text.startswith(self.sent):
-            return ""  # wait for the rest of the character
-        new, self.sent = text[len(self.sent) :], text
-        return new

@@ -34,10 +34,11 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxpar.inference.api import APIError, Job, Parser, TextStream, quote
+from jaxpar.inference.api import APIError, Job, Parser, quote
 from jaxpar.inference.limits import Limits
 from jaxpar.inference.middleware import APIKey, Metrics, StatusCounter
 from jaxpar.inference.scheduler import Request
+from jaxpar.inference.text import TextStream
 from jaxpar.inference.worker import Router, Worker
 
 

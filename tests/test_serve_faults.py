@@ -17,11 +17,10 @@ import time
 
 import numpy as np
 import pytest
-from flax import nnx
+from serve_inprocess import idle, serving
 
 from jaxpar.inference.limits import Limits
 
-PAGE, LENGTH = 16, 64
 LIMITS = Limits(
     max_body_bytes=32 * 1024,
     body_timeout=1.0,
@@ -37,34 +36,8 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def served():
-    import uvicorn
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    from jaxpar.inference.api import Parser
-    from jaxpar.inference.engine import Engine
-    from jaxpar.inference.server import Service, build_app
-    from jaxpar.models import build_model, get_model_preset
-
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    words = [f"w{i}" for i in range(300)]
-    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(vocab_size=256, special_tokens=["[UNK]"]))
-    model = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))
-    engines = [Engine(model, max_slots=4, page_size=PAGE, max_length=LENGTH, chunk=16) for _ in range(2)]
-    for engine in engines:
-        engine.warm_up()  # as `jaxpar serve` does: no compile inside a request's deadline
-    parser = Parser(model_name="tiny", vocab_size=256, max_length=LENGTH, tokenizer=tok, limits=LIMITS)
-    service = Service(engines, parser, tokenizer=tok, page_size=PAGE, limits=LIMITS, api_key=KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(service), log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield service, sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(30)
+    with serving(LIMITS, api_key=KEY) as running:
+        yield running
 
 
 def call(port, method, path, body=None, *, key=KEY, headers=None, timeout=30):
@@ -88,16 +61,6 @@ def complete(port, **fields):
 
 def healthy(port) -> bool:
     return call(port, "GET", "/health", key=None)[0] == 200
-
-
-def idle(service, wait: float = 10.0) -> bool:
-    """Every replica ends with no sequence, queued or running, and no page in use."""
-    deadline = time.time() + wait
-    while time.time() < deadline:
-        if all(w.engine.idle and w.engine.pages.used == 0 and not w.held for w in service.workers):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize(

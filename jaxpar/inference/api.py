@@ -111,11 +111,22 @@ def quote(value) -> str:
     return text if len(text) <= QUOTED else text[: QUOTED - 1] + "…"
 
 
+def whole(value) -> int | None:
+    """``value`` as an integer when JSON Schema calls it one (3 or 3.0), else None (true, 3.5, "3")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    return value
+
+
 def _number(body: dict, name: str, default, low, high, *, low_open: bool = False, integer: bool = False):
     value = body.get(name, default)
     if value is None:
         return default
     kind = "an integer" if integer else "a number"
+    if integer and whole(value) is not None:
+        value = whole(value)
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise APIError(f"'{name}' must be {kind}, got {quote(value)}", param=name)
     if isinstance(value, float) and not math.isfinite(value):
@@ -276,8 +287,8 @@ class Parser:
         def ids(value, where: str) -> list[int]:
             if isinstance(value, str):
                 out = self._text(value, where)
-            elif isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-                out = list(value)
+            elif isinstance(value, list) and all(whole(t) is not None for t in value):
+                out = [whole(t) for t in value]
             else:
                 raise APIError(f"'{where}' must be text, a list of token ids, or a list of either", param="prompt")
             bad = [t for t in out if not 0 <= t < self.vocab_size]
@@ -364,13 +375,11 @@ class Parser:
 
     def _stop_ids(self, body: dict) -> frozenset:
         ids = body.get("stop_token_ids") or []
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids
-        ):
+        if not isinstance(ids, list) or not all(whole(t) is not None and 0 <= whole(t) < self.vocab_size for t in ids):
             raise APIError(
                 f"'stop_token_ids' must be a list of token ids in [0, {self.vocab_size})", param="stop_token_ids"
             )
-        return frozenset(ids)
+        return frozenset(whole(t) for t in ids)
 
 
 def _no_constant(name: str):

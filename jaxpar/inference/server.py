@@ -3,7 +3,7 @@ replicas (``jaxpar.inference.worker``).
 
     POST /v1/completions         text or token-id prompts; ``stream: true`` sends server-sent events
     POST /v1/chat/completions    when the tokenizer carries a chat template
-    GET  /v1/models   /health   /metrics (Prometheus text)
+    GET  /v1/models   /health   /metrics (Prometheus text)   /openapi.json (``jaxpar.inference.openapi``)
 
 A request is read within the body limits, then parsed and checked (``jaxpar.inference.api``) on a
 thread beside the event loop, before any replica sees it: a bad one gets OpenAI's error object with
@@ -37,6 +37,7 @@ from starlette.routing import Route
 from jaxpar.inference.api import APIError, Job, Parser, quote
 from jaxpar.inference.limits import Limits
 from jaxpar.inference.middleware import APIKey, Metrics, StatusCounter
+from jaxpar.inference.openapi import schema
 from jaxpar.inference.scheduler import Request
 from jaxpar.inference.text import TextStream
 from jaxpar.inference.worker import Router, Worker
@@ -181,6 +182,7 @@ class API:
     def __init__(self, service: Service):
         self.service = service
         self.model = service.parser.model_name
+        self.schema = schema(self.model, service.parser.vocab_size, service.limits)
 
     async def completions(self, http: HTTPRequest) -> Response:
         return await self._generate(http, "completions")
@@ -367,6 +369,7 @@ def build_app(service: Service) -> Starlette:
         Route("/v1/models", api.models),
         Route("/health", api.health),
         Route("/metrics", api.metrics),
+        Route("/openapi.json", lambda _: JSONResponse(api.schema)),
     ]
     middleware = [Middleware(StatusCounter, counter=service.metrics.requests)]
     if service.api_key is not None:

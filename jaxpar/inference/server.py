@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -202,6 +203,8 @@ class API:
             choices = self.service.submit(job)
         except APIError as err:
             return _error(err)
+        except ClientDisconnect:  # gone before its body was in: nobody to answer
+            return Response(status_code=499)
         if job.stream:
             return StreamingResponse(self._stream(job, choices, deadline), media_type="text/event-stream")
         whole = asyncio.ensure_future(self._whole(job, choices))

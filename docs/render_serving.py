@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from render_kit import gb_text, load, markdown, pct, table
 
+from jaxpar.inference.limits import Limits
+
 # --- Hugging Face -------------------------------------------------------------------------------------------
 
 
@@ -139,3 +141,10 @@ def serve_speculative() -> str:
             ]
         )
     return markdown(["decoding", "tokens/s", "against plain", "step ms", "guesses kept"], rows, "lrrrr")
+
+
+@table("serve-limits")
+def serve_limits() -> str:
+    """Every limit of ``jaxpar serve``, from ``jaxpar.inference.limits.Limits`` itself."""
+    rows = [[f"`{flag}`", default, answer, what] for flag, default, answer, what in Limits.table()]
+    return markdown(["flag", "default", "over it", "what it bounds"], rows, "lrll")

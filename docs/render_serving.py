@@ -148,3 +148,17 @@ def serve_limits() -> str:
     """Every limit of ``jaxpar serve``, from ``jaxpar.inference.limits.Limits`` itself."""
     rows = [[f"`{flag}`", default, answer, what] for flag, default, answer, what in Limits.table()]
     return markdown(["flag", "default", "over it", "what it bounds"], rows, "lrll")
+
+
+@table("serve-health")
+def serve_health() -> str:
+    """``/health`` latency while the largest requests are parsed (benchmarks/serve_health.py)."""
+    data = load("serve_health_cpu.json")
+    rows = []
+    for kind in ("idle", "text", "ids", "too_long", "deep"):
+        run, ms = data[kind], data[kind]["health_ms"]
+        size = f"{run['bytes'] / 2**20:.2f} MiB" if "bytes" in run else "none"
+        answered = f"{run['answered_ms_median']:.0f} ms" if "answered_ms_median" in run else ""
+        rows.append([kind, size, answered, f"{ms['p50']:.1f}", f"{ms['p99']:.1f}", f"{ms['max']:.1f}"])
+    header = ["request in flight", "body", "answered in (median)", "/health p50 ms", "p99 ms", "max ms"]
+    return markdown(header, rows, "lrrrrr")

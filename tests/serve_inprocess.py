@@ -1,10 +1,9 @@
-"""``jaxpar serve``'s app in this process: uvicorn on a thread, loopback, port 0, over tiny engine
-replicas, so a test can reach into the engines (break one, wedge one) while clients speak HTTP to it.
+"""``jaxpar serve``'s app in this process (``jaxpar.inference.embedded``: uvicorn on a thread, loopback,
+port 0) over tiny engine replicas, so a test can reach into the engines (break one, wedge one) while
+clients speak HTTP to it.
 Used by tests/test_serve_faults.py and tests/test_serve_fuzz.py."""
 
 import contextlib
-import socket
-import threading
 import time
 
 from flax import nnx
@@ -27,11 +26,10 @@ def word_tokenizer():
 def serving(limits, *, api_key=None, replicas: int = 2, slots: int = 4):
     """Yields (service, port) of a running server, with a chat template that joins the messages'
     contents; stops it on exit."""
-    import uvicorn
-
     from jaxpar.inference.api import Parser
+    from jaxpar.inference.embedded import running
     from jaxpar.inference.engine import Engine
-    from jaxpar.inference.server import Service, build_app
+    from jaxpar.inference.server import Service
     from jaxpar.models import build_model, get_model_preset
 
     tok = word_tokenizer()
@@ -44,25 +42,8 @@ def serving(limits, *, api_key=None, replicas: int = 2, slots: int = 4):
         model_name="tiny", vocab_size=256, max_length=LENGTH, tokenizer=tok, chat_template=template, limits=limits
     )
     service = Service(engines, parser, tokenizer=tok, page_size=PAGE, limits=limits, api_key=api_key)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(
-        build_app(service),
-        log_level="warning",
-        limit_concurrency=limits.max_connections,
-        timeout_graceful_shutdown=2,
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield service, sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with running(service) as port:
+        yield service, port
 
 
 def idle(service, wait: float = 10.0) -> bool:

@@ -92,6 +92,21 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         default=None,
         help="simulate this many CPU devices (per process when there are several)",
     )
+    _add_processes(parser)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set any config field by its dotted path (repeatable; listed below)",
+    )
+    parser.add_argument("--profile-steps", default=None, metavar="A:B", help="jax.profiler trace of steps A..B")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR", help="persistent compilation cache")
+
+
+def _add_processes(parser: argparse.ArgumentParser) -> None:
+    """The flags of a run over several processes (``jax.distributed``)."""
     group = parser.add_argument_group("several processes (docs/scale-out.md)")
     group.add_argument(
         "--distributed",
@@ -119,16 +134,6 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         metavar="I",
         help="this process, 0..N-1 (env JAXPAR_PROCESS_ID); implies --distributed",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="set any config field by its dotted path (repeatable; listed below)",
-    )
-    parser.add_argument("--profile-steps", default=None, metavar="A:B", help="jax.profiler trace of steps A..B")
-    parser.add_argument("--compile-cache", default=None, metavar="DIR", help="persistent compilation cache")
 
 
 def build_config(args: argparse.Namespace, /):

@@ -3,9 +3,10 @@
     train(cfg, out_dir) -> RunResult
 
 Order of work, so that bad input costs nothing and loses nothing:
-  1. checks that need no writes: config, mesh and layout (divisibility), data files (ids < vocab),
-     and the run directory and ``init_from`` (``jaxpar.identity``: a checkpoint or config.json of
-     another run, or a checkpoint whose arrays do not fit, is refused, listing every difference)
+  1. checks that need no writes: config, mesh and layout (divisibility; ``layout.py``), data files
+     (ids < vocab), and the run directory and ``init_from`` (``rundir.py``, with ``jaxpar.identity``: a
+     checkpoint or config.json of another run, or a checkpoint whose arrays do not fit, is refused,
+     listing every difference)
   2. only then: init (or restore + reshard) the state; once it exists, write DIR/config.json (under a
      temporary name, renamed into place), then compile and train
 
@@ -26,31 +27,24 @@ an unfinished one is never listed.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 
-from jaxpar.checkpoint import Checkpointer, CheckpointError, SavedRun, abstract_like, latest
-from jaxpar.convert.store import load_model
+from jaxpar.checkpoint import Checkpointer, SavedRun, abstract_like
 from jaxpar.data import make_loader, to_global
-from jaxpar.identity import Entry, check_fits
-from jaxpar.layout import Layout, make_layout
-from jaxpar.meshes import resolve_mesh_arg
-from jaxpar.models import DenseConfig, build_model
-from jaxpar.pipeline.executor import check_stack
-from jaxpar.pipeline.ops import check_pipeline
-from jaxpar.pipeline.schedules import build
+from jaxpar.layout import Layout
+from jaxpar.models import build_model
 from jaxpar.train.config import ConfigError, TrainConfig, to_dict
 from jaxpar.train.guard import NonFinite, NonFiniteError, NonFiniteGuard, Preemption
+from jaxpar.train.layout import batch_slices, pipeline_table, plan_layout
+from jaxpar.train.layout import check_process_rows as check_process_rows  # imported from here by callers
 from jaxpar.train.metrics import MetricsLog, throughput
 from jaxpar.train.optim import make_optimizer, make_schedule
+from jaxpar.train.rundir import check_init_from, check_out_dir, with_weights_of, write_json
 from jaxpar.train.step import InitProgram, TrainState, batch_sharding, init_program, make_eval_step, make_train_step
 
 BARRIER_TIMEOUT_S = 3600  # how long processes wait for each other at a barrier (compiles can be slow)
@@ -65,136 +59,6 @@ class RunResult:
     eval_losses: dict[int, float]
     entropy_rate: float | None  # of the synthetic source, when that is the data
     preempted: bool = False  # stopped after last_step by a preemption notice (checkpoint saved)
-
-
-def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
-    """The checked layout of ``cfg`` (mesh, rules, divisibility of the batch and of every dimension)."""
-    preset = resolve_mesh_arg(cfg.mesh)
-    layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices, execution=cfg.execution)
-    if layout.mesh.shape["stage"] > 1:
-        _check_pipelined(cfg, layout.mesh.shape)
-    micro = cfg.batch // batch_slices(cfg, layout)
-    sharded = math.prod(layout.mesh.shape[a] for a in layout.rules["batch"])
-    if micro % sharded:
-        split = (
-            f"pipeline.microbatches={cfg.pipeline.microbatches}"
-            if layout.mesh.shape["stage"] > 1
-            else f"grad_accum={cfg.grad_accum}"
-        )
-        raise ConfigError(
-            f"batch={cfg.batch} / {split} = {micro} rows per slice "
-            f"is not divisible by the {sharded} devices the batch is split over "
-            f"({' × '.join(f'{a}={layout.mesh.shape[a]}' for a in layout.rules['batch'])})"
-        )
-    if jax.process_count() > 1:
-        check_process_rows(cfg, layout, jax.process_index(), jax.process_count(), jax.local_devices())
-    return layout
-
-
-def _check_pipelined(cfg: TrainConfig, shape) -> None:
-    """A mesh with ``stage`` > 1: the schedule, the model's stack and the batch fit the pipeline."""
-    stages = shape["stage"]
-    check_pipeline(cfg.pipeline.schedule, stages, cfg.pipeline.microbatches, cfg.pipeline.virtual_stages)
-    check_stack(cfg.model, stages, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches)
-    if cfg.grad_accum != 1:
-        raise ConfigError(
-            f"grad_accum={cfg.grad_accum} with mesh stage={stages}: the pipeline's microbatches "
-            "already accumulate the gradient; set pipeline.microbatches"
-        )
-    if cfg.batch % cfg.pipeline.microbatches:
-        raise ConfigError(f"batch={cfg.batch} is not divisible by pipeline.microbatches={cfg.pipeline.microbatches}")
-
-
-def batch_slices(cfg: TrainConfig, layout: Layout) -> int:
-    """How many slices one step splits its batch into: the pipeline's microbatches, or ``grad_accum``."""
-    return cfg.pipeline.microbatches if layout.mesh.shape["stage"] > 1 else cfg.grad_accum
-
-
-def pipeline_table(cfg: TrainConfig, layout: Layout):
-    """The schedule table the train step runs when the mesh has ``stage`` > 1, else None."""
-    stages = layout.mesh.shape["stage"]
-    if stages == 1:
-        return None
-    return build(cfg.pipeline.schedule, stages, cfg.pipeline.microbatches, cfg.pipeline.virtual_stages)
-
-
-def check_process_rows(cfg: TrainConfig, layout: Layout, p: int, n: int, local_devices) -> None:
-    """Process ``p`` of ``n`` loads rows [p·b, (p+1)·b) of each global batch, all positions
-    (``data.py``), so its ``local_devices`` must hold exactly those. Refuses a layout that splits the
-    batch across processes in another order, or splits positions or replicates rows across processes."""
-    local = set(local_devices)
-    indices = batch_sharding(layout)["inputs"].devices_indices_map((cfg.batch, cfg.seq))
-    held = [index for device, index in indices.items() if device in local]
-    rows = sorted({r for index in held for r in range(*index[0].indices(cfg.batch))})
-    cols = {c for index in held for c in range(*index[1].indices(cfg.seq))}
-    b = cfg.batch // n
-    if rows != list(range(p * b, (p + 1) * b)) or len(cols) != cfg.seq:
-        raise ConfigError(
-            f"--mesh {cfg.mesh} on {n} processes: process {p} loads rows {p * b}..{(p + 1) * b - 1} (all "
-            f"{cfg.seq} positions) of each batch, but its devices hold rows {rows[0]}..{rows[-1]} "
-            f"({len(rows)} rows) and {len(cols)} positions. The axes that split the batch must span the "
-            "processes in order and sequence must stay inside each process (docs/scale-out.md)"
-        )
-
-
-def _check_out_dir(out: Path, config: dict, abstract) -> SavedRun | None:
-    """The checkpoint to resume from (None for a fresh run); refuses a run directory of another run, or
-    a checkpoint whose arrays do not fit ``abstract`` (the state this run would create)."""
-    if out.exists() and not out.is_dir() or any(p.is_file() for p in out.parents):
-        raise CheckpointError(f"--out {out}: is a file (or inside one), not a run directory; nothing was written")
-    saved = latest(out / "checkpoints")
-    if saved is not None:
-        check_fits(
-            Entry.RESUME,
-            saved_config=saved.config,
-            current=config,
-            step=saved.step,
-            where=out,
-            checkpoints=out / "checkpoints",
-            abstract=abstract,
-        )
-    elif (out / "config.json").is_file():
-        try:
-            previous = json.loads((out / "config.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(
-                f"{out / 'config.json'}: not valid JSON, so not a run this one can resume; "
-                "nothing was written. Use another --out."
-            ) from None
-        check_fits(Entry.RESUME, saved_config=previous, current=config, step=None, where=out / "config.json")
-    return saved
-
-
-def _check_init_from(cfg: TrainConfig) -> None:
-    """``cfg.init_from``'s model must be this run's (``jaxpar.identity``: the model config, whole, and
-    every array's shape and dtype); checked abstractly, before any write."""
-    ckpt = Path(cfg.init_from).resolve()
-    saved = latest(ckpt / "checkpoints")
-    if saved is None:
-        raise CheckpointError(
-            f"--init-from {ckpt}: holds no complete checkpoint (expected {ckpt / 'checkpoints'}/<step>)"
-        )
-    model = saved.config.get("model") if isinstance(saved.config, dict) else None
-    is_run = isinstance(saved.config, dict) and saved.config.get("format") != "jaxpar-model"
-    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, execution=cfg.execution, rngs=nnx.Rngs(0))))
-    check_fits(
-        Entry.INIT_FROM,
-        saved_config=model,
-        current=to_dict(cfg.model, DenseConfig),
-        step=saved.step,
-        where=ckpt,
-        checkpoints=ckpt / "checkpoints",
-        abstract=abstract,
-        prefix="0/" if is_run else "",
-    )
-
-
-def _with_weights_of(cfg: TrainConfig, state, layout: Layout):
-    """``state`` (model, fresh optimizer) with the model replaced by ``cfg.init_from``'s, restored onto
-    the layout (``_check_init_from`` has passed)."""
-    model, _ = load_model(cfg.init_from, layout)
-    state[0] = nnx.state(model)
-    return state
 
 
 def moe_record(stats, /, *, slices: int) -> dict:
@@ -216,12 +80,6 @@ def all_processes_reach(name: str, /) -> None:
     first collective; compile times on a loaded host differ by more than that."""
     if jax.process_count() > 1:
         ocp.multihost.get_barrier_sync_fn()(key=f"jaxpar-{name}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _make_loaders(cfg: TrainConfig) -> dict:
@@ -270,9 +128,9 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
         layout,
         seed=cfg.seed,
     )
-    saved = _check_out_dir(out, config, program.abstract)
+    saved = check_out_dir(out, config, program.abstract)
     if cfg.init_from and saved is None:
-        _check_init_from(cfg)
+        check_init_from(cfg)
     loaders = _make_loaders(cfg)
     # ---- nothing was written before this line
     if cfg.log.compile_cache:
@@ -317,7 +175,7 @@ class _Run:
             self.checkpoints.close()
             raise
         if jax.process_index() == 0:  # the run's config, once its state exists
-            _write_json(out / "config.json", config)
+            write_json(out / "config.json", config)
         self.ts = TrainState(program.graphdef, state, program.shardings)
         self.metrics = MetricsLog(
             out,
@@ -344,7 +202,7 @@ class _Run:
             if saved is None:
                 self.start = 0
                 state = program.create()
-                return _with_weights_of(self.cfg, state, self.layout) if self.cfg.init_from else state
+                return with_weights_of(self.cfg, state, self.layout) if self.cfg.init_from else state
             abstract = abstract_like(program.abstract, program.shardings)
             state, position = self.checkpoints.restore(saved.step, abstract)
             self.loader.set_state(position)

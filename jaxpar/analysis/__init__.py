@@ -7,11 +7,11 @@ from jaxpar.analysis.hlo import (
     CompiledReport,
     analyze,
     analyze_compiled,
-    expand_replica_groups,
     parse_collectives,
     summarize,
 )
 from jaxpar.analysis.loops import Multiplicity, computation_multiplicity
+from jaxpar.analysis.replica_groups import expand_replica_groups
 
 __all__ = [
     "KINDS",

@@ -46,7 +46,8 @@ from jaxpar.analysis.costmodel import measured_bytes
 from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.hlo import analyze_compiled
 from jaxpar.analysis.links import latency_by_axis
-from jaxpar.analysis.plan import cpu_compilable, link_of, plan_execution
+from jaxpar.analysis.plan import cpu_compilable, plan_execution
+from jaxpar.analysis.prediction import link_of, link_seconds
 from jaxpar.errors import JaxparError
 from jaxpar.inference.generate import abstract_cache, compile_programs
 from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, generation_execution
@@ -172,27 +173,9 @@ def _predict(
     efficiency,
     described: dict,
 ) -> InferencePlan:
-    devices = math.prod(shape.values())
-    head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # the LM head runs at each row's last position only
-    forward = cfg.flops_per_token(context) / 3 - head  # per prompt token, causal attention halved
-    prefill_flops = (forward * context + head) * batch / devices
-    comm = lambda measured: {k: v / link_of(k, shape, hw)[1] for k, v in measured.items()}
-    prefill_s = (
-        prefill_flops / (hw.peak_bf16_flops * efficiency) + sum(comm(pre_bytes).values()) + sum(latency[0].values())
-    )
-    decode_flops = cfg.flops_per_token(2 * context) / 3 * batch / devices  # attention over all context positions
+    prefill_flops, prefill_s = _prefill(cfg, shape, batch, context, hw, efficiency, pre_bytes, latency[0])
     read = weights + kv_device
-    times = dict(
-        memory_s=read / hw.hbm_bandwidth,
-        compute_s=decode_flops / (hw.peak_bf16_flops * efficiency),
-        communication_s=comm(dec_bytes),
-        latency_s=latency[1],
-    )
-    step = (
-        max(times["memory_s"], times["compute_s"])
-        + sum(times["communication_s"].values())
-        + sum(times["latency_s"].values())
-    )
+    decode_flops, times, step = _decode(cfg, shape, batch, context, hw, efficiency, read, dec_bytes, latency[1])
     return InferencePlan(
         model=model,
         mesh={a: n for a, n in shape.items() if n > 1},
@@ -218,6 +201,41 @@ def _predict(
         link_by_axis={k: link_of(k, shape, hw)[0] for k in {**pre_bytes, **dec_bytes}},
         assumptions=dict(efficiency=efficiency, **described),
     )
+
+
+def _prefill(cfg, shape: dict, batch: int, context: int, hw, efficiency: float, measured: dict, latency: dict):
+    """(FLOPs per device, seconds) of the prefill of ``batch`` prompts of ``context`` tokens: its compute
+    at ``efficiency`` × peak, its collectives' bytes (``measured``) over their links, and their latency."""
+    devices = math.prod(shape.values())
+    head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # the LM head runs at each row's last position only
+    forward = cfg.flops_per_token(context) / 3 - head  # per prompt token, causal attention halved
+    flops = (forward * context + head) * batch / devices
+    seconds = (
+        flops / (hw.peak_bf16_flops * efficiency)
+        + sum(link_seconds(measured, shape, hw).values())
+        + sum(latency.values())
+    )
+    return flops, seconds
+
+
+def _decode(cfg, shape: dict, batch: int, context: int, hw, efficiency: float, read: float, measured, latency):
+    """(FLOPs per device, times, seconds) of one decode step that reads ``read`` bytes per device: the
+    slower of its memory and compute time, plus its collectives' bytes (``measured``) over their links
+    and their latency."""
+    devices = math.prod(shape.values())
+    flops = cfg.flops_per_token(2 * context) / 3 * batch / devices  # attention over all context positions
+    times = dict(
+        memory_s=read / hw.hbm_bandwidth,
+        compute_s=flops / (hw.peak_bf16_flops * efficiency),
+        communication_s=link_seconds(measured, shape, hw),
+        latency_s=latency,
+    )
+    step = (
+        max(times["memory_s"], times["compute_s"])
+        + sum(times["communication_s"].values())
+        + sum(times["latency_s"].values())
+    )
+    return flops, times, step
 
 
 def format_inference_plan(p: InferencePlan) -> str:

@@ -17,31 +17,8 @@ What the CPU compile cannot say as such (so the lab corrects it, and says so):
       flash attention (MaxText's Llama2-7B, which trains on 80 GB H100s, compiles here to 137 GB). ``fits``
       uses the analytic estimate (``costmodel.memory_estimate``); ``fits_compiled`` the CPU number.
 
-Roofline (stated assumptions, every one a parameter of ``predict``):
-    compute   training FLOPs per device at ``efficiency`` × peak
-    memory    estimated HBM bytes per device at the HBM bandwidth
-    bubble    with ``stage`` > 1 (``pipeline_costs``): the stages' busy time max(compute, memory) is
-              stretched by 1/(1 − bubble). The bubble is jaxpar's executor's, not the papers': every stage
-              runs one section per tick, the one the tick's most expensive action needs (forward, input-
-              gradient vjp, full vjp; masked where the action is another), so a tick lasts that section;
-              the ideal (event-driven) and lockstep (slowest op per tick) bubbles are reported next to it
-              (lockstep equals the executor's except in zero_bubble's W ticks). Durations are the
-              executor's: B recomputes its chunk's forward, every B and W runs the LM head (masked) too
-              (``costmodel.executor_durations``); the FLOPs per device count that work.
-    links     each axis group's measured bytes over its link: the fast link when the group's devices fit in
-              one fast domain (axes are laid out innermost-last: tensor, sequence, expert, fsdp, data,
-              stage), else the slow link. ``stage`` is outermost: its group spans the whole mesh, so on
-              more devices than one fast domain its sends cross the slow link (where pipelines belong)
-    overlap   weight and gradient traffic (groups of data/fsdp axes) hides behind compute up to
-              ``overlap`` × compute (stretched by the bubble: the executor's masked sections compute);
-              activation traffic (tensor, sequence, expert) sits between dependent matmuls and is exposed
-              in full. So is ``stage``: the executor sends a tick's outputs after its sections and the next
-              tick reads them (a loop-carried dependency XLA does not overlap; real pipelines overlap the
-              next microbatch's send with compute, this one does not), and its gradient all-reduce of the
-              stage-replicated parameters runs after the last tick. A tick's sends run on every stage at
-              once, so the stage time is the sends on the critical path: (ticks with a forward send +
-              ticks with a backward send) × one stage input, not the mean bytes per device
-    step      max(compute, memory) / (1 − bubble) + exposed communication
+The prediction: ``jaxpar.analysis.prediction`` (the roofline, every assumption stated, or the mechanism
+model of ``jaxpar.analysis.steptime``).
 
 Stage bytes read from the program: each send's size (one microbatch's stage input on one device) is read
 from the compiled collective-permutes on ``stage``; how many run per step comes from the table, since
@@ -60,7 +37,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.analysis.calibration import CALIBRATED
 from jaxpar.analysis.costmodel import (
     Activations,
     flash_attention,
@@ -72,11 +48,10 @@ from jaxpar.analysis.costmodel import (
     schedule_table,
     stage_input_bytes,
 )
-from jaxpar.analysis.hardware import Hardware, get_hardware
+from jaxpar.analysis.hardware import get_hardware
 from jaxpar.analysis.hlo import analyze_compiled
-from jaxpar.analysis.links import group_span
-from jaxpar.analysis.steptime import mechanism_times
-from jaxpar.analysis.workload import workload_of
+from jaxpar.analysis.prediction import link_of, step_times
+from jaxpar.analysis.prediction import predict as predict  # imported from here by callers
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig, Remat
 from jaxpar.layout import make_layout
@@ -88,7 +63,6 @@ from jaxpar.train.config import PipelineConfig
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
 from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
 
-WEIGHT_AXES = {"data", "fsdp"}
 FLAG_RATIO = 1.2
 
 
@@ -206,47 +180,6 @@ def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatc
     return table
 
 
-def link_of(key: str, mesh: dict, hw: Hardware) -> tuple[str, float]:
-    """The link an axis group's collectives cross: the fast one when the block it spans
-    (``links.group_span``) fits one fast domain."""
-    fits = group_span(key.split("+"), mesh) <= hw.fast_domain
-    return ("fast", hw.fast_link) if fits else ("slow", hw.slow_link)
-
-
-def predict(
-    measured: dict,
-    *,
-    flops: float,
-    bytes_accessed: float,
-    mesh: dict,
-    hw: Hardware,
-    efficiency: float = 0.6,
-    overlap: float = 0.8,
-    bubble: float = 0.0,
-    stage_bytes: float | None = None,
-) -> dict:
-    """The step time (module docstring). ``bubble``: the pipeline's idle share of stage time;
-    ``stage_bytes``: the stage traffic on the step's critical path (default ``measured["stage"]``)."""
-    compute = flops / (hw.peak_bf16_flops * efficiency)
-    memory = bytes_accessed / hw.hbm_bandwidth
-    busy = max(compute, memory) / (1 - bubble)
-    traffic = dict(measured) | ({} if stage_bytes is None else {"stage": stage_bytes})
-    comm = {key: value / link_of(key, mesh, hw)[1] for key, value in traffic.items()}
-    hidden = sum(t for k, t in comm.items() if set(k.split("+")) <= WEIGHT_AXES)
-    exposed = max(0.0, hidden - overlap * compute / (1 - bubble)) + sum(
-        t for k, t in comm.items() if not set(k.split("+")) <= WEIGHT_AXES
-    )
-    return dict(
-        compute_s=compute,
-        memory_s=memory,
-        bubble_fraction=bubble,
-        pipelined_s=busy,
-        communication_s=comm,
-        exposed_communication_s=exposed,
-        step_s=busy + exposed,
-    )
-
-
 def stage_sends_measured(ops, costs: dict, *, act_bytes: int) -> tuple[list, dict]:
     """(the collectives but the stage sends, what the sends cost): ``send_bytes``, one send on one device
     as compiled (counted at the compute dtype's width: XLA:CPU sends bf16 as f32), ``per_device`` (the
@@ -277,61 +210,6 @@ def _pipeline_traffic(report, costs, acts, shape, rules, act_scale):
     return measured, others + sends["critical_path"]
 
 
-def step_times(
-    cfg,
-    execution: ExecutionConfig,
-    shape: dict,
-    dcn: dict,
-    measured: dict,
-    *,
-    batch: int,
-    seq: int,
-    hw: Hardware,
-    flops: float,
-    bytes_accessed: float,
-    efficiency: float | None,
-    overlap: float | None,
-    stage_bytes: float | None = None,
-    pipeline: dict | None = None,
-) -> tuple[dict, dict]:
-    """(times, assumptions): the mechanism model (``jaxpar.analysis.steptime``) where it describes the model
-    and layout and neither ``efficiency`` nor ``overlap`` is given; otherwise the roofline ``predict`` with
-    the calibrated matmul share of the chip's family (or ``efficiency``) and ``overlap`` (default 0.8).
-    ``pipeline``: the executor's costs (``pipeline_costs``) where the mesh has ``stage`` > 1: its bubble
-    stretches the step."""
-    base = dict(compute_dtype=execution.dtype, remat=execution.remat.value)
-    ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}
-    bubble = pipeline["executor_bubble_fraction"] if pipeline else 0.0
-    pipe = pipeline and dict(
-        microbatches=pipeline["microbatches"],
-        virtual_stages=pipeline["virtual_stages"],
-        bubble=bubble,
-        stage_bytes=stage_bytes,
-    )
-    work = (
-        workload_of(cfg, execution, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe)
-        if efficiency is None and overlap is None
-        else None
-    )
-    if work is not None:
-        times = mechanism_times(work, hw, CALIBRATED)
-        return times, base | dict(model="mechanisms", calibration=times["calibration"])
-    efficiency = CALIBRATED.matmul[hw.family] if efficiency is None else efficiency
-    overlap = 0.8 if overlap is None else overlap
-    times = predict(
-        measured,
-        flops=flops,
-        bytes_accessed=bytes_accessed,
-        mesh=shape,
-        hw=hw,
-        efficiency=efficiency,
-        overlap=overlap,
-        bubble=bubble,
-        stage_bytes=stage_bytes,
-    )
-    return times, base | dict(model="roofline", efficiency=efficiency, overlap=overlap)
-
-
 def plan(
     model: str,
     mesh: str,
@@ -359,31 +237,54 @@ def plan(
     devices = None if devices is None else jax.devices()[:devices]
     layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=run)
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
-    default = PipelineConfig()
-    pipe = (
-        schedule or str(default.schedule),
-        microbatches or default.microbatches,
-        virtual_stages or default.virtual_stages,
-    )
+    pipe = _pipeline_settings(schedule, microbatches, virtual_stages)
     table = pipeline_for(
         cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2]
     )
     acts = activations_of(cfg, batch=batch, seq=seq, pipeline=pipe if table else None, execution=run)
     compiled = compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table, execution=run)
     report = analyze_compiled(compiled, mesh=layout.mesh)
-    remat_full = run.remat == Remat.FULL
-    costs = pipeline_costs(cfg, acts, shape, remat_full=remat_full) if table else None
+    costs = pipeline_costs(cfg, acts, shape, remat_full=run.remat == Remat.FULL) if table else None
     measured, stage_path = _pipeline_traffic(report, costs, acts, shape, layout.rules, acts.act_bytes / 4)
+    return _price(
+        model,
+        cfg,
+        run,
+        layout,
+        preset,
+        hw,
+        report,
+        acts,
+        costs,
+        measured,
+        stage_path,
+        batch=batch,
+        seq=seq,
+        efficiency=efficiency,
+        overlap=overlap,
+    )
+
+
+def _pipeline_settings(schedule: str | None, microbatches: int | None, virtual_stages: int | None) -> tuple:
+    """(schedule, microbatches, virtual stages), ``PipelineConfig``'s default for each one not given."""
+    default = PipelineConfig()
+    return (
+        schedule or str(default.schedule),
+        microbatches or default.microbatches,
+        virtual_stages or default.virtual_stages,
+    )
+
+
+def _price(
+    model, cfg, run, layout, preset, hw, report, acts, costs, measured, stage_path, *, batch, seq, efficiency, overlap
+) -> Plan:
+    """The plan of the compiled step: its FLOPs, HBM traffic and memory per device, the minimum traffic of
+    each axis group, and the step predicted on ``hw`` (``step_times``)."""
+    shape = {a: int(n) for a, n in layout.mesh.shape.items()}
+    remat_full = run.remat == Remat.FULL
     shardings = param_shardings(cfg, layout)
     minimum = minimum_bytes(shardings, acts, shape, layout.rules)
     token_axes = {x for x in (*layout.rules["batch"], *layout.rules["inner_length"]) if shape[x] > 1}
-    mem = report.memory
-    per_device = (
-        mem.get("argument_size_in_bytes", 0)
-        + mem.get("temp_size_in_bytes", 0)
-        + mem.get("output_size_in_bytes", 0)
-        - mem.get("alias_size_in_bytes", 0)
-    )
     model_flops = cfg.flops_per_token(seq) * batch * seq / layout.mesh.size
     train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if remat_full else 1.0)
     hbm = hbm_bytes(shardings, acts, shape, token_axes)
@@ -417,13 +318,22 @@ def plan(
         measured,
         minimum,
         memory,
-        per_device,
         train_flops,
         model_flops,
         hbm,
         times,
         costs,
         assumptions,
+    )
+
+
+def _allocated_bytes(memory: dict) -> int:
+    """Memory per device as XLA:CPU allocates it: arguments + temporaries + outputs − aliased."""
+    return (
+        memory.get("argument_size_in_bytes", 0)
+        + memory.get("temp_size_in_bytes", 0)
+        + memory.get("output_size_in_bytes", 0)
+        - memory.get("alias_size_in_bytes", 0)
     )
 
 
@@ -437,7 +347,6 @@ def _make_plan(
     measured,
     minimum,
     memory,
-    per_device,
     train_flops,
     model_flops,
     hbm,
@@ -447,6 +356,7 @@ def _make_plan(
 ) -> Plan:
     ratio = {k: measured.get(k, 0.0) / v for k, v in minimum.items() if v}
     estimate = memory["state"] + memory["activations"]
+    per_device = _allocated_bytes(report.memory)
     return Plan(
         model=model,
         mesh={a: v for a, v in shape.items() if v > 1},

@@ -16,6 +16,8 @@ import json
 
 from jaxpar.analysis.costmodel import flash_attention
 from jaxpar.analysis.hardware import HARDWARE, get_hardware
+from jaxpar.analysis.plan_report import candidates_figure as candidates_figure  # imported from here by callers
+from jaxpar.analysis.plan_report import format_plan, plot_candidates
 from jaxpar.config import hints
 from jaxpar.errors import ConfigError, LayoutError, MeshError
 from jaxpar.execution import MOVED_FROM_MODEL, ExecutionConfig
@@ -28,6 +30,24 @@ MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
+    _add_layout(parser)
+    _add_workload(parser)
+    _add_prediction(parser)
+    _add_pipeline(parser)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a model config field (num_layers=4) or an execution setting (execution.remat=dots, "
+        "execution.context_parallel=ring, execution.attention_impl=cudnn)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_layout(parser: argparse.ArgumentParser) -> None:
+    """The model and its layout: one mesh, or the search over all of them."""
     parser.add_argument("--model", required=True, help="model preset")
     parser.add_argument("--mesh", default=None, help="mesh preset or axis spec, e.g. fsdp=32,tensor=8")
     parser.add_argument(
@@ -41,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         metavar="FILE",
         help="--search: plot memory and traffic per axis of the candidates (needs matplotlib)",
     )
+
+
+def _add_workload(parser: argparse.ArgumentParser) -> None:
+    """What the step runs: a training batch, or serving sequences (``--inference``)."""
     parser.add_argument("--batch", type=int, required=True, help="global batch in sequences")
     parser.add_argument(
         "--seq", type=int, default=None, help="sequence length (training; required without --inference)"
@@ -61,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         help="--inference --search: rank first the "
         "layouts whose decode step (inter-token latency) is within this bound",
     )
+
+
+def _add_prediction(parser: argparse.ArgumentParser) -> None:
+    """The hardware, the simulated devices, and the settings that force the roofline."""
     parser.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE)}")
     parser.add_argument("--devices", type=int, default=8, help="simulated devices (default 8)")
     parser.add_argument(
@@ -78,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         help="force the roofline: share of compute time "
         "that hides weight/gradient traffic (default 0.8 in the roofline)",
     )
+
+
+def _add_pipeline(parser: argparse.ArgumentParser) -> None:
+    """The pipeline a mesh with ``stage`` > 1 runs."""
     parser.add_argument(
         "--schedule",
         default=None,
@@ -99,16 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         help="model chunks per stage (interleaved; "
         "default 1, as pipeline.virtual_stages; --search with interleaved: 2)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="a model config field (num_layers=4) or an execution setting (execution.remat=dots, "
-        "execution.context_parallel=ring, execution.attention_impl=cudnn)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _overrides(items: list[str]) -> dict:
@@ -293,99 +315,3 @@ def _attention_line(args) -> str:
         "attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set execution.attention_impl=cudnn "
         "prices cuDNN's flash kernel"
     )
-
-
-def plot_candidates(ranked, path: str, *, title: str) -> None:
-    """``candidates_figure`` saved to ``path`` (the CLI's ``--plot``; no display needed)."""
-    import matplotlib  # deferred: matplotlib is the optional `plot` extra
-
-    matplotlib.use("Agg")
-
-    candidates_figure(ranked, title=title).savefig(path)
-
-
-def candidates_figure(ranked, *, title: str):
-    """Memory and analytic traffic per axis group of each candidate, as two stacked bar charts (a matplotlib
-    Figure, drawn with the current backend: a notebook shows it inline)."""
-    import matplotlib.pyplot as plt  # deferred: matplotlib is the optional `plot` extra
-
-    short = {"stage": "p"}  # s is sequence
-    labels = [",".join(f"{short.get(a, a[0])}{n}" for a, n in c.mesh.items()) or "1" for c in ranked]
-    groups = sorted({k for c in ranked for k in c.bytes_by_axis})
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, len(ranked) * 0.45), 7), sharex=True)
-    top.bar(
-        labels, [c.memory_bytes / 1e9 for c in ranked], color=["tab:green" if c.fits else "tab:red" for c in ranked]
-    )
-    top.set_ylabel("memory per device (GB)")
-    top.set_title(title)
-    base = [0.0] * len(ranked)
-    colors = plt.get_cmap("tab20").colors  # one colour per group for up to 20 groups
-    for i, g in enumerate(groups):
-        values = [c.bytes_by_axis.get(g, 0.0) / 1e9 for c in ranked]
-        bottom.bar(labels, values, bottom=base, label=g, color=colors[i % len(colors)])
-        base = [b + v for b, v in zip(base, values)]
-    bottom.set_ylabel("minimum bytes sent per device per step (GB)")
-    bottom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not over them
-    bottom.tick_params(axis="x", rotation=90)
-    fig.tight_layout()
-    return fig
-
-
-def format_plan(p) -> str:
-    gb = 1e9
-    lines = [
-        f"{p.model} on {p.mesh} ({p.hardware}), batch {p.batch} × seq {p.seq}",
-        f"memory per device: estimated {p.estimated_memory_bytes / gb:.2f} GB "
-        f"({'fits' if p.fits else 'DOES NOT FIT'}): state {p.memory_parts['state'] / gb:.2f}, activations "
-        f"{p.memory_parts['activations'] / gb:.2f} ({p.memory_parts['kept'] / gb:.2f} kept for the backward); "
-        f"XLA:CPU compiled {p.per_device_memory_bytes / gb:.2f} GB",
-        f"FLOPs per device {p.flops_per_device:.3e} (model FLOPs {p.model_flops_per_device:.3e})",
-        "",
-        f"{'axis group':<22}{'link':<6}{'measured GB':>13}{'minimum GB':>12}{'ratio':>8}",
-    ]
-    for key in sorted(set(p.bytes_by_axis) | set(p.analytic_min_bytes_by_axis)):
-        got, want = p.bytes_by_axis.get(key, 0.0), p.analytic_min_bytes_by_axis.get(key, 0.0)
-        ratio = f"{got / want:.2f}" if want else "—"
-        flag = "  !" if key in p.flagged or not want else ""
-        lines.append(f"{key:<22}{p.link_by_axis.get(key, ''):<6}{got / gb:>13.3f}{want / gb:>12.3f}{ratio:>8}{flag}")
-    t = p.times
-    lines += [
-        "",
-        f"compute {t['compute_s'] * 1e3:.1f} ms, memory {t['memory_s'] * 1e3:.1f} ms, exposed "
-        f"communication {t['exposed_communication_s'] * 1e3:.1f} ms",
-        *_pipeline_lines(p.pipeline, t),
-    ]
-    lines += [
-        f"predicted step {p.predicted_step_s * 1e3:.1f} ms: {p.predicted_tokens_per_s:,.0f} tokens/s, "
-        f"MFU {p.predicted_mfu:.1%} ({_model_line(p.assumptions)})"
-    ]
-    return "\n".join(lines)
-
-
-def _model_line(a: dict) -> str:
-    if a["model"] == "mechanisms":
-        c = a["calibration"]
-        return (
-            f"step-time model from mechanisms; calibrated matmul share {c['matmul']}, link efficiency "
-            f"{c['collective']}, DCN {c['dcn']}; attention {a['attention']}"
-        )
-    return f"roofline: efficiency {a['efficiency']}, overlap {a['overlap']}"
-
-
-def _pipeline_lines(pipe, t) -> list[str]:
-    if pipe is None:
-        return []
-    d, mem = pipe["durations"], pipe["memory"]
-    return [
-        f"pipeline {pipe['schedule']}: {pipe['stages']} stages × {pipe['microbatches']} microbatches"
-        f"{f' × {v} virtual stages' if (v := pipe['virtual_stages']) > 1 else ''}, {pipe['ticks']} ticks "
-        f"(F {d['F']:.2f}, B {d['B']:.2f}{f', W {w:.2f}' if (w := d.get('W')) else ''} chunk forwards)",
-        f"  bubble: executor {pipe['executor_bubble_fraction']:.1%} (used: stretches compute to "
-        f"{t['pipelined_s'] * 1e3:.1f} ms), lockstep {pipe['lockstep_bubble_fraction']:.1%}, ideal "
-        f"{pipe['bubble_fraction']:.1%}; peak in flight {pipe['peak_in_flight']}",
-        f"  stage sends: {pipe['sends']} per step of {pipe['stage_send_bytes'] / 1e6:.3f} MB "
-        f"(analytic {pipe['stage_send_bytes_analytic'] / 1e6:.3f} MB), {pipe['send_ticks']} ticks on the "
-        f"critical path: {pipe['stage_critical_path_bytes'] / 1e9:.3f} GB, exposed",
-        f"  memory per device: state {mem['state'] / 1e9:.2f} GB, activations {mem['activations'] / 1e9:.2f} GB "
-        f"(stage buffers {mem['stage_buffers'] / 1e9:.2f} GB)",
-    ]

@@ -2,8 +2,8 @@
 analytically (no compile: a candidate costs one abstract model build) and ranked by predicted step time
 among those that fit.
 
-Estimates per device (the same step-time models as ``jaxpar.analysis.plan``, with analytic inputs: the
-mechanisms where they describe the model and layout, else the roofline):
+Estimates per device (the same step-time models as ``jaxpar plan``, ``jaxpar.analysis.prediction``, with
+analytic inputs: the mechanisms where they describe the model and layout, else the roofline):
     memory   16 bytes per local parameter element (float32 parameter, gradient, two Adam moments) plus
              activations: the saved layer inputs under full remat (layers × tokens × D × b_a, split by
              tensor's sequence parallelism), one layer's working set (16 × tokens × max(D, F/t) × b_a),
@@ -54,6 +54,17 @@ from jaxpar.rules import Dim
 from jaxpar.shardings import normalize_spec, param_shardings
 
 SEARCH_AXES = AXES
+# what a pipelined candidate reports of its ``pipeline_costs``
+PIPELINE_SUMMARY = (
+    "schedule",
+    "microbatches",
+    "virtual_stages",
+    "ticks",
+    "executor_bubble_fraction",
+    "lockstep_bubble_fraction",
+    "bubble_fraction",
+    "peak_in_flight",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +76,7 @@ class Candidate:
     predicted_mfu: float
     bytes_by_axis: dict
     pipeline: dict | None = None  # stage > 1: schedule, microbatches, virtual stages, bubbles
-    # the step's parts (``jaxpar.analysis.plan.predict``): compute_s, memory_s, communication_s (seconds per
+    # the step's parts (``jaxpar.analysis.prediction.predict``): compute_s, memory_s, communication_s (seconds per
     # axis group), exposed_communication_s, bubble_fraction, pipelined_s, step_s
     times: dict | None = None
 
@@ -105,9 +116,7 @@ def estimate(
     execution = ExecutionConfig() if execution is None else execution
     hw = get_hardware(hardware)
     full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
-    spec = ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
-    rules = compose_rules(spec, {a for a, n in mesh.items() if n > 1})
-    rules = check_model_layout(cfg, execution, rules, full, batch=Dim(batch, "batch"), seq=Dim(seq, "seq"))
+    rules = _checked_rules(cfg, execution, mesh, full, batch=batch, seq=seq)
     acts, costs = _pipeline(
         cfg,
         execution,
@@ -120,17 +129,35 @@ def estimate(
         virtual_stages=virtual_stages,
     )
     report = resharded(base or base_report(cfg), rules, full)
+    return _predicted(
+        cfg,
+        execution,
+        mesh,
+        rules,
+        acts,
+        costs,
+        report,
+        hw,
+        batch=batch,
+        seq=seq,
+        efficiency=efficiency,
+        overlap=overlap,
+    )
+
+
+def _predicted(
+    cfg, execution, mesh: dict, rules, acts, costs, report, hw, *, batch, seq, efficiency, overlap
+) -> Candidate:
+    """The ``Candidate`` of ``mesh``: its minimum traffic, memory and FLOPs per device, and its step
+    predicted on ``hw`` (``step_times``); ``costs``: the pipeline's (None without stage)."""
+    full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
     token_axes = {a for a in (*rules["batch"], *rules["inner_length"]) if full[a] > 1}
     traffic = minimum_bytes(report, acts, full, rules)
     n = math.prod(full.values())
     model_flops = cfg.flops_per_token(seq) * batch * seq / n
     remat_full = execution.remat == Remat.FULL
     train_flops = costs["flops_per_device"] if costs else model_flops * (4 / 3 if remat_full else 1.0)
-    stage_path = None
-    if costs:  # the sends on the critical path, not their mean per device
-        send = stage_input_bytes(acts, full, rules)
-        mean = stage_sends(acts, full["stage"]) / full["stage"] * send
-        stage_path = traffic["stage"] - mean + costs["send_ticks"] * send
+    stage_path = _stage_path(acts, costs, full, rules, traffic) if costs else None
     times, _ = step_times(
         cfg,
         execution,
@@ -149,6 +176,7 @@ def estimate(
     )
     memory = memory_estimate(cfg, execution, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
+    summary = costs and {k: costs[k] for k in PIPELINE_SUMMARY}
     return Candidate(
         {a: n for a, n in mesh.items() if n > 1},
         memory <= hw.hbm_bytes,
@@ -156,22 +184,24 @@ def estimate(
         times["step_s"],
         mfu,
         traffic,
-        costs
-        and {
-            k: costs[k]
-            for k in (
-                "schedule",
-                "microbatches",
-                "virtual_stages",
-                "ticks",
-                "executor_bubble_fraction",
-                "lockstep_bubble_fraction",
-                "bubble_fraction",
-                "peak_in_flight",
-            )
-        },
+        summary,
         times,
     )
+
+
+def _checked_rules(cfg, execution: ExecutionConfig, mesh: dict, full: dict, *, batch: int, seq: int):
+    """The rules of the candidate ``mesh`` (``full``: its size on every axis), checked against the model."""
+    spec = ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
+    rules = compose_rules(spec, {a for a, n in mesh.items() if n > 1})
+    return check_model_layout(cfg, execution, rules, full, batch=Dim(batch, "batch"), seq=Dim(seq, "seq"))
+
+
+def _stage_path(acts, costs: dict, mesh: dict, rules, traffic: dict) -> float:
+    """The stage bytes on the critical path: the minimum stage traffic with its mean sends per device
+    replaced by the sends on the critical path."""
+    send = stage_input_bytes(acts, mesh, rules)
+    mean = stage_sends(acts, mesh["stage"]) / mesh["stage"] * send
+    return traffic["stage"] - mean + costs["send_ticks"] * send
 
 
 def _pipeline(cfg, execution, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages):

@@ -184,42 +184,18 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     recompute and backward: its compute and exposed communication in seconds, and ``hides_s``, the
     backward and recompute that gradient traffic can hide behind. ``bw``: per axis, the bandwidth a
     collective reaches."""
-    t, f, d, e = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("expert")
+    t, e = w.size("tensor"), w.size("expert")
     fam = chip.family
     by_name, att, ew = layer_forward(
         w, chip, cal.matmul[fam], tokens, moe, cal.grouped_share(fam, w.fp8), cal.fp8.get(fam)
     )
     mm = sum(by_name.values())
-    r_mm, r_att, r_ew = RECOMPUTE[w.remat]
-    if r_att is None:  # the scores' half, or a flash kernel's whole forward
-        r_att = 1.0 if w.flash else 0.5
-    r_x = r_mm  # the experts' share (their all-to-all runs again too)
-    unread = UNREAD if w.remat_dce else ()
-    if isinstance(r_mm, tuple):  # the named matmuls kept, the others recomputed
-        r_x = float("experts_in" not in r_mm)
-        r_mm = sum(v for name, v in by_name.items() if name not in r_mm + unread) / mm
-    else:
-        r_mm = r_mm * sum(v for name, v in by_name.items() if name not in unread) / mm
-    if w.executor and w.size("stage") > 1:  # each backward recomputes its chunk's forward
-        r_mm, r_att, r_ew, r_x = r_mm + 1, r_att + 1, r_ew + 1, r_x + 1
+    r_mm, r_att, r_ew, r_x = recompute_shares(w, by_name, mm)
     fwd = mm + att + ew
     recompute = r_mm * mm + r_att * att + r_ew * ew
     mm_bwd = 2 * mm - by_name.get("dispatch", 0.0)  # input and weight gradients; the dispatch mask has none
     bwd = mm_bwd + 2.5 * att + 2 * ew
-
-    # weights per tensor shard: the experts split over expert and fsdp, the rest over fsdp (and expert)
-    experts = w.expert_params / t if moe else 0.0
-    rest = w.layer_params(moe) / t - experts
-    g = f * e if w.expert_fsdp else f
-    gathered = (g - 1) / g * rest + (f - 1) / f * experts / e
-    gather, scatter = gathered * w.weight_bytes / bw["fsdp"], gathered * w.grad_bytes / bw["fsdp"]
-    held = rest / g + experts / (e * f)
-    reduce = 2 * (d - 1) / d * held * w.grad_bytes / bw["data"]
-    if e > 1 and not w.expert_fsdp:  # the rest's replicas over expert reduce their gradients
-        reduce = reduce + 2 * (e - 1) / e * rest / f * w.grad_bytes / bw["expert"]
-    n = w.size("sequence")
-    if n > 1:  # every weight is replicated over sequence
-        reduce = reduce + 2 * (n - 1) / n * held * w.grad_bytes / bw["sequence"]
+    gather, scatter, reduce = weight_traffic_seconds(w, bw, moe)
     tp = 2 * 2 * (t - 1) / t * tokens * w.embed_dim * w.act_bytes / bw["tensor"] if t > 1 else 0.0
     tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp  # beside the weight-gradient matmuls
     # a layer's gather behind the previous forward; the backward's gather, scatter and reduce behind it
@@ -234,7 +210,7 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     )
     experts_mm = by_name.get("experts_in", 0.0) + by_name.get("experts_out", 0.0)
     a2a_bwd = np.maximum(0.0, a2a - experts_mm) if chip.tensor_overlap else a2a
-    cp = context_seconds(w, chip, bw, tokens, att) if n > 1 else (0.0, 0.0)
+    cp = context_seconds(w, chip, bw, tokens, att) if w.size("sequence") > 1 else (0.0, 0.0)
     return dict(
         matmul_s=(1 + r_mm) * mm + mm_bwd,
         attention_s=(3.5 + r_att) * att,
@@ -245,6 +221,46 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
         sequence_exposed_s=(1 + r_att) * cp[0] + cp[1],
         hides_s=bwd + recompute,
     )
+
+
+def recompute_shares(w: Workload, by_name: dict, mm: float) -> tuple:
+    """(matmul, attention, elementwise, experts): the share of each part of a layer's forward that runs
+    again before its backward, under ``w.remat`` (``by_name``: the forward's matmul seconds by name, ``mm``
+    their sum); a pipeline's executor adds one whole forward."""
+    r_mm, r_att, r_ew = RECOMPUTE[w.remat]
+    if r_att is None:  # the scores' half, or a flash kernel's whole forward
+        r_att = 1.0 if w.flash else 0.5
+    r_x = r_mm  # the experts' share (their all-to-all runs again too)
+    unread = UNREAD if w.remat_dce else ()
+    if isinstance(r_mm, tuple):  # the named matmuls kept, the others recomputed
+        r_x = float("experts_in" not in r_mm)
+        r_mm = sum(v for name, v in by_name.items() if name not in r_mm + unread) / mm
+    else:
+        r_mm = r_mm * sum(v for name, v in by_name.items() if name not in unread) / mm
+    if w.executor and w.size("stage") > 1:  # each backward recomputes its chunk's forward
+        r_mm, r_att, r_ew, r_x = r_mm + 1, r_att + 1, r_ew + 1, r_x + 1
+    return r_mm, r_att, r_ew, r_x
+
+
+def weight_traffic_seconds(w: Workload, bw: dict, moe: bool) -> tuple:
+    """(gather, scatter, reduce): one layer's seconds of fsdp weight gathers, fsdp gradient
+    reduce-scatters, and gradient all-reduces over the axes that replicate its weights (data, expert where
+    the experts alone split over it, sequence)."""
+    t, f, d, e = w.size("tensor"), int(w.mesh.get("fsdp", 1)), int(w.mesh.get("data", 1)), w.size("expert")
+    # weights per tensor shard: the experts split over expert and fsdp, the rest over fsdp (and expert)
+    experts = w.expert_params / t if moe else 0.0
+    rest = w.layer_params(moe) / t - experts
+    g = f * e if w.expert_fsdp else f
+    gathered = (g - 1) / g * rest + (f - 1) / f * experts / e
+    gather, scatter = gathered * w.weight_bytes / bw["fsdp"], gathered * w.grad_bytes / bw["fsdp"]
+    held = rest / g + experts / (e * f)
+    reduce = 2 * (d - 1) / d * held * w.grad_bytes / bw["data"]
+    if e > 1 and not w.expert_fsdp:  # the rest's replicas over expert reduce their gradients
+        reduce = reduce + 2 * (e - 1) / e * rest / f * w.grad_bytes / bw["expert"]
+    n = w.size("sequence")
+    if n > 1:  # every weight is replicated over sequence
+        reduce = reduce + 2 * (n - 1) / n * held * w.grad_bytes / bw["sequence"]
+    return gather, scatter, reduce
 
 
 def context_seconds(w: Workload, chip, bw: dict, tokens: float, att: float) -> tuple:
@@ -319,7 +335,7 @@ def model_flops(
 
 def mechanism_times(w: Workload, chip, cal: Calibration) -> dict:
     """``step_seconds`` under ``cal`` (the published one: ``jaxpar.analysis.calibration.CALIBRATED``), in
-    the keys ``jaxpar.analysis.plan.predict`` reports: compute (matmuls, attention, LM head), memory
+    the keys ``jaxpar.analysis.prediction.predict`` reports: compute (matmuls, attention, LM head), memory
     (elementwise work and the optimizer over HBM), exposed communication per kind, the stages' busy time
     with its bubble (``pipelined_s``), and the parts."""
     parts = {k: float(v) for k, v in step_seconds(w, chip, cal).items()}

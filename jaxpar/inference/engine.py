@@ -29,15 +29,15 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxpar.errors import ConfigError, LayoutError
+from jaxpar.inference import logprobs
 from jaxpar.inference.generate import bucket, for_generation
 from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, placed_state
 from jaxpar.inference.pages import PagedAllocator
-from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
+from jaxpar.inference.sampling import SamplingParams
 from jaxpar.inference.scheduler import Request, Scheduler
 from jaxpar.inference.speculative import acceptance, distribution, host_rng, ngram_draft, one_hot, verify
 from jaxpar.layers.kvcache import with_table
@@ -209,30 +209,23 @@ class Engine:
         return draft
 
     def _program(self, which: str, t: int, every: bool = False):
-        """``which`` model's step of width t: sampled tokens and the logits at each row's ``last``
-        position; with ``every`` (verification) the raw and the filtered logits of every position."""
+        """``which`` model's step of width t: sampled tokens, the logits at each row's ``last`` position
+        and log-probs (``logprobs.step_outputs``); with ``every`` (verification) the raw and the filtered
+        logits of every position (``logprobs.verify_outputs``)."""
         if (which, t, every) not in self._programs:
-            graphdef = self.models[which].graphdef
+            graphdef, layout, vocab = self.models[which].graphdef, self.layout, self.cfg.vocab_size
 
-            layout = self.layout
-
-            def run(state, pools, ids, positions, table, last, params):
+            def run(state, pools, ids, positions, table, last, params, extras):
                 with trace_layout(layout.mesh, layout.decode):
                     model = nnx.merge(graphdef, state)
                     logits, pools = model.decode(ids, positions, with_table(pools, table))
                 stripped = {k: dataclasses.replace(c, table=None) for k, c in pools.items()}
                 if every:
-                    b, _, v = logits.shape
-                    each = jax.tree.map(lambda x: jnp.repeat(x, t), params)
-                    return logits, filtered_logits(logits.reshape(b * t, v), each).reshape(b, t, v), stripped
-                row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [slots, V]
-                at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
-                return sample(row, params, at), row, stripped
+                    return logprobs.verify_outputs(logits, ids, positions, params, extras), stripped
+                return logprobs.step_outputs(logits, ids, positions, last, params, extras, vocab), stripped
 
             pools = jax.tree.map(lambda x: x.sharding, self.models[which].pools)
-            self._programs[which, t, every] = jax.jit(
-                run, donate_argnums=(1,), out_shardings=(self._replicated, self._replicated, pools)
-            )
+            self._programs[which, t, every] = jax.jit(run, donate_argnums=(1,), out_shardings=(self._replicated, pools))
             self.compiles += 1
         return self._programs[which, t, every]
 
@@ -257,15 +250,18 @@ class Engine:
     def _replicated(self):
         return jax.sharding.NamedSharding(self.layout.mesh, jax.sharding.PartitionSpec())
 
-    def _call(self, which, t, ids, positions, table, last, params, *, every: bool = False):
+    def _call(self, which, t, ids, positions, table, last, params, extras=None, *, every: bool = False):
+        """One device call; its outputs on the host (``logprobs.fetch``), a dict, or (raw, filtered)."""
         m = self.models[which]
-        host = jax.device_put((ids, positions, table, last, params), self._replicated)
-        a, b, m.pools = self._program(which, t, every)(m.state, m.pools, *host)
-        return np.asarray(a), (np.asarray(b) if self.record_logits or every else None)
+        extras = extras or logprobs.StepExtras.build([], self.slots, t, self.max_length)
+        host = jax.device_put((ids, positions, table, last, params, extras), self._replicated)
+        out, m.pools = self._program(which, t, every)(m.state, m.pools, *host)
+        return logprobs.fetch(out, rows=self.record_logits, prompt=bool((extras.targets >= 0).any()))
 
     # ----------------------------------------------------------------------------------- serving
     def submit(self, request: Request, sampling: dict | None = None) -> None:
         request.sampling = {**GREEDY, **(sampling or {})}
+        logprobs.check_settings(request.sampling)
         self.scheduler.add(request)
 
     @property
@@ -316,16 +312,17 @@ class Engine:
             table[s] = self.pages.table(r.id, self.width)
             settings[s] = GREEDY if greedy else r.sampling
         params = SamplingParams.make(self.slots, **{k: [x[k] for x in settings] for k in GREEDY})
-        return ids, positions, table, last, params
+        extras = logprobs.StepExtras.build(rows, self.slots, t, self.max_length, plain=greedy)
+        return ids, positions, table, last, params, extras
 
     def _run(self, t: int, rows) -> dict:
         """One device call of width t; rows: (request, first position, tokens). Returns id -> token."""
-        tokens, logits = self._call("target", t, *self._inputs(t, rows))
-        if logits is not None:
-            for r, start, chunk in rows:
-                if start + len(chunk) == len(r.tokens):  # the row samples a token
-                    self.logits.setdefault(r.id, []).append(logits[r.slot])
-        return {r.id: int(tokens[r.slot]) for r, _, _ in rows}
+        out = self._call("target", t, *self._inputs(t, rows))
+        logprobs.record(rows, out)
+        for r, start, chunk in rows if "row" in out else []:
+            if start + len(chunk) == len(r.tokens):  # the row samples a token
+                self.logits.setdefault(r.id, []).append(out["row"][r.slot])
+        return {r.id: int(out["tokens"][r.slot]) for r, _, _ in rows}
 
     def _verify(self, decoding: list[Request]) -> dict:
         """Speculative decode: each row's last token and up to k guesses (n-gram lookup or the draft
@@ -353,6 +350,8 @@ class Engine:
             if self.record_logits:
                 self.logits.setdefault(r.id, []).extend(raw[s, : kept + 1])
             out[r.id] = draft[:kept] + [nxt]
+            if r.sampling.get("logprobs") is not None:  # raw logits are here: the log-probs too
+                r.token_logprobs += logprobs.host_scores(raw[s], out[r.id], self.cfg.vocab_size, r.sampling["logprobs"])
             r.draft_computed = min(r.draft_computed, r.computed + kept + 1)
         return out
 
@@ -369,7 +368,7 @@ class Engine:
             if i:
                 rows, t = [(r, len(r.tokens) + i - 1, out[r.id][0][-1:]) for r in decoding], 1
             if not sampled:
-                tokens, _ = self._call("draft", t, *self._inputs(t, rows, greedy=True))
+                tokens = self._call("draft", t, *self._inputs(t, rows, greedy=True))["tokens"]
             else:
                 raw, filtered = self._call("draft", t, *self._inputs(t, rows), every=True)
             for r, start, fed in rows:

@@ -51,6 +51,8 @@ class ChoiceLogprobs:
         self.context: list[int] = []  # the completion's tokens so far (its text is decoded alone)
         self.offset = 0  # characters of the choice's text before the next token
         self.started = False
+        decoder = getattr(tokenizer, "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"  # pieces spell bytes in BYTE_LEVEL
 
     def chunk(self, ids: list[int], scores: list, prompt_scores: list | None) -> tuple[str, dict | None]:
         """(text in front of this chunk's: the echoed prompt on the first chunk, else ""; the logprobs
@@ -99,22 +101,29 @@ class ChoiceLogprobs:
         return text[len(head) :] if text.startswith(head) else text
 
     def _label(self, token: int, piece: str) -> tuple[str, list[int]]:
-        """(the token's text as the response writes it, its bytes)."""
-        if piece and "\ufffd" not in piece:
-            return piece, list(piece.encode())
-        name = self.tokenizer.id_to_token(token) if self.tokenizer is not None else None
-        name = name or ""
-        fallback = _FALLBACK.fullmatch(name)
-        if fallback:
-            raw = bytes([int(fallback.group(1), 16)])
-        elif name and all(c in BYTE_LEVEL for c in name):
-            raw = bytes(BYTE_LEVEL[c] for c in name)
-        else:
-            return name, list(name.encode())
+        """(the token's text as the response writes it, its bytes): its own bytes where its piece gives
+        them (byte-level BPE, a byte-fallback piece), written ``bytes:\\x..`` when they are not UTF-8
+        alone; else the text it adds and its UTF-8 (the text is then its vocabulary name when it adds
+        none, e.g. a special token or a leading "▁" the decoder strips)."""
+        raw = self._own_bytes(token)
+        if raw is None:
+            label = piece or (self.tokenizer.id_to_token(token) if self.tokenizer is not None else None) or ""
+            return label, list(piece.encode())
         try:
             return raw.decode(), list(raw)
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+    def _own_bytes(self, token: int) -> bytes | None:
+        name = self.tokenizer.id_to_token(token) if self.tokenizer is not None else None
+        if not name:
+            return None
+        fallback = _FALLBACK.fullmatch(name)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self.byte_level and all(c in BYTE_LEVEL for c in name):
+            return bytes(BYTE_LEVEL[c] for c in name)
+        return None
 
     # --------------------------------------------------------------------------------------- rendering
     def _render(self, entries: list[dict]) -> dict:

@@ -187,6 +187,7 @@ def test_penalty_arithmetic_leaves_rows_that_are_off_bit_identical():
         history=jnp.asarray(history),
         split=jnp.full(4, 20, jnp.int32),
         targets=jnp.full((4, 1), -1, jnp.int32),
+        scored=jnp.zeros(4, bool),
     )
     ids, positions = jnp.zeros((4, 1), jnp.int32), jnp.full((4, 1), 40, jnp.int32)
     counts, seen = _counts(x, ids, positions, jnp.zeros(4, jnp.int32), 256)
@@ -295,7 +296,20 @@ def test_offsets_tokens_and_bytes_follow_the_text(make):
     tok = make()
     prompt, completion = tok.encode("hé wörld").ids, tok.encode("€ a, b").ids
     scores = [TokenScore(-0.5 - i, [t, 0], [-0.5 - i, -9.0]) for i, t in enumerate(prompt + completion)]
-    job = Job("completions", [prompt], 4, {}, [], frozenset(), False, False, 1, None, echo=True, logprobs=1)
+    job = Job(
+        kind="completions",
+        prompts=[prompt],
+        max_tokens=4,
+        sampling={},
+        stop_text=[],
+        stop_ids=frozenset(),
+        stream=False,
+        include_usage=False,
+        n=1,
+        user=None,
+        echo=True,
+        logprobs=1,
+    )
     writer = ChoiceLogprobs(tok, job, prompt)
     prefix, out = writer.chunk(completion, scores[len(prompt) :], [None] + scores[1 : len(prompt)])
     text = prefix + tok.decode(completion)

@@ -256,7 +256,7 @@ class Engine:
         extras = extras or logprobs.StepExtras.build([], self.slots, t, self.max_length)
         host = jax.device_put((ids, positions, table, last, params, extras), self._replicated)
         out, m.pools = self._program(which, t, every)(m.state, m.pools, *host)
-        return logprobs.fetch(out, rows=self.record_logits, prompt=bool((extras.targets >= 0).any()))
+        return logprobs.fetch(out, extras, rows=self.record_logits)
 
     # ----------------------------------------------------------------------------------- serving
     def submit(self, request: Request, sampling: dict | None = None) -> None:

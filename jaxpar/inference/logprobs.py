@@ -1,7 +1,8 @@
 """Log-probabilities and repetition penalties inside the engine's step program.
 
-Every step computes, on the device, the log-probability of each row's sampled token and the ``K`` most
-likely tokens with theirs, so that [slots, 2K + 1] numbers come back, never a [slots, V] row. They are
+A step holding a row whose request asks for ``logprobs`` computes, on the device, the log-probability of
+each row's sampled token and the ``K`` most likely tokens with theirs, so that [slots, 2K + 1] numbers
+come back, never a [slots, V] row (a step where no row asks skips it: ``lax.cond``). They are
 of the model's raw distribution: ``log_softmax`` of the float32 logits over the real vocabulary (the
 padded ids cut off), before penalties, temperature and the top-k/top-p/min-p filters. A request keeps
 them when its settings hold ``logprobs`` (how many alternatives); the speculative path, which brings its
@@ -77,6 +78,7 @@ class StepExtras:
     history: jax.Array  # int32 [B, L]: a penalized row's tokens at positions 0 … start (its first fed), then -1
     split: jax.Array  # int32 [B]: the row's prompt length (tokens at positions ≥ split were generated)
     targets: jax.Array  # int32 [B, t]: at fed position j, the prompt token at j + 1 when its log-prob is wanted
+    scored: jax.Array  # bool [B]: the row keeps its sampled token's log-prob
 
     @classmethod
     def build(cls, rows, slots: int, t: int, length: int, *, plain: bool = False) -> StepExtras:
@@ -87,6 +89,7 @@ class StepExtras:
         history = np.full((slots, length), -1, np.int32)
         split = np.zeros(slots, np.int32)
         targets = np.full((slots, t), -1, np.int32)
+        scored = np.zeros(slots, bool)
         for r, start, fed in [] if plain else rows:
             want, s = r.sampling or {}, r.slot
             values = [float(want.get(k, d)) for k, d in PENALTIES.items()]
@@ -94,10 +97,11 @@ class StepExtras:
                 pen[:, s] = values
                 seen = r.tokens[: start + 1]
                 history[s, : len(seen)], split[s] = seen, len(r.prompt)
+            scored[s] = want.get("logprobs") is not None
             if want.get("prompt_logprobs"):
                 n = max(0, min(len(fed), len(r.prompt) - 1 - start))
                 targets[s, :n] = r.prompt[start + 1 : start + 1 + n]
-        return cls(*pen, history, split, targets)
+        return cls(*pen, history, split, targets, scored)
 
 
 # ---------------------------------------------------------------------------------------------- device
@@ -144,22 +148,24 @@ def _penalize(logits: jax.Array, x: StepExtras, counts: jax.Array, seen: jax.Arr
 
 def step_outputs(logits, ids, positions, last, params, x: StepExtras, vocab: int) -> dict:
     """The outputs of a step of width t: each row's token sampled (penalized) at its ``last`` position,
-    that position's raw logits (``row``), the token's log-prob with the top K, and, where ``targets``
-    asks, the prompt's log-probs at every fed position (zeros when no row asks)."""
+    that position's raw logits (``row``), where ``scored`` asks the token's log-prob with the top K, and
+    where ``targets`` asks the prompt's log-probs at every fed position (zeros when no row asks)."""
     b, t, v = logits.shape
     row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
     at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
-    scored = jax.lax.cond(
+    penalized = jax.lax.cond(
         jnp.any(_active(x)), lambda: _penalize(row, x, *_counts(x, ids, positions, last, v)), lambda: row
     )
-    tokens = sample(scored, params, at)
-    logprob, top, top_ids = pick(log_probs(row, vocab), tokens)
-    k = min(K, vocab)
-    none = (jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, k), jnp.float32), jnp.zeros((b, t, k), jnp.int32))
-    prompt = jax.lax.cond(
-        jnp.any(x.targets >= 0), lambda: pick(log_probs(logits, vocab), jnp.maximum(x.targets, 0)), lambda: none
-    )
-    return dict(tokens=tokens, row=row, logprob=logprob, top=top, top_ids=top_ids, prompt=prompt)
+    tokens = sample(penalized, params, at)
+
+    def scores(lp_of, wanted, chosen):  # pick() where some row asks, else zeros of its shapes
+        lead, k = wanted.shape, min(K, vocab)
+        none = jnp.zeros(lead, jnp.float32), jnp.zeros((*lead, k), jnp.float32), jnp.zeros((*lead, k), jnp.int32)
+        return jax.lax.cond(jnp.any(wanted), lambda: pick(log_probs(lp_of, vocab), chosen), lambda: none)
+
+    chosen = scores(row, x.scored, tokens)
+    prompt = scores(logits, x.targets >= 0, jnp.maximum(x.targets, 0))
+    return dict(tokens=tokens, row=row, chosen=chosen, prompt=prompt)
 
 
 def verify_outputs(logits, ids, positions, params, x: StepExtras) -> tuple[jax.Array, jax.Array]:
@@ -177,13 +183,13 @@ def verify_outputs(logits, ids, positions, params, x: StepExtras) -> tuple[jax.A
 
 
 # ------------------------------------------------------------------------------------------------ host
-def fetch(out, *, rows: bool, prompt: bool):
-    """A call's outputs on the host: the logits rows only when ``rows``, the prompt's log-probs only when
-    ``prompt`` (a verification's pair of logits always)."""
+def fetch(out, x: StepExtras, *, rows: bool):
+    """A call's outputs on the host: the logits rows only when ``rows``, the log-probs only when some row
+    of ``x`` (the call's extras, on the host) asks for them (a verification's pair of logits always)."""
     if isinstance(out, tuple):
         return tuple(np.asarray(a) for a in jax.device_get(out))
-    wanted = {k: v for k, v in out.items() if (k != "row" or rows) and (k != "prompt" or prompt)}
-    return jax.device_get(wanted)
+    keep = dict(row=rows, chosen=bool(x.scored.any()), prompt=bool((x.targets >= 0).any()))
+    return jax.device_get({k: v for k, v in out.items() if keep.get(k, True)})
 
 
 def record(rows, out: dict) -> None:
@@ -197,9 +203,8 @@ def record(rows, out: dict) -> None:
         if n is None:
             continue
         if start + len(fed) == len(r.tokens):
-            r.token_logprobs.append(
-                TokenScore(float(out["logprob"][s]), out["top_ids"][s, :n].tolist(), out["top"][s, :n].tolist())
-            )
+            chosen, top, ids = (a[s] for a in out["chosen"])
+            r.token_logprobs.append(TokenScore(float(chosen), ids[:n].tolist(), top[:n].tolist()))
         if want.get("prompt_logprobs") and "prompt" in out:
             chosen, top, ids = (a[s] for a in out["prompt"])
             if r.prompt_logprobs is None:

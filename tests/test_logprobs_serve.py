@@ -156,12 +156,15 @@ def test_a_stream_carries_the_logprobs_of_its_chunks(server):
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(server):
+    """A token-id prompt scored with max_tokens 0, two choices: each echoes the prompt and its log-probs
+    (both computed: an echo takes nothing from the prefix cache), and nothing is generated."""
     ids = _ids(server, PROMPT.split())
     out = server.client.completions.create(
-        model="tinyllama", prompt=ids, max_tokens=0, temperature=0, logprobs=1, echo=True
+        model="tinyllama", prompt=ids, max_tokens=0, temperature=0, logprobs=1, echo=True, n=2
     )
     choice = out.choices[0]
     assert choice.text == PROMPT and choice.finish_reason == "length" and out.usage.completion_tokens == 0
+    assert out.choices[1].logprobs == choice.logprobs and out.choices[1].text == PROMPT
     assert len(choice.logprobs.token_logprobs) == len(ids) and choice.model_extra["token_ids"] == []
     tops = [None] + [_completion_tops(server, e, t, 1) for e, t in zip(choice.logprobs.top_logprobs[1:], ids[1:])]
     _check_against_forward(server, ids, choice.logprobs.token_logprobs, tops, 1)

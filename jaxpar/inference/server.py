@@ -147,8 +147,12 @@ def _usage(choices) -> dict:
 def _choice(job: Job, index: int, text: str, reason, ids=None, logprobs: dict | None = None) -> dict:
     if job.kind == "chat":
         key = "message" if ids is not None else "delta"
-        out = {"index": index, key: {"role": "assistant", "content": text}, "logprobs": logprobs}
-        out["finish_reason"] = reason
+        out = {
+            "index": index,
+            key: {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": reason,
+        }
     else:
         out = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
     if ids is not None:

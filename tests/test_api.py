@@ -49,7 +49,7 @@ BAD = [  # (raw body, endpoint, the field the error names, a word the message mu
     (b'{"model": "m", "prompt": "w1 \xff"}', "completions", None, "UTF-8"),
     (b'{"model": "m", "prompt": "w1 \\ud800"}', "completions", "prompt", "surrogate"),
     (b"[1, 2]", "completions", None, "object"),
-    (body(logprobs=3), "completions", "logprobs", "unknown"),
+    (body(logit_bias={"1": 2}), "completions", "logit_bias", "unknown"),
     (body(model="gpt-4"), "completions", "model", "gpt-4"),
     (body(max_tokens=-1), "completions", "max_tokens", "-1"),
     (body(max_tokens=0), "completions", "max_tokens", "0"),

@@ -146,7 +146,7 @@ def test_speculative_sampling_runs_and_reproduces(tiny):
 
 def test_pool_sized_from_a_memory_budget(tiny):
     from jaxpar.errors import ConfigError
-    from jaxpar.inference.engine import page_bytes
+    from jaxpar.inference.placement import page_bytes
 
     per_page = 2 * 2 * 8 * 2 * 8 * 4  # K and V · layers · page · kv heads · head width · f32
     assert page_bytes(tiny, 8) == per_page

@@ -160,7 +160,8 @@ def test_a_memory_budget_below_one_sequence_is_refused():
     from flax import nnx
 
     from jaxpar.errors import ConfigError
-    from jaxpar.inference.engine import Engine, page_bytes
+    from jaxpar.inference.engine import Engine
+    from jaxpar.inference.placement import page_bytes
     from jaxpar.inference.generate import for_generation
     from jaxpar.models import build_model, get_model_preset
 

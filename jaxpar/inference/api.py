@@ -5,13 +5,17 @@
 object with status 400 (the engine never sees a bad request). Refused, each with the field named:
 
 * a body that is not UTF-8, not JSON (NaN and Infinity included), nested too deep, or not a JSON object;
-  a field this server does not know or does not implement (``logit_bias``, ...); a model other than the
-  one served;
+  a field this server does not know or does not implement (``logit_bias``, ``best_of``, ...); a model
+  other than the one served;
 * a prompt that is empty, not text or token ids, outside the vocabulary, holds a lone surrogate (not
   encodable as UTF-8), or is too long for the cache ever to hold (``max_length`` positions per sequence);
 * ``max_tokens`` that is not a positive integer or does not fit beside the prompt in the cache;
 * sampling settings that are not finite or out of range (``temperature`` in [0, 2], ``top_p`` in (0, 1],
   ``min_p`` in [0, 1], ``top_k`` ≥ 0, ``seed`` in [0, 2**32), the one seed range of the engine);
+* log-prob and penalty settings out of range or not finite (``Parser._scoring``): ``logprobs`` an
+  integer in [0, 20] (completions) or a boolean with ``top_logprobs`` in [0, 20] (chat), ``echo`` a
+  boolean (completions; it alone lets ``max_tokens`` be 0), ``presence_penalty`` and
+  ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` > 0. Each may be null (its default);
 * anything over the server's ``Limits`` (``jaxpar.inference.limits``): text longer than
   ``max_text_chars`` (checked before tokenizing), more than ``max_choices`` choices (prompts × n), more
   than ``max_stops`` stop strings or one longer than ``max_stop_chars``, a ``user`` longer than
@@ -53,7 +57,12 @@ COMMON = {
     "n",
     "user",
 }
-FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
+SCORING = {"logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+MAX_LOGPROBS = 20  # alternatives per token (the engine computes this many: jaxpar.inference.logprobs.K)
+FIELDS = {
+    "completions": COMMON | SCORING | {"prompt", "echo"},
+    "chat": COMMON | SCORING | {"messages", "max_completion_tokens", "top_logprobs"},
+}
 
 
 class APIError(Exception):
@@ -93,6 +102,8 @@ class Job:
     user: str | None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
+    echo: bool = False  # completions: the prompt's text (and log-probs) in front of the completion
+    logprobs: int | None = None  # alternatives per token in the response's logprobs; None: no logprobs
 
     def choices(self) -> list[tuple[int, list[int], int, dict]]:
         """(index, prompt, max_tokens, sampling) per choice; choice i of n samples with seed + i."""
@@ -201,7 +212,8 @@ class Parser:
             )
         prompts = [self._chat(body)] if kind == "chat" else self._prompts(body.get("prompt"))
         limit_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        limits = [self._max_tokens(body, limit_field, p, kind) for p in prompts]
+        scoring, echo, logprobs = self._scoring(body, kind)
+        limits = [self._max_tokens(body, limit_field, p, kind, least=0 if echo else 1) for p in prompts]
         seed = _number(body, "seed", None, 0, SEEDS - 1, integer=True)
         sampling = dict(
             temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
@@ -209,6 +221,7 @@ class Parser:
             top_k=int(_number(body, "top_k", 0, 0, self.vocab_size, integer=True)),
             min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
             seed=secrets.randbelow(SEEDS) if seed is None else seed,
+            **scoring,
         )
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
@@ -234,6 +247,8 @@ class Parser:
             bool(options.get("include_usage")),
             n,
             self._user(body.get("user")),
+            echo=echo,
+            logprobs=logprobs,
         )
 
     def _user(self, user) -> str | None:
@@ -342,7 +357,7 @@ class Parser:
             raise APIError("'messages' rendered to no tokens", param="messages")
         return out
 
-    def _max_tokens(self, body: dict, field: str, prompt: list[int], kind: str) -> int:
+    def _max_tokens(self, body: dict, field: str, prompt: list[int], kind: str, least: int = 1) -> int:
         room = self.max_length - len(prompt)
         if room < 1:
             raise APIError(
@@ -351,7 +366,7 @@ class Parser:
                 param="prompt",
                 code="context_length_exceeded",
             )
-        value = _number(body, field, DEFAULT_MAX_TOKENS if kind == "completions" else room, 1, None, integer=True)
+        value = _number(body, field, DEFAULT_MAX_TOKENS if kind == "completions" else room, least, None, integer=True)
         if value > room:
             raise APIError(
                 f"'{field}' = {value}: the prompt's {len(prompt)} tokens leave room for {room} in the "
@@ -360,6 +375,38 @@ class Parser:
                 code="context_length_exceeded",
             )
         return value
+
+    def _scoring(self, body: dict, kind: str) -> tuple[dict, bool, int | None]:
+        """(the engine's settings: the three penalties, ``logprobs`` and ``prompt_logprobs``; ``echo``; the
+        alternatives per token the response lists, None for no logprobs) of ``body``; null is the default."""
+
+        def flag(name: str) -> bool:
+            value = body.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise APIError(f"'{name}' must be true or false, got {json.dumps(value)}", param=name)
+            return bool(value)
+
+        def finite(name: str, default: float, low: float, high: float | None, **kw) -> float:
+            value = _number(body, name, default, low, high, **kw)
+            if not math.isfinite(value):
+                raise APIError(f"'{name}' = {value} is not a finite number", param=name)
+            return float(value)
+
+        if kind == "chat":
+            top = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+            if top and not flag("logprobs"):
+                raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            logprobs, echo = top if flag("logprobs") else None, False
+        else:
+            logprobs, echo = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True), flag("echo")
+        settings = dict(
+            presence_penalty=finite("presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=finite("frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=finite("repetition_penalty", 1.0, 0.0, None, low_open=True),
+            logprobs=logprobs,
+            prompt_logprobs=echo and logprobs is not None,
+        )
+        return settings, echo, logprobs
 
     def _stops(self, stop) -> list[str]:
         stops = [stop] if isinstance(stop, str) else [] if stop is None else stop

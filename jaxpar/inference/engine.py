@@ -26,23 +26,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.errors import ConfigError, LayoutError
+from jaxpar.errors import ConfigError
+from jaxpar.inference import logprobs
 from jaxpar.inference.generate import bucket, for_generation
-from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, placed_state
 from jaxpar.inference.pages import PagedAllocator
-from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
+from jaxpar.inference.placement import Weights, engine_layout, pages_for_budget
+from jaxpar.inference.sampling import SamplingParams
 from jaxpar.inference.scheduler import Request, Scheduler
 from jaxpar.inference.speculative import acceptance, distribution, host_rng, ngram_draft, one_hot, verify
 from jaxpar.layers.kvcache import with_table
-from jaxpar.meshes import Phase, compose_rules
 from jaxpar.model_api import LanguageModel
 from jaxpar.rules import trace_layout
 
@@ -61,79 +59,6 @@ class StepLog:
 
     def __add__(self, other: StepLog) -> StepLog:
         return StepLog(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
-
-
-def page_bytes(model: LanguageModel, page_size: int, /) -> int:
-    """Bytes one page takes in every layer's pool together (K and V, or latent and rope key)."""
-    one = jax.eval_shape(lambda: model.empty_pages(1, page_size))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one))
-
-
-def pages_for_budget(model: LanguageModel, page_size: int, budget_bytes: int, max_length: int, /) -> int:
-    """The most pages (null page included) whose pools fit in ``budget_bytes``: at least one full
-    sequence of ``max_length`` positions and the null page, or a ConfigError naming the least budget."""
-    one = page_bytes(model, page_size)
-    pages, least = budget_bytes // one, max_length // page_size + 1
-    if pages < least:
-        raise ConfigError(
-            f"memory_budget={budget_bytes} bytes holds {pages} pages of {page_size} positions ({one} bytes "
-            f"each in all layers); one sequence of max_length={max_length} positions and the null page need "
-            f"{least}, {least * one} bytes"
-        )
-    return int(pages)
-
-
-def engine_layout(cfg, mesh: str | None, devices=None, *, slots: int, length: int, flag: str = "mesh"):
-    """The checked decode layout of an engine for ``cfg`` with ``slots`` rows on ``mesh`` over
-    ``devices`` (None: one device). Refuses a ``sequence`` split (positions are never split) and a pool
-    that the layout would replicate (more kv-head ways than kv heads: a dense cache moves them to its
-    batch, a page pool has none)."""
-    if mesh is None:
-        devices = list(jax.devices() if devices is None else devices)[:1]
-    name, built = build_inference_mesh(mesh or "decode_dp", devices=devices, flag=flag)
-    if built.shape["sequence"] > 1:
-        raise LayoutError(
-            f"{flag} {mesh}: sequence={built.shape['sequence']}; the engine never splits positions "
-            f"(use tensor, data or expert)"
-        )
-    layout = check_inference_layout(cfg, built, name, batch=slots, prompt=1, slots=length)
-    wanted = compose_rules(name, {a for a, n in built.shape.items() if n > 1}, phase=Phase.DECODE)
-    ways = math.prod(built.shape[a] for a in wanted["cache_kv_heads"])
-    if not cfg.uses_mla and cfg.num_kv_heads % ways:
-        raise LayoutError(
-            f"{flag} {mesh}: model.num_kv_heads={cfg.num_kv_heads} cannot be split {ways} ways "
-            f"({'×'.join(wanted['cache_kv_heads'])}); the page pools would be replicated. Use a "
-            f"tensor size that divides {cfg.num_kv_heads}, and data replicas for the rest"
-        )
-    return layout
-
-
-@dataclasses.dataclass
-class _Weights:
-    """One model's weights and page pools (the target's, or the draft's, on the same page tables)."""
-
-    graphdef: object
-    state: object
-    pools: dict
-
-    @classmethod
-    def of(cls, model: LanguageModel, num_pages: int, page_size: int, layout) -> _Weights:
-        """``model``'s weights moved onto ``layout`` (an ``InferenceLayout``), its pools made there."""
-        graphdef, state = nnx.graphdef(model), placed_state(model, layout.phase("decode"))
-
-        def place(c):  # pools carry leading layer axes before NAMES
-            arrays = [getattr(c, f.name) for f in dataclasses.fields(c)]
-            return type(c)(
-                *[
-                    None
-                    if x is None
-                    else jax.device_put(x, layout.sharding((None,) * (x.ndim - len(c.NAMES)) + c.NAMES))
-                    for x in arrays
-                ]
-            )
-
-        pools = {k: place(c) for k, c in model.empty_pages(num_pages, page_size).items()}
-        return cls(graphdef, state, pools)
 
 
 class Engine:
@@ -182,10 +107,10 @@ class Engine:
         self.slots, self.chunk, self.speculate, self.max_length = max_slots, chunk, speculate, max_length
         self.kept: list[int] = []  # guesses kept per verification
         self.proposed: list[int] = []
-        self.models = {"target": _Weights.of(self.model, num_pages, page_size, self.layout)}
+        self.models = {"target": Weights.of(self.model, num_pages, page_size, self.layout)}
         if draft is not None:
             draft = self._check_draft(draft, speculate)
-            self.models["draft"] = _Weights.of(
+            self.models["draft"] = Weights.of(
                 draft, num_pages, page_size, self._layout(mesh, devices, max_slots, max_length, draft.cfg)
             )
         self.record_logits = record_logits
@@ -220,30 +145,23 @@ class Engine:
         return draft
 
     def _program(self, which: str, t: int, every: bool = False):
-        """``which`` model's step of width t: sampled tokens and the logits at each row's ``last``
-        position; with ``every`` (verification) the raw and the filtered logits of every position."""
+        """``which`` model's step of width t: sampled tokens, the logits at each row's ``last`` position
+        and log-probs (``logprobs.step_outputs``); with ``every`` (verification) the raw and the filtered
+        logits of every position (``logprobs.verify_outputs``)."""
         if (which, t, every) not in self._programs:
-            graphdef = self.models[which].graphdef
+            graphdef, layout, vocab = self.models[which].graphdef, self.layout, self.cfg.vocab_size
 
-            layout = self.layout
-
-            def run(state, pools, ids, positions, table, last, params):
+            def run(state, pools, ids, positions, table, last, params, extras):
                 with trace_layout(layout.mesh, layout.decode):
                     model = nnx.merge(graphdef, state)
                     logits, pools = model.decode(ids, positions, with_table(pools, table))
                 stripped = {k: dataclasses.replace(c, table=None) for k, c in pools.items()}
                 if every:
-                    b, _, v = logits.shape
-                    each = jax.tree.map(lambda x: jnp.repeat(x, t), params)
-                    return logits, filtered_logits(logits.reshape(b * t, v), each).reshape(b, t, v), stripped
-                row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [slots, V]
-                at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
-                return sample(row, params, at), row, stripped
+                    return logprobs.verify_outputs(logits, ids, positions, params, extras), stripped
+                return logprobs.step_outputs(logits, ids, positions, last, params, extras, vocab), stripped
 
             pools = jax.tree.map(lambda x: x.sharding, self.models[which].pools)
-            self._programs[which, t, every] = jax.jit(
-                run, donate_argnums=(1,), out_shardings=(self._replicated, self._replicated, pools)
-            )
+            self._programs[which, t, every] = jax.jit(run, donate_argnums=(1,), out_shardings=(self._replicated, pools))
             self.compiles += 1
         return self._programs[which, t, every]
 
@@ -268,18 +186,21 @@ class Engine:
     def _replicated(self):
         return jax.sharding.NamedSharding(self.layout.mesh, jax.sharding.PartitionSpec())
 
-    def _call(self, which, t, ids, positions, table, last, params, *, every: bool = False):
+    def _call(self, which, t, ids, positions, table, last, params, extras=None, *, every: bool = False):
+        """One device call; its outputs on the host (``logprobs.fetch``), a dict, or (raw, filtered)."""
         m = self.models[which]
-        host = jax.device_put((ids, positions, table, last, params), self._replicated)
-        a, b, m.pools = self._program(which, t, every)(m.state, m.pools, *host)
-        return np.asarray(a), (np.asarray(b) if self.record_logits or every else None)
+        extras = extras or logprobs.StepExtras.build([], self.slots, t, self.max_length)
+        host = jax.device_put((ids, positions, table, last, params, extras), self._replicated)
+        out, m.pools = self._program(which, t, every)(m.state, m.pools, *host)
+        return logprobs.fetch(out, extras, rows=self.record_logits)
 
     # ----------------------------------------------------------------------------------- serving
     def submit(self, request: Request, sampling: dict | None = None) -> None:
-        """Queue ``request``. Its sampling settings are checked here (``ConfigError`` naming the field),
-        so a bad request is refused alone and never reaches a step."""
+        """Queue ``request``. Its sampling, penalty and log-prob settings are checked here (``ConfigError``
+        naming the field), so a bad request is refused alone and never reaches a step."""
         settings = {**GREEDY, **(sampling or {})}
-        SamplingParams.check(**settings)
+        SamplingParams.check(**{k: settings[k] for k in GREEDY})
+        logprobs.check_settings(settings)
         request.sampling = settings
         self.scheduler.add(request)
 
@@ -331,16 +252,17 @@ class Engine:
             table[s] = self.pages.table(r.id, self.width)
             settings[s] = GREEDY if greedy else r.sampling
         params = SamplingParams.make(self.slots, **{k: [x[k] for x in settings] for k in GREEDY})
-        return ids, positions, table, last, params
+        extras = logprobs.StepExtras.build(rows, self.slots, t, self.max_length, plain=greedy)
+        return ids, positions, table, last, params, extras
 
     def _run(self, t: int, rows) -> dict:
         """One device call of width t; rows: (request, first position, tokens). Returns id -> token."""
-        tokens, logits = self._call("target", t, *self._inputs(t, rows))
-        if logits is not None:
-            for r, start, chunk in rows:
-                if start + len(chunk) == len(r.tokens):  # the row samples a token
-                    self.logits.setdefault(r.id, []).append(logits[r.slot])
-        return {r.id: int(tokens[r.slot]) for r, _, _ in rows}
+        out = self._call("target", t, *self._inputs(t, rows))
+        logprobs.record(rows, out)
+        for r, start, chunk in rows if "row" in out else []:
+            if start + len(chunk) == len(r.tokens):  # the row samples a token
+                self.logits.setdefault(r.id, []).append(out["row"][r.slot])
+        return {r.id: int(out["tokens"][r.slot]) for r, _, _ in rows}
 
     def _verify(self, decoding: list[Request]) -> dict:
         """Speculative decode: each row's last token and up to k guesses (n-gram lookup or the draft
@@ -368,6 +290,8 @@ class Engine:
             if self.record_logits:
                 self.logits.setdefault(r.id, []).extend(raw[s, : kept + 1])
             out[r.id] = draft[:kept] + [nxt]
+            if r.sampling.get("logprobs") is not None:  # raw logits are here: the log-probs too
+                r.token_logprobs += logprobs.host_scores(raw[s], out[r.id], self.cfg.vocab_size, r.sampling["logprobs"])
             r.draft_computed = min(r.draft_computed, r.computed + kept + 1)
         return out
 
@@ -384,7 +308,7 @@ class Engine:
             if i:
                 rows, t = [(r, len(r.tokens) + i - 1, out[r.id][0][-1:]) for r in decoding], 1
             if not sampled:
-                tokens, _ = self._call("draft", t, *self._inputs(t, rows, greedy=True))
+                tokens = self._call("draft", t, *self._inputs(t, rows, greedy=True))["tokens"]
             else:
                 raw, filtered = self._call("draft", t, *self._inputs(t, rows), every=True)
             for r, start, fed in rows:

@@ -8,6 +8,7 @@ limit's answer.
 
 from __future__ import annotations
 
+from jaxpar.inference.api import MAX_LOGPROBS
 from jaxpar.inference.limits import Limits
 from jaxpar.inference.sampling import SEEDS
 
@@ -28,7 +29,11 @@ COMMON = {
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
     "n": {"type": ["integer", "null"], "minimum": 1},
     "user": {"type": ["string", "null"]},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0},
 }
+_TOP = {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS}
 MESSAGES = {
     "type": "array",
     "minItems": 1,
@@ -39,8 +44,15 @@ MESSAGES = {
     },
 }
 REQUESTS = {
-    "completions": {**COMMON, "prompt": {}},  # the prompt's token ids are bounded by the vocabulary
-    "chat": {**COMMON, "messages": MESSAGES, "max_completion_tokens": _NULLABLE_INT},
+    # the prompt's token ids are bounded by the vocabulary: ``schema`` fills "prompt" in
+    "completions": {**COMMON, "prompt": {}, "logprobs": _TOP, "echo": {"type": ["boolean", "null"]}},
+    "chat": {
+        **COMMON,
+        "messages": MESSAGES,
+        "max_completion_tokens": _NULLABLE_INT,
+        "logprobs": {"type": ["boolean", "null"]},
+        "top_logprobs": _TOP,
+    },
 }
 ERROR = {
     "description": "OpenAI's error object",

@@ -101,13 +101,16 @@ class PagedAllocator:
         return -(-length // self.page_size)
 
     # --------------------------------------------------------------------------------- sequences
-    def admit(self, seq_id, prompt, /) -> int:
+    def admit(self, seq_id, prompt, /, *, share: bool = True) -> int:
         """Start ``seq_id`` with the longest shareable prefix of ``prompt`` already cached; returns how
-        many of its positions need no computing (a multiple of ``page_size``)."""
+        many of its positions need no computing (a multiple of ``page_size``). ``share=False``: none
+        (every position is computed, e.g. for its log-probs)."""
         if seq_id in self.seqs:
             raise KeyError(f"sequence {seq_id!r} is already admitted")
         shareable = (
-            page_hashes(prompt, self.page_size)[: (len(prompt) - 1) // self.page_size] if self.prefix_cache else []
+            page_hashes(prompt, self.page_size)[: (len(prompt) - 1) // self.page_size]
+            if self.prefix_cache and share
+            else []
         )
         pages = []
         for name in shareable:

@@ -54,6 +54,8 @@ class Request:
     preemptions: int = 0
     sampling: dict | None = None  # the engine's per-request sampling settings
     draft_computed: int = 0  # positions in a draft model's cache (speculative)
+    token_logprobs: list = dataclasses.field(default_factory=list)  # per generated token (sampling["logprobs"])
+    prompt_logprobs: list | None = None  # per prompt position, the first None (sampling["prompt_logprobs"])
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -159,7 +161,7 @@ class Scheduler:
         return n
 
     def _admit(self, r: Request, left: int, plan: Plan) -> int:
-        r.computed = self.pages.admit(r.id, r.tokens)
+        r.computed = self.pages.admit(r.id, r.tokens, share=not (r.sampling or {}).get("prompt_logprobs"))
         n = self._next_chunk(r)
         if n > left or not self._grow(r, r.computed + n, plan, may_preempt=False):
             self.pages.unadmit(r.id)
@@ -216,6 +218,9 @@ class Scheduler:
         for r in plan.decode + [c.request for c in plan.chunks if c.last]:
             reason = None
             for token in emitted[r.id]:
+                if r.max_new_tokens == 0:  # only the prompt was wanted (its log-probs): nothing is kept
+                    reason = "length"
+                    break
                 r.tokens.append(token)
                 r.generated += 1
                 reason = (

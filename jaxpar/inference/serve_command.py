@@ -111,7 +111,7 @@ def check_args(args, cfg) -> tuple[int, int]:
     # deferred: jax, and modules that import it and the model zoo
     import jax
 
-    from jaxpar.inference.engine import engine_layout
+    from jaxpar.inference.placement import engine_layout
 
     max_length = args.max_length or min(cfg.max_seq_len, 4096)
     max_length -= max_length % args.page_size
@@ -162,8 +162,8 @@ def check_budget(cfg, args, max_length: int) -> None:
     # deferred: jax, flax and modules that import them
     from flax import nnx
 
-    from jaxpar.inference.engine import pages_for_budget
     from jaxpar.inference.generate import for_generation
+    from jaxpar.inference.placement import pages_for_budget
     from jaxpar.models import build_model
 
     if args.memory_budget is not None:

@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 from jaxpar.inference.api import APIError, Job, Parser, quote
 from jaxpar.inference.limits import Limits
+from jaxpar.inference.logprob_format import ChoiceLogprobs
 from jaxpar.inference.middleware import APIKey, Metrics, StatusCounter
 from jaxpar.inference.openapi import schema
 from jaxpar.inference.scheduler import Request
@@ -134,7 +135,10 @@ def _error(err: APIError) -> JSONResponse:
 
 
 async def _choice_events(request: Request, worker: Worker, events: asyncio.Queue, text: TextStream):
-    """(text delta, finish reason) pairs of one choice until it ends; a stop string aborts the request."""
+    """(text delta, finish reason, token ids, their scores) of one choice until it ends: the ids and the
+    scores (``TokenScore``s, when asked for) are those that arrived since the last yield. A stop string
+    aborts the request."""
+    ids, scores = [], []
     while True:
         event = await events.get()
         if event.error and event.status == 400:
@@ -143,15 +147,17 @@ async def _choice_events(request: Request, worker: Worker, events: asyncio.Queue
             raise APIError(f"the engine failed: {event.error}", status=500, kind="server_error")
         final = event.finish_reason is not None
         delta = text.add(event.tokens, final=final)
+        ids, scores = ids + event.tokens, scores + (event.logprobs or [])
         if text.stopped and not final:
             worker.abort(request)
-            yield delta, "stop"
+            yield delta, "stop", ids, scores
             return
         if final:
-            yield delta, "stop" if event.finish_reason == "stop" or text.stopped else "length"
+            yield delta, "stop" if event.finish_reason == "stop" or text.stopped else "length", ids, scores
             return
         if delta:
-            yield delta, None
+            yield delta, None, ids, scores
+            ids, scores = [], []
 
 
 def _usage(choices) -> dict:
@@ -160,12 +166,17 @@ def _usage(choices) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-def _choice(job: Job, index: int, text: str, reason, ids=None) -> dict:
+def _choice(job: Job, index: int, text: str, reason, ids=None, logprobs: dict | None = None) -> dict:
     if job.kind == "chat":
         key = "message" if ids is not None else "delta"
-        out = {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": reason}
+        out = {
+            "index": index,
+            key: {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": reason,
+        }
     else:
-        out = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+        out = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
     if ids is not None:
         out["token_ids"] = ids  # an extension: the exact tokens behind the text
     return out
@@ -249,12 +260,14 @@ class API:
     async def _whole(self, job: Job, choices) -> dict:
         async def one(index, request, worker, events):
             text, reason = TextStream(self.service.tokenizer, job.stop_text), None
-            parts = []
-            async for delta, last in _choice_events(request, worker, events, text):
+            parts, seen, scores = [], [], []
+            async for delta, last, new, records in _choice_events(request, worker, events, text):
                 parts.append(delta)
-                reason = last
+                seen, scores, reason = seen + new, scores + records, last
             ids = request.tokens[len(request.prompt) : len(request.prompt) + request.generated]
-            return _choice(job, index, "".join(parts), reason, ids)
+            writer = ChoiceLogprobs(self.service.tokenizer, job, list(request.prompt))
+            echo, logprobs = writer.chunk(seen, scores, request.prompt_logprobs)
+            return _choice(job, index, echo + "".join(parts), reason, ids, logprobs)
 
         done = await asyncio.gather(*(one(*c) for c in choices))
         self.service.metrics.tokens.inc(sum(r.generated for _, r, _, _ in choices))
@@ -269,9 +282,11 @@ class API:
 
         async def pump(index, request, worker, events):
             text = TextStream(self.service.tokenizer, job.stop_text)
+            writer = ChoiceLogprobs(self.service.tokenizer, job, list(request.prompt))
             try:
-                async for delta, reason in _choice_events(request, worker, events, text):
-                    await merged.put(_choice(job, index, delta, reason))
+                async for delta, reason, new, records in _choice_events(request, worker, events, text):
+                    echo, logprobs = writer.chunk(new, records, request.prompt_logprobs)
+                    await merged.put(_choice(job, index, echo + delta, reason, logprobs=logprobs))
             except APIError as err:
                 await merged.put(err)
             await merged.put(None)

@@ -37,10 +37,11 @@ def one_hot(tokens: Sequence[int], vocab: int, /) -> np.ndarray:
 
 
 def distribution(raw: np.ndarray, filtered: np.ndarray, greedy: bool) -> np.ndarray:
-    """A model's next-token distributions [n, V] from its logits: one-hot on the raw argmax when greedy,
-    else the softmax of the filtered logits (temperature, top-k/p, min-p applied; -inf where cut)."""
+    """A model's next-token distributions [n, V] from its logits: one-hot on the argmax of ``filtered``
+    when greedy (a greedy row's filtered logits are its raw ones, penalties applied), else the softmax of
+    the filtered logits (penalties, temperature, top-k/p, min-p applied; -inf where cut)."""
     if greedy:
-        return one_hot(np.argmax(raw, axis=-1), raw.shape[-1])
+        return one_hot(np.argmax(filtered, axis=-1), raw.shape[-1])
     z = np.exp(filtered - filtered.max(axis=-1, keepdims=True))
     return z / z.sum(axis=-1, keepdims=True)
 

@@ -33,12 +33,14 @@ from jaxpar.inference.scheduler import Request
 
 @dataclasses.dataclass
 class Event:
-    """New tokens of a request (``tokens``), its end (``finish_reason`` set), or an engine failure."""
+    """New tokens of a request (``tokens``), its end (``finish_reason`` set), or an engine failure.
+    ``logprobs``: one ``TokenScore`` per token, when the request asked for them."""
 
     tokens: list[int]
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500  # of an error: 400 when the engine refused the request itself
+    logprobs: list | None = None
 
 
 class Worker:
@@ -209,7 +211,8 @@ class Worker:
                     self.observe("itl", (now - last) / len(new))
         if new or reason:
             entry[2], entry[4] = sent + len(new), now if new else last
-            sink(Event(list(new), reason))
+            wanted = (request.sampling or {}).get("logprobs") is not None
+            sink(Event(list(new), reason, logprobs=request.token_logprobs[sent : sent + len(new)] if wanted else None))
 
 
 class Router:

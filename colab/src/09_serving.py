@@ -19,7 +19,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
-from jaxpar.inference.engine import Engine, page_bytes
+from jaxpar.inference.engine import Engine
+from jaxpar.inference.placement import page_bytes
 from jaxpar.inference.scheduler import Request
 from jaxpar.models import ExecutionConfig, build_model, get_model_preset
 

@@ -12,11 +12,7 @@ lm-eval's own Hugging Face backend (torch) on the same folder and task.
 import dataclasses
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -24,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from logprob_oracle import Forward, agree_under_margin, penalized_greedy, ranked_ids_agree, top
+from serve_process import launch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
@@ -63,19 +60,9 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("logprobs")
     folder = tmp / "tinyllama"
     tok = _checkpoint(folder)
-    log = (tmp / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxpar", "serve", "--from", str(folder), "--port", "0", "--max-slots", "4"]
-        + ["--max-length", "128", "--page-size", "16", "--chunk", "32"],
-        stderr=log,
-        stdout=log,
-        env=os.environ | OFFLINE,
-    )
-    deadline = time.time() + 300
-    while not (found := re.search(r"listening on (http://\S+)", (tmp / "server.log").read_text())):
-        assert proc.poll() is None and time.time() < deadline, (tmp / "server.log").read_text()
-        time.sleep(0.2)
-    url = found.group(1)
+    args = ["--from", str(folder), "--port", "0", "--max-slots", "4"]
+    args += ["--max-length", "128", "--page-size", "16", "--chunk", "32"]
+    proc, url = launch(args, tmp / "server.log", env=os.environ | OFFLINE)
     yield type(
         "Server",
         (),

@@ -161,8 +161,8 @@ def test_a_memory_budget_below_one_sequence_is_refused():
 
     from jaxpar.errors import ConfigError
     from jaxpar.inference.engine import Engine
-    from jaxpar.inference.placement import page_bytes
     from jaxpar.inference.generate import for_generation
+    from jaxpar.inference.placement import page_bytes
     from jaxpar.models import build_model, get_model_preset
 
     model = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))

@@ -14,14 +14,13 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 from flax import nnx
+from serve_process import launch
 
 openai = pytest.importorskip("openai")
 
@@ -48,42 +47,11 @@ def server(tmp_path_factory):
     )
     tok.save(str(tmp / "tiny" / "tokenizer.json"))
     (tmp / "tiny" / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    log = (tmp / "server.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jaxpar",
-            "serve",
-            "--from",
-            str(tmp / "tiny"),
-            "--port",
-            "0",
-            "--cpu-devices",
-            "2",
-            "--replicas",
-            "2",
-            "--max-slots",
-            "8",
-            "--max-length",
-            "128",
-            "--page-size",
-            str(PAGE),
-            "--chunk",
-            "32",
-            "--shutdown-timeout",
-            str(SHUTDOWN),
-            "--body-timeout",
-            "600",  # so that only the shutdown limit can end the hung client of the SIGTERM test
-        ],
-        stderr=log,
-        stdout=log,
-    )
-    deadline = time.time() + 300
-    while not (found := re.search(r"listening on (http://\S+)", (tmp / "server.log").read_text())):
-        assert proc.poll() is None and time.time() < deadline, (tmp / "server.log").read_text()
-        time.sleep(0.2)
-    url = found.group(1)
+    args = ["--from", str(tmp / "tiny"), "--port", "0", "--cpu-devices", "2", "--replicas", "2"]
+    args += ["--max-slots", "8", "--max-length", "128", "--page-size", str(PAGE), "--chunk", "32"]
+    # --body-timeout so long that only the shutdown limit can end the hung client of the SIGTERM test
+    args += ["--shutdown-timeout", str(SHUTDOWN), "--body-timeout", "600"]
+    proc, url = launch(args, tmp / "server.log")
     yield type(
         "Server",
         (),

@@ -132,6 +132,7 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     if cfg.init_from and saved is None:
         check_init_from(cfg)
     loaders = _make_loaders(cfg)
+    all_processes_reach("run-directory-read")  # before any process writes to it, every process has read it
     # ---- nothing was written before this line
     if cfg.log.compile_cache:
         jax.config.update("jax_compilation_cache_dir", cfg.log.compile_cache)

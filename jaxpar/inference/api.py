@@ -1,4 +1,5 @@
-"""The OpenAI-compatible request format: parsing, validation and the JSON that goes back.
+"""The OpenAI-compatible request format: parsing and validation (the JSON that goes back is built in
+``jaxpar.inference.responses``).
 
 ``Parser`` turns the body of a ``/v1/completions`` or ``/v1/chat/completions`` request into a ``Job``
 (token ids, limits, sampling settings) or raises ``APIError``, which the server sends as OpenAI's error
@@ -35,7 +36,6 @@ import json
 import math
 import secrets
 import time
-from pathlib import Path
 
 from jaxpar.inference.limits import Limits
 from jaxpar.inference.sampling import SEEDS, choice_seed
@@ -146,30 +146,6 @@ def _number(body: dict, name: str, default, low, high, *, low_open: bool = False
         span = f"{'(' if low_open else '['}{low}, {high if high is not None else '∞'}{']' if high is not None else ')'}"
         raise APIError(f"'{name}' = {value} is outside {span}", param=name)
     return value
-
-
-def load_chat_template(tokenizer_file: str | Path | None, explicit: str | Path | None = None) -> tuple:
-    """(template, special tokens) for chat: the template of ``explicit`` (a Jinja file), else
-    ``chat_template.jinja`` or the ``chat_template`` of ``tokenizer_config.json`` beside the tokenizer
-    file (None when there is none); the special tokens (``bos_token``, ``eos_token``) of that config."""
-    folder = Path(tokenizer_file).parent if tokenizer_file is not None else None
-    config = {}
-    if folder is not None and (folder / "tokenizer_config.json").is_file():
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    special = {}
-    for name in ("bos_token", "eos_token"):
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            special[name] = value
-    if explicit is not None:
-        return Path(explicit).read_text(), special
-    if folder is not None and (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(), special
-    template = config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template, special
 
 
 class Parser:

@@ -40,6 +40,7 @@ from jaxpar.inference.limits import Limits
 from jaxpar.inference.logprob_format import ChoiceLogprobs
 from jaxpar.inference.middleware import APIKey, Metrics, StatusCounter
 from jaxpar.inference.openapi import schema
+from jaxpar.inference.responses import choice, envelope, usage
 from jaxpar.inference.scheduler import Request
 from jaxpar.inference.text import TextStream
 from jaxpar.inference.worker import Router, Worker
@@ -160,34 +161,6 @@ async def _choice_events(request: Request, worker: Worker, events: asyncio.Queue
             ids, scores = [], []
 
 
-def _usage(choices) -> dict:
-    prompt = sum(len(r.prompt) for _, r, _, _ in choices)
-    done = sum(r.generated for _, r, _, _ in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
-
-
-def _choice(job: Job, index: int, text: str, reason, ids=None, logprobs: dict | None = None) -> dict:
-    if job.kind == "chat":
-        key = "message" if ids is not None else "delta"
-        out = {
-            "index": index,
-            key: {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": reason,
-        }
-    else:
-        out = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
-    if ids is not None:
-        out["token_ids"] = ids  # an extension: the exact tokens behind the text
-    return out
-
-
-def _envelope(job: Job, model: str, *, chunk: bool) -> dict:
-    kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.kind == "chat" else "text_completion"
-    prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
-    return {"id": prefix + job.id, "object": kind, "created": job.created, "model": model}
-
-
 class API:
     """The routes (module doc)."""
 
@@ -267,13 +240,13 @@ class API:
             ids = request.tokens[len(request.prompt) : len(request.prompt) + request.generated]
             writer = ChoiceLogprobs(self.service.tokenizer, job, list(request.prompt))
             echo, logprobs = writer.chunk(seen, scores, request.prompt_logprobs)
-            return _choice(job, index, echo + "".join(parts), reason, ids, logprobs)
+            return choice(job, index, echo + "".join(parts), reason, ids, logprobs)
 
         done = await asyncio.gather(*(one(*c) for c in choices))
         self.service.metrics.tokens.inc(sum(r.generated for _, r, _, _ in choices))
-        return _envelope(job, self.model, chunk=False) | {
+        return envelope(job, self.model, chunk=False) | {
             "choices": sorted(done, key=lambda c: c["index"]),
-            "usage": _usage(choices),
+            "usage": usage(choices),
         }
 
     async def _stream(self, job: Job, choices, deadline: float):
@@ -286,7 +259,7 @@ class API:
             try:
                 async for delta, reason, new, records in _choice_events(request, worker, events, text):
                     echo, logprobs = writer.chunk(new, records, request.prompt_logprobs)
-                    await merged.put(_choice(job, index, echo + delta, reason, logprobs=logprobs))
+                    await merged.put(choice(job, index, echo + delta, reason, logprobs=logprobs))
             except APIError as err:
                 await merged.put(err)
             await merged.put(None)
@@ -306,10 +279,10 @@ class API:
                 elif isinstance(item, APIError):
                     yield f"data: {json.dumps(item.body())}\n\n"
                 else:
-                    yield f"data: {json.dumps(_envelope(job, self.model, chunk=True) | {'choices': [item]})}\n\n"
+                    yield f"data: {json.dumps(envelope(job, self.model, chunk=True) | {'choices': [item]})}\n\n"
             if job.include_usage:
-                usage = _envelope(job, self.model, chunk=True) | {"choices": [], "usage": _usage(choices)}
-                yield f"data: {json.dumps(usage)}\n\n"
+                tally = envelope(job, self.model, chunk=True) | {"choices": [], "usage": usage(choices)}
+                yield f"data: {json.dumps(tally)}\n\n"
             yield "data: [DONE]\n\n"
             self.service.metrics.tokens.inc(sum(r.generated for _, r, _, _ in choices))
         finally:  # the client went away, or all is sent

@@ -7,10 +7,13 @@ V vocab (padded), L num_layers.
     Block: x + Attention(RMSNorm(x)); x + SwiGLU(RMSNorm(x))
 
 The L blocks are created once with ``nnx.vmap`` (every parameter gains a leading ``layers`` axis) and run
-with ``nnx.scan``, so compile time does not grow with depth. ``DenseConfig`` is what the model is; how it
-runs (remat, the compute dtype, the attention kernel, context parallelism) is the ``ExecutionConfig`` it
-is built with (``jaxpar.execution``), kept as ``model.execution``. Only logical axis names appear here;
-the mesh presets decide what they mean.
+with ``nnx.scan``, so compile time does not grow with depth. Generation runs them unrolled instead, one
+block and one cache per layer (``layers``, ``_cached``): a model unstacked once for inference
+(``jaxpar.inference.unstack``) holds each layer's arrays apart, so a decode step copies no weight.
+
+``DenseConfig`` is what the model is; how it runs (remat, the compute dtype, the attention kernel, context
+parallelism) is the ``ExecutionConfig`` it is built with (``jaxpar.execution``), kept as
+``model.execution``. Only logical axis names appear here; the mesh presets decide what they mean.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ class DecodeStep:
     weight_bytes: int
     cache_bytes: int
     new_bytes: int
-    compile_s: float
+    lower_s: float  # tracing and lowering (``lower_programs``: prefill's too)
+    compile_s: float  # XLA's compilation of the decode step
 
     @property
     def floor_bytes(self) -> int:
@@ -95,12 +96,14 @@ def compile_decode(cfg, *, batch: int, slots: int, mesh: str = "decode_dp") -> D
         shardings = nnx.get_named_sharding(abstract, built)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     start = time.perf_counter()
-    compiled = lower_programs(model, state, layout, batch, 16, slots)[1].compile()
-    compile_s = time.perf_counter() - start
+    lowered = lower_programs(model, state, layout, batch, 16, slots)[1]
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    lower_s, compile_s = lowered_at - start, time.perf_counter() - lowered_at
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     (table,) = jax.tree.leaves(nnx.state(model.embed))  # [V, D]
     unread = 0 if cfg.tie_embeddings else nbytes(table) - batch * table.shape[1] * table.dtype.itemsize
     cache = jax.tree.leaves(abstract_cache(model, layout, batch, slots))  # each layer's [B, S, ...]
     new = sum(x.size // x.shape[1] * x.dtype.itemsize for x in cache)  # one position of every row
     smallest = min(x.size for x in jax.tree.leaves(state) if x.ndim >= 2)
-    return DecodeStep(compiled, smallest, nbytes(state) - unread, nbytes(cache), new, compile_s)
+    return DecodeStep(compiled, smallest, nbytes(state) - unread, nbytes(cache), new, lower_s, compile_s)

@@ -29,6 +29,7 @@ def test_unstack_gives_each_layer_its_own_arrays_and_names(name):
     model = _model(name)
     flat = unstack(model)
     assert is_unstacked(flat) and not is_unstacked(model)
+    assert flat.embed.embedding is not model.embed.embedding  # its own variables: placing them moves not model's
     stacked, layers = _variables(nnx.state(model)), _variables(nnx.state(flat))
     for stack in model.cache_stacks():
         blocks = getattr(flat, stack)

@@ -52,7 +52,8 @@ def bucket(n: int, /, minimum: int = MIN_BUCKET) -> int:
 
 def for_generation(model: LanguageModel, *, sequence_split: bool = False) -> LanguageModel:
     """``model`` rebuilt to run as ``generation_execution`` says, its stacks unstacked into per-layer
-    blocks (``jaxpar.inference.unstack``: each layer's weights copied out once; the rest shared)."""
+    blocks (``jaxpar.inference.unstack``: each layer's weights copied out once; the other arrays shared,
+    in variables of their own: placing the result leaves ``model`` where it is)."""
     execution = generation_execution(model.execution, sequence_split=sequence_split)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model.cfg, execution=execution, rngs=nnx.Rngs(0))))
     if is_unstacked(model):

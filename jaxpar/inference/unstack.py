@@ -32,8 +32,11 @@ def is_unstacked(model: LanguageModel) -> bool:
 def unstack(model: LanguageModel) -> LanguageModel:
     """``model`` with every stack as an ``nnx.List`` of per-layer blocks, each layer's arrays its own
     (copied out of the stacked ones once). The other parts (embedding, final norm, head) share ``model``'s
-    arrays; ``model`` itself is left as it is. Abstract models (``nnx.eval_shape``) give abstract layers."""
-    out = nnx.merge(*nnx.split(model))  # new variables, the same arrays
+    arrays in variables of their own, so ``model`` is left as it is, also when the result is resharded
+    (``jaxpar.inference.layouts.reshard`` updates variables in place). Abstract models (``nnx.eval_shape``)
+    give abstract layers."""
+    graphdef, state = nnx.split(model)
+    out = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new variables (placing them moves no caller's)
     for name in out.cache_stacks():
         blocks = getattr(out, name)
         if not isinstance(blocks, nnx.List):

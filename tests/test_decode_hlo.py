@@ -29,6 +29,13 @@ def test_no_weight_is_sliced_or_copied(step):
     assert [c for c in found if "state[" in c.op_name] == []
 
 
+def test_the_cache_is_donated_and_updated_in_place(step):
+    """Every layer's K and V arrays are aliased to the step's outputs (decode donates the cache)."""
+    name, s = step
+    header = s.compiled.as_text().split("\n", 1)[0]
+    assert header.count("may-alias") + header.count("must-alias") == 2 * get_model_preset(name).num_layers
+
+
 def test_no_weight_sized_copy_at_all(step, request):
     """No copy of anything as large as the smallest weight matrix. tiny's smallest weight (k: 64 × 2 × 8)
     is smaller than one layer's cache, and XLA:CPU transposes each layer's K and V cache [B, S, K, H] to

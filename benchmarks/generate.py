@@ -236,7 +236,7 @@ def measured_cache(gen, batch: int, prompt: int, new: int) -> dict:
     spec = lambda tree: jax.tree.map(lambda x: (x.shape, str(x.dtype)), tree)
     assert spec(cache) == spec(prefill.out_info[2]), (spec(cache), spec(prefill.out_info[2]))
     total = tree_bytes(cache)
-    kept = {a.shape[2] for a in jax.tree.leaves(cache)}  # [layers, B, S, ...]: S per array
+    kept = {a.shape[1] for a in jax.tree.leaves(cache)}  # each layer's [B, S, ...]: S per array
     assert len(kept) == 1, kept
     per_token, words = kv_formula(gen.cfg, gen.model.execution)
     measured = total / (batch * kept.pop())

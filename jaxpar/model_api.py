@@ -12,6 +12,10 @@ with a leading ``layers`` axis and run with a scan; a model names its stacks by 
 runs before it (DeepSeek's first dense layers). Storage order: under a zig-zag ring the layout stores a
 sequence permuted (position p holds token ``order[p]``); ``forward`` returns logits in that order, so a
 loss permutes its targets once instead of the logits.
+
+Generation runs a model whose stacks are unstacked (``jaxpar.inference.unstack``: each stack an
+``nnx.List`` of per-layer blocks with arrays of their own). The generation hooks run the layers unrolled,
+each with its own cache; on a stacked model they slice each layer out of the stack in every call.
 """
 
 from __future__ import annotations
@@ -91,11 +95,11 @@ class LanguageModel(Protocol):
         ...
 
     def empty_cache(self, batch: int, slots: int) -> dict:
-        """A zero KV cache {stack: cache with a leading layers axis} for ``batch`` rows of ``slots``."""
+        """A zero KV cache {stack: [each layer's cache]} for ``batch`` rows of ``slots``."""
         ...
 
     def empty_pages(self, num_pages: int, page_size: int) -> dict:
-        """Zero page pools {stack: paged cache with a leading layers axis}; page 0 is the null page."""
+        """Zero page pools {stack: [each layer's paged cache]}; page 0 is the null page."""
         ...
 
     def prefill(self, ids: jax.Array, lengths: jax.Array, cache: dict) -> tuple[jax.Array, dict]:

@@ -7,20 +7,26 @@ V vocab (padded), L num_layers.
     Block: x + Attention(RMSNorm(x)); x + SwiGLU(RMSNorm(x))
 
 The L blocks are created once with ``nnx.vmap`` (every parameter gains a leading ``layers`` axis) and run
-with ``nnx.scan``, so compile time does not grow with depth. ``DenseConfig`` is what the model is; how it
-runs (remat, the compute dtype, the attention kernel, context parallelism) is the ``ExecutionConfig`` it
-is built with (``jaxpar.execution``), kept as ``model.execution``. Only logical axis names appear here;
-the mesh presets decide what they mean.
+with ``nnx.scan``, so compile time does not grow with depth. Generation runs them unrolled instead, one
+block and one cache per layer (``layers``, ``_cached``): a model unstacked once for inference
+(``jaxpar.inference.unstack``) holds each layer's arrays apart, so a decode step copies no weight.
+
+``DenseConfig`` is what the model is; how it runs (remat, the compute dtype, the attention kernel, context
+parallelism) is the ``ExecutionConfig`` it is built with (``jaxpar.execution``), kept as
+``model.execution``. Only logical axis names appear here; the mesh presets decide what they mean.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import spmd
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import DType, check_choices
@@ -213,18 +219,28 @@ def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs:
     return nnx.scan(body, in_axes=(nnx.Carry, 0, None, None), out_axes=out_axes)(x, blocks, positions, index)
 
 
-def scan_cached(blocks, x, positions, cache, step: Step):
-    """Runs stacked ``blocks`` over x with their stacked KV ``cache`` (a leading layers axis):
-    (x, updated cache). Positions are the tokens' own (no storage order in generation)."""
+def stack_axis(blocks) -> str:
+    """The logical name of a stack's leading axis (``layers``, ``prefix_layers``), read from its parameters."""
+    first = jax.tree.leaves(nnx.state(blocks), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    return first.get_metadata()["out_sharding"][0]
 
-    def body(x, block, cache, positions, lengths):
-        out, cache = block(x, positions, positions, cache, Step(step.mode, lengths))
-        return (out[0] if isinstance(out, tuple) else out), cache  # MoE blocks: (x, stats)
 
-    lengths = jnp.zeros(x.shape[:1], jnp.int32) if step.lengths is None else step.lengths
-    return nnx.scan(body, in_axes=(nnx.Carry, 0, 0, None, None), out_axes=(nnx.Carry, 0))(
-        x, blocks, cache, positions, lengths
-    )
+def _row(x, i: int):
+    """Row i of a stacked array (an abstract one: its shape without the leading axis)."""
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[i]
+
+
+def split_stack(blocks) -> list[nnx.Module]:
+    """A stack made by ``stacked`` as one module per layer: layer i holds row i of every variable, whose
+    logical names lose the stack's leading axis name. Eager, each row is an array of its own (a copy);
+    traced, a slice of the stacked array (``jaxpar.inference.unstack`` splits a model once, eagerly)."""
+    graphdef, state = nnx.split(blocks)
+    axis, layers = stack_axis(blocks), []
+    for i in range(jax.tree.leaves(state)[0].shape[0]):
+        layer = nnx.merge(graphdef, jax.tree.map(functools.partial(_row, i=i), state))
+        spmd.remove_axis(nnx.state(layer), 0, {nnx.PARTITION_NAME: axis})
+        layers.append(layer)
+    return layers
 
 
 class DenseLM(nnx.Module):
@@ -313,42 +329,50 @@ class DenseLM(nnx.Module):
         """The stacked layers that keep a KV cache, by attribute name, in the order they run."""
         return tuple(n for n in (self.prefix_stack, self.pipeline_stack) if n)
 
+    def layers(self, name: str) -> Sequence[nnx.Module]:
+        """Stack ``name``'s blocks, one module per layer: an unstacked model's own (``nnx.List``), else
+        sliced from the stacked arrays (``split_stack``)."""
+        blocks = getattr(self, name)
+        return blocks if isinstance(blocks, nnx.List) else split_stack(blocks)
+
     def empty_cache(self, batch: int, slots: int) -> dict:
-        """A zero KV cache for ``batch`` sequences: {stack: KVCache or LatentCache with a leading layers
-        axis}. ``slots`` is the longest sequence; a sliding window keeps at most the window."""
+        """A zero KV cache for ``batch`` sequences: {stack: [KVCache or LatentCache of each layer]}.
+        ``slots`` is the longest sequence; a sliding window keeps at most the window."""
         return self._zeros(batch, min(slots, self.cfg.sliding_window or slots))
 
     def empty_pages(self, num_pages: int, page_size: int) -> dict:
-        """Zero page pools {stack: PagedKVCache or PagedLatentCache with a leading layers axis, no table
-        yet}; give each call its table with ``jaxpar.layers.kvcache.with_table``. Page 0 is the null page."""
+        """Zero page pools {stack: [PagedKVCache or PagedLatentCache of each layer, no table yet]}; give
+        each call its table with ``jaxpar.layers.kvcache.with_table``. Page 0 is the null page."""
         paged = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
         return {
-            name: paged[type(c)](*(getattr(c, f.name) for f in dataclasses.fields(c)), None)
-            for name, c in self._zeros(num_pages, page_size).items()
+            name: [paged[type(c)](*(getattr(c, f.name) for f in dataclasses.fields(c)), None) for c in layers]
+            for name, layers in self._zeros(num_pages, page_size).items()
         }
 
     def _zeros(self, batch: int, s: int) -> dict:
+        """{stack: [one zero cache per layer]} of ``batch`` rows of ``s`` slots (or pages of s positions)."""
         cfg, dtype = self.cfg, self.execution.dtype
+        if cfg.uses_mla:
+            cls, shapes = LatentCache, [(batch, s, cfg.mla.kv_lora_rank), (batch, s, cfg.mla.qk_rope_head_dim)]
+        else:
+            cls, shapes = KVCache, [(batch, s, cfg.num_kv_heads, cfg.head_dim)] * 2
         out = {}
         for name in self.cache_stacks():
             prefix = cfg.first_dense_layers
             n = prefix if name == self.prefix_stack else cfg.num_layers - prefix
-            if cfg.uses_mla:
-                mla = cfg.mla
-                out[name] = LatentCache(
-                    jnp.zeros((n, batch, s, mla.kv_lora_rank), dtype),
-                    jnp.zeros((n, batch, s, mla.qk_rope_head_dim), dtype),
-                )
-            else:
-                shape = (n, batch, s, cfg.num_kv_heads, cfg.head_dim)
-                out[name] = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            out[name] = [cls(*(jnp.zeros(shape, dtype) for shape in shapes)) for _ in range(n)]
         return out
 
     def _cached(self, ids: jax.Array, positions: jax.Array, cache: dict, step: Step):
-        """Embedding and every stack with its cache: (x [B, T, D], updated cache)."""
+        """Embedding and every layer with its own cache, unrolled in order: (x [B, T, D], {stack: [each
+        layer's updated cache]}). Prefill, chunked prefill, decode and verification all run here."""
         x, new = self.embed(ids), {}
         for name in self.cache_stacks():
-            x, new[name] = scan_cached(getattr(self, name), x, positions, cache[name], step)
+            new[name] = []
+            for block, c in zip(self.layers(name), cache[name], strict=True):
+                out, c = block(x, positions, positions, c, step)
+                x = out[0] if isinstance(out, tuple) else out  # MoE blocks: (x, stats)
+                new[name].append(c)
         return x, new
 
     def prefill(self, ids: jax.Array, lengths: jax.Array, cache: dict):

@@ -205,7 +205,7 @@ def test_an_engine_sharded_over_two_devices_agrees_with_one(tiny, mesh):
     reqs = _requests(12, seed=5)
     engine = _engine(tiny, mesh=mesh, devices=jax.devices()[:2])
     engine.run(reqs)
-    k = engine.models["target"].pools[next(iter(engine.models["target"].pools))].k
+    k = engine.models["target"].pools[next(iter(engine.models["target"].pools))][0].k  # the first layer's pool
     assert len(k.sharding.device_set) == 2
     split = k.addressable_shards[0].data.shape[-2]  # kv heads
     assert split == (k.shape[-2] // 2 if mesh == "decode_tp" else k.shape[-2])

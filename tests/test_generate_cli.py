@@ -223,8 +223,9 @@ def test_stop_ids_end_a_row(assets, api, capsys):
 def test_hugging_face_folder_stops_at_its_eos(assets, api, tmp_path, capsys):
     """An exported folder: detected by config.json + safetensors; generation_config.json's EOS ends a row."""
     from jaxpar.convert import to_hf
+    from jaxpar.inference.unstack import restack
 
-    folder = to_hf(api.model, tmp_path / "hf")
+    folder = to_hf(restack(api.model), tmp_path / "hf")  # the generator's model is unstacked: restack it
     row = greedy(api, [[1, 2, 3]])[0]
     eos = [row[1], 255]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))

@@ -116,9 +116,10 @@ def cache_per_device(model, mesh, name, batch, slots):
     """Bytes of one device's shard of the cache (batch sequences × slots), placed by the decode layout."""
     layout = check_inference_layout(model.cfg, mesh, name, batch=batch, prompt=16, slots=slots)
     total = 0
-    for c in jax.eval_shape(lambda: model.empty_cache(batch, slots)).values():
-        for x in jax.tree.leaves(c):
-            total += int(np.prod(layout.sharding((None,) + c.NAMES).shard_shape(x.shape))) * x.dtype.itemsize
+    for layers in jax.eval_shape(lambda: model.empty_cache(batch, slots)).values():
+        for c in layers:  # one cache per layer
+            for x in jax.tree.leaves(c):
+                total += int(np.prod(layout.sharding(c.NAMES).shard_shape(x.shape))) * x.dtype.itemsize
     return total
 
 
@@ -155,20 +156,21 @@ print(
 # `Generator` runs) from shapes alone, and read their FLOPs from XLA's `cost_analysis`. We do it for
 # prompts of 512 tokens and for decode over a 4,096-slot cache, at several batch sizes.
 #
-# There is one catch. The layers run as one `nnx.scan`, and `cost_analysis` counts a loop's body
-# **once**. The full 32-layer program below reports one layer's FLOPs plus the LM head's. So we compile
-# two exact programs instead:
-# * the whole model with one layer (embedding, one layer, LM head; no loop to miscount);
+# Generation runs the layers unrolled, one block per layer with arrays of its own
+# (`jaxpar.inference.unstack`), so the 32-layer program's `cost_analysis` counts every layer. Compiling
+# that program for every batch size takes a while, so we compile two exact, small programs instead:
+# * the whole model with one layer (embedding, one layer, LM head);
 # * one layer's cached step alone.
 #
-# The 32-layer count is the first plus 31 times the second. We compile in float32, because XLA:CPU
-# upcasts bf16 matmuls, and those converts would show up as extra FLOPs and bytes.
+# The 32-layer count is the first plus 31 times the second; the full 32-layer decode program, compiled
+# once, checks the sum. We compile in float32, because XLA:CPU upcasts bf16 matmuls, and those converts
+# would show up as extra FLOPs and bytes.
 
 # %%
 from jaxpar.analysis.hardware import HARDWARE
 from jaxpar.inference.layouts import generation_execution
+from jaxpar.inference.unstack import unstack
 from jaxpar.layers.kvcache import DECODE, PREFILL, Step
-from jaxpar.models.dense import scan_cached
 
 cfg8, gen8 = get_model_preset("llama3-8b"), generation_execution()  # run as generation runs: float32; no remat
 PROMPT, CONTEXT = 512, 4096
@@ -181,9 +183,11 @@ def cost(fn, *args):
 
 def phase_costs(cfg, batch, tokens, slots, prefill):
     """[FLOPs, XLA bytes accessed] of one prefill (or decode) call over all cfg.num_layers layers."""
-    one = nnx.eval_shape(lambda: build_model(dataclasses.replace(cfg, num_layers=1), execution=gen8, rngs=nnx.Rngs(0)))
+    one = unstack(
+        nnx.eval_shape(lambda: build_model(dataclasses.replace(cfg, num_layers=1), execution=gen8, rngs=nnx.Rngs(0)))
+    )
     graph, state = nnx.split(one)
-    layer_graph, layer_state = nnx.split(one.blocks)
+    layer_graph, layer_state = nnx.split(one.blocks[0])
     cache = jax.eval_shape(lambda: one.empty_cache(batch, slots))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     x = jax.ShapeDtypeStruct((batch, tokens, cfg.embed_dim), jnp.float32)
@@ -193,11 +197,11 @@ def phase_costs(cfg, batch, tokens, slots, prefill):
             lambda s, ids, n, c: nnx.merge(graph, s).prefill(ids, n, c), state, i32(batch, tokens), lengths, cache
         )
         layer = cost(
-            lambda s, x, p, c, n: scan_cached(nnx.merge(layer_graph, s), x, p, c, Step(PREFILL, n)),
+            lambda s, x, p, c, n: nnx.merge(layer_graph, s)(x, p, p, c, Step(PREFILL, n)),
             layer_state,
             x,
             i32(batch, tokens),
-            cache["blocks"],
+            cache["blocks"][0],
             lengths,
         )
     else:
@@ -205,20 +209,20 @@ def phase_costs(cfg, batch, tokens, slots, prefill):
             lambda s, ids, p, c: nnx.merge(graph, s).decode(ids, p, c), state, i32(batch, 1), i32(batch, 1), cache
         )
         layer = cost(
-            lambda s, x, p, c: scan_cached(nnx.merge(layer_graph, s), x, p, c, Step(DECODE)),
+            lambda s, x, p, c: nnx.merge(layer_graph, s)(x, p, p, c, Step(DECODE)),
             layer_state,
             x,
             i32(batch, 1),
-            cache["blocks"],
+            cache["blocks"][0],
         )
     return whole + (cfg.num_layers - 1) * layer
 
 
-# the scan counted once: the whole 32-layer decode program, batch 1
-full = nnx.eval_shape(lambda: build_model(cfg8, execution=gen8, rngs=nnx.Rngs(0)))
+# the whole 32-layer decode program, batch 1, unrolled as generation runs it
+full = unstack(nnx.eval_shape(lambda: build_model(cfg8, execution=gen8, rngs=nnx.Rngs(0))))
 g, s = nnx.split(full)
 i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-scan_once = cost(
+whole_program = cost(
     lambda s, ids, p, c: nnx.merge(g, s).decode(ids, p, c),
     s,
     i32(1, 1),
@@ -231,7 +235,7 @@ for b in batches:
     compiled["prefill"][b] = phase_costs(cfg8, b, PROMPT, CONTEXT, True)
     compiled["decode"][b] = phase_costs(cfg8, b, 1, CONTEXT, False)
 print(
-    f"the 32-layer decode program as one scan reports {scan_once:.3g} FLOPs; "
+    f"the 32-layer decode program reports {whole_program:.3g} FLOPs; "
     f"composed from exact programs: {compiled['decode'][1][0]:.3g}"
 )
 
@@ -300,7 +304,7 @@ plt.show()
 # the 512 × 512 attention scores. That is why prefill kernels on accelerators fuse their operations and
 # never write the scores out (flash attention): without that, even prefill would lean on bandwidth.
 #
-# The same shows up in measurements on this CPU with the tiny model, on one device, with 8 prompts of 100
+# The same shows up in measurements on this CPU with the tiny model, on one device, with 8 prompts of 32
 # tokens: prefill handles many more tokens per second than decode.
 
 # %%
@@ -308,10 +312,10 @@ from jaxpar.inference.generate import Generator
 
 tiny = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(0))
 one = Generator(tiny)  # one device
-prompts = [list(np.random.default_rng(i).integers(0, 256, 100)) for i in range(8)]
+prompts = [list(np.random.default_rng(i).integers(0, 256, 32)) for i in range(8)]
 one.generate(prompts, max_new_tokens=64)  # compiles
 timing = one.generate(prompts, max_new_tokens=64)
-prefill_tok_s = 8 * 100 / timing.prefill_s
+prefill_tok_s = 8 * 32 / timing.prefill_s
 print(f"batch 8: prefill {prefill_tok_s:,.0f} tokens/s, decode {timing.decode_tokens_per_s:,.0f} tokens/s")
 
 # %% [markdown]
@@ -334,17 +338,36 @@ print(f"batch 8: prefill {prefill_tok_s:,.0f} tokens/s, decode {timing.decode_to
 # %%
 from jaxpar.analysis.hlo import analyze_compiled
 
+
+def collectives(gen):
+    """{(kind, bytes): executions} of the collectives of ``gen``'s decode step (batch 8, 64 slots)."""
+    _, dec = gen.programs(8, 16, 64)
+    report, counts = analyze_compiled(dec, mesh=gen.mesh), {}
+    for c in report.ops:
+        counts[c.kind, c.bytes] = counts.get((c.kind, c.bytes), 0) + c.executions
+    return report, counts
+
+
+def by_kind(counts):
+    out = {}
+    for (kind, size), n in counts.items():
+        if n:
+            count, sent = out.get(kind, (0, 0))
+            out[kind] = (count + n, sent + n * size)
+    return out
+
+
+# The layers run unrolled, so a layer's collectives appear once per layer. Tiny has 2 layers; the same
+# model cut to 1 layer runs the same step with one layer fewer: the difference is one layer's collectives.
+tiny1 = build_model(dataclasses.replace(tiny.cfg, num_layers=1), rngs=nnx.Rngs(0))
 layouts = {}
 for name in ("decode_tp", "decode_dp"):
     gen = Generator(tiny, name)
-    _, dec = gen.programs(8, 16, 64)
-    report = analyze_compiled(dec, mesh=gen.mesh)
+    report, two = collectives(gen)
+    _, one_layer = collectives(Generator(tiny1, name))
+    layer = {k: two.get(k, 0) - one_layer.get(k, 0) for k in two.keys() | one_layer.keys()}
+    per_layer, per_step = by_kind(layer), by_kind({k: one_layer.get(k, 0) - n for k, n in layer.items()})
     weights = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(gen.state))
-    per_layer, per_step = {}, {}
-    for c in report.ops:  # a collective inside the layer scan runs once per layer
-        where = per_layer if c.executions == gen.cfg.num_layers else per_step
-        count, sent = where.get(c.kind, (0, 0))
-        where[c.kind] = (count + 1, sent + c.bytes)
     layouts[name] = {
         "weight_bytes_per_device": weights,
         "cache_bytes_per_device": cache_per_device(gen.model, gen.mesh, name, 8, 64),
@@ -378,8 +401,9 @@ plt.show()
 # * **`decode_tp`**: each layer ends its attention and its MLP with an all-reduce of the batch's
 #   [8, 1, 64] activations, the row-parallel matmuls' partial sums. The same happens in TP training, but
 #   here it is once per generated token. Two all-to-alls per layer move the token's queries to the
-#   device holding their cache and move the outputs back: the spare tensor ways at work. Outside the
-#   layers, the vocabulary is split too. The embedding lookup needs an all-reduce, and the argmax and
+#   device holding their cache and move the outputs back: the spare tensor ways at work (four small
+#   all-gathers, 128 bytes each, come with each layer too). Outside the layers, the vocabulary is split
+#   too. The embedding lookup needs an all-reduce, and the argmax and
 #   the samplers' sort need the logits' pieces brought together (the all-gathers and all-to-alls
 #   counted once per step).
 # * **`decode_dp`** sends one byte per step: the all-reduce of one bool, "is every row greedy?", which
@@ -424,10 +448,12 @@ print(
     f"train loss {result.losses[1]:.3f} at step 1 -> {result.losses[60]:.3f} at step 60 "
     f"(entropy rate of the source {result.entropy_rate:.3f}, ln 256 = {np.log(256):.3f})"
 )
-trained, _ = load_model(run, default_layout(cfg.model, "dp"))
+dp = default_layout(cfg.model, "dp")  # the run's layout: its weights are on every device, replicated
+trained, _ = load_model(run, dp)
 prompt = [int(t) for t in np.random.default_rng(5).integers(0, 256, 12)]
 out = Generator(trained).generate([prompt], max_new_tokens=16)
-forward_argmax = int(np.argmax(np.asarray(trained(np.asarray([prompt], np.int32)))[0, -1]))
+with dp.activate():  # the training forward on the run's layout (8 copies of the prompt: a batch it divides)
+    forward_argmax = int(np.argmax(np.asarray(trained(np.asarray([prompt] * 8, np.int32)))[0, -1]))
 print("prompt   ", prompt)
 print("generated", out.tokens[0])
 print("first generated token == argmax of the forward pass:", out.tokens[0][0] == forward_argmax)
@@ -444,7 +470,7 @@ key_numbers = {
     "batches": batches,
     "prompt": PROMPT,
     "context": CONTEXT,
-    "scan_once_flops": float(scan_once),
+    "whole_program_flops": float(whole_program),
     "compiled_flops": {ph: [float(compiled[ph][b][0]) for b in batches] for ph in compiled},
     "xla_bytes": {ph: [float(compiled[ph][b][1]) for b in batches] for ph in compiled},
     "intensity": {ph: [intensity[ph][b] for b in batches] for ph in intensity},

@@ -51,6 +51,7 @@ from jaxpar.analysis.prediction import link_of, link_seconds
 from jaxpar.errors import JaxparError
 from jaxpar.inference.generate import abstract_cache, compile_programs
 from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, generation_execution
+from jaxpar.inference.unstack import unstack
 from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model, get_model_preset
 
@@ -91,8 +92,9 @@ def _per_device(tree) -> float:
 
 
 def _abstract(cfg, execution, layout) -> tuple[LanguageModel, object]:
-    """The model (abstract) and its state as ``ShapeDtypeStruct`` placed on ``layout``'s decode rules."""
-    model = nnx.eval_shape(lambda: build_model(cfg, execution=execution, rngs=nnx.Rngs(0)))
+    """The model (abstract, unstacked as generation runs it) and its state as ``ShapeDtypeStruct`` placed
+    on ``layout``'s decode rules."""
+    model = unstack(nnx.eval_shape(lambda: build_model(cfg, execution=execution, rngs=nnx.Rngs(0))))
     with layout.phase("decode").activate():
         state = nnx.state(model)
         shardings = nnx.get_named_sharding(state, layout.mesh)
@@ -132,8 +134,8 @@ def plan_inference(
     cache = abstract_cache(abstract, layout, batch, context)
     weights, kv_device = _per_device(state), _per_device(cache)
     kv_total = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
-    leaf = jax.tree.leaves(cache)[0]  # [layers, batch, positions, ...]
-    rows_per_device = leaf.sharding.shard_shape(leaf.shape)[1]
+    leaf = jax.tree.leaves(cache)[0]  # one layer's [batch, positions, ...]
+    rows_per_device = leaf.sharding.shard_shape(leaf.shape)[0]
     per_sequence = kv_device / rows_per_device
     room = hw.hbm_bytes - weights
     max_batch = int(room // per_sequence) * (batch // rows_per_device) if room > 0 else 0

@@ -40,7 +40,7 @@ from jaxpar.inference.placement import Weights, engine_layout, pages_for_budget
 from jaxpar.inference.sampling import SamplingParams
 from jaxpar.inference.scheduler import Request, Scheduler
 from jaxpar.inference.speculative import acceptance, distribution, host_rng, ngram_draft, one_hot, verify
-from jaxpar.layers.kvcache import with_table
+from jaxpar.layers.kvcache import with_table, without_table
 from jaxpar.model_api import LanguageModel
 from jaxpar.rules import trace_layout
 
@@ -155,7 +155,7 @@ class Engine:
                 with trace_layout(layout.mesh, layout.decode):
                     model = nnx.merge(graphdef, state)
                     logits, pools = model.decode(ids, positions, with_table(pools, table))
-                stripped = {k: dataclasses.replace(c, table=None) for k, c in pools.items()}
+                stripped = without_table(pools)
                 if every:
                     return logprobs.verify_outputs(logits, ids, positions, params, extras), stripped
                 return logprobs.step_outputs(logits, ids, positions, last, params, extras, vocab), stripped

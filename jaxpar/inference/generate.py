@@ -37,6 +37,7 @@ from jaxpar.inference.layouts import (
     weight_layout,
 )
 from jaxpar.inference.sampling import SamplingParams, sample
+from jaxpar.inference.unstack import is_unstacked, restack, unstack
 from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model
 from jaxpar.rules import trace_layout
@@ -50,10 +51,14 @@ def bucket(n: int, /, minimum: int = MIN_BUCKET) -> int:
 
 
 def for_generation(model: LanguageModel, *, sequence_split: bool = False) -> LanguageModel:
-    """``model`` (its state shared, not copied) rebuilt to run as ``generation_execution`` says."""
+    """``model`` rebuilt to run as ``generation_execution`` says, its stacks unstacked into per-layer
+    blocks (``jaxpar.inference.unstack``: each layer's weights copied out once; the other arrays shared,
+    in variables of their own: placing the result leaves ``model`` where it is)."""
     execution = generation_execution(model.execution, sequence_split=sequence_split)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model.cfg, execution=execution, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, nnx.state(model))
+    if is_unstacked(model):
+        model = restack(model)
+    return unstack(nnx.merge(graphdef, nnx.state(model)))
 
 
 def check_request(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:
@@ -126,25 +131,28 @@ class GenerationResult:
 
 
 def abstract_cache(model: LanguageModel, layout: InferenceLayout, batch: int, slots: int) -> dict:
-    """The cache's shapes and dtypes, each placed by its logical names under ``layout``."""
+    """The cache's shapes and dtypes ({stack: [each layer's cache]}), each placed by its logical names
+    under ``layout``."""
 
     def placed(c):
-        return type(c)(
-            *[
-                jax.ShapeDtypeStruct(
-                    getattr(c, f.name).shape, getattr(c, f.name).dtype, sharding=layout.sharding((None,) + c.NAMES)
-                )
-                for f in dataclasses.fields(c)
-            ]
-        )
+        arrays = (getattr(c, f.name) for f in dataclasses.fields(c))
+        return type(c)(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.sharding(c.NAMES)) for x in arrays))
 
-    return {k: placed(c) for k, c in jax.eval_shape(lambda: model.empty_cache(batch, slots)).items()}
+    cache = jax.eval_shape(lambda: model.empty_cache(batch, slots))
+    return {name: [placed(c) for c in layers] for name, layers in cache.items()}
 
 
 def compile_programs(model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
     """(prefill, decode) of ``model`` compiled for ``layout`` from ``state``, a tree of
     ``jax.ShapeDtypeStruct`` with shardings (``model`` may be abstract: ``nnx.eval_shape``; nothing the
     size of the model is allocated)."""
+    pre, dec = lower_programs(model, state, layout, batch, prompt, slots)
+    return pre.compile(), dec.compile()
+
+
+def lower_programs(model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
+    """(prefill, decode) of ``model`` lowered for ``layout`` (``compile_programs``' arguments), not yet
+    compiled. Decode donates its cache (argument 1): XLA writes each layer's new entries in place."""
     graphdef, mesh = nnx.graphdef(model), layout.mesh
     cache = abstract_cache(model, layout, batch, slots)
     cache_sh = jax.tree.map(lambda c: c.sharding, cache)
@@ -169,10 +177,8 @@ def compile_programs(model: LanguageModel, state, layout: InferenceLayout, batch
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), SamplingParams.greedy(batch), params_sh
     )
     out = (rows, rows, cache_sh)
-    pre = jax.jit(prefill, out_shardings=out)
-    pre = pre.lower(state, i32(batch, prompt), i32(batch), params).compile()
-    dec = jax.jit(decode, donate_argnums=(1,), out_shardings=out)
-    dec = dec.lower(state, cache, i32(batch), i32(batch), params).compile()
+    pre = jax.jit(prefill, out_shardings=out).lower(state, i32(batch, prompt), i32(batch), params)
+    dec = jax.jit(decode, donate_argnums=(1,), out_shardings=out).lower(state, cache, i32(batch), i32(batch), params)
     return pre, dec
 
 

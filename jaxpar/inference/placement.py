@@ -73,16 +73,9 @@ class Weights:
         """``model``'s weights moved onto ``layout`` (an ``InferenceLayout``), its pools made there."""
         graphdef, state = nnx.graphdef(model), placed_state(model, layout.phase("decode"))
 
-        def place(c):  # pools carry leading layer axes before NAMES
-            arrays = [getattr(c, f.name) for f in dataclasses.fields(c)]
-            return type(c)(
-                *[
-                    None
-                    if x is None
-                    else jax.device_put(x, layout.sharding((None,) * (x.ndim - len(c.NAMES)) + c.NAMES))
-                    for x in arrays
-                ]
-            )
+        def place(c):  # one layer's pools, placed by their logical names (no table yet)
+            arrays = (getattr(c, f.name) for f in dataclasses.fields(c))
+            return type(c)(*(None if x is None else jax.device_put(x, layout.sharding(c.NAMES)) for x in arrays))
 
-        pools = {k: place(c) for k, c in model.empty_pages(num_pages, page_size).items()}
+        pools = {k: [place(c) for c in layers] for k, layers in model.empty_pages(num_pages, page_size).items()}
         return cls(graphdef, state, pools)

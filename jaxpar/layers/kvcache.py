@@ -16,8 +16,9 @@ position s; a sliding-window cache keeps S = window slots as a ring, so at most 
 GQA caches K and V, [B, S, K, H] each. MLA caches what it needs to rebuild them: the normalised latent
 [B, S, R] and the rotated rope key [B, S, Hr] shared by all heads; decoding absorbs the up-projection of
 keys into the query and that of values into the output, so per-head keys and values never exist.
-Every cache array carries logical names (``cache_batch``, ``cache_length``, ``cache_kv_heads``), with a
-leading stacked-layers axis that is never split.
+Every cache array carries logical names (``cache_batch``, ``cache_length``, ``cache_kv_heads``). A
+model keeps one cache per layer ({stack: [cache of each layer]}, ``empty_cache``), each its own arrays,
+so a decode step writes its new entries in place (the cache is donated) and copies nothing.
 
 Paged caches (``PagedKVCache``, ``PagedLatentCache``; the serving engine's) keep one pool of pages
 [P, page, ...] shared by all sequences and a page table [B, W] per call: row b's position p lives in
@@ -45,7 +46,7 @@ PREFILL, DECODE = "prefill", "decode"
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """One GQA layer's cache (a stack of them: a leading layers axis)."""
+    """One GQA layer's cache."""
 
     k: jax.Array  # [B, S, K, H]
     v: jax.Array  # [B, S, K, H]
@@ -56,7 +57,7 @@ class KVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LatentCache:
-    """One MLA layer's cache (a stack of them: a leading layers axis)."""
+    """One MLA layer's cache."""
 
     latent: jax.Array  # [B, S, R]   kv_a_norm of the compressed key/value
     rope_key: jax.Array  # [B, S, Hr]  the decoupled RoPE key, rotated
@@ -67,7 +68,7 @@ class LatentCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    """One GQA layer's page pool and this call's page table (stacked: leading layers axes)."""
+    """One GQA layer's page pool and this call's page table."""
 
     k: jax.Array  # [P, page, K, H]
     v: jax.Array  # [P, page, K, H]
@@ -98,13 +99,14 @@ class Step:
 
 
 def with_table(pools: dict, table: jax.Array) -> dict:
-    """Stacked page pools {stack: Paged*Cache} given this call's page table [B, W] (one per layer)."""
+    """Page pools {stack: [Paged*Cache of each layer]} given this call's page table [B, W] (every layer
+    reads the same table)."""
+    return {name: [dataclasses.replace(c, table=table) for c in layers] for name, layers in pools.items()}
 
-    def one(c):
-        layers = jax.tree.leaves(c)[0].shape[0]
-        return dataclasses.replace(c, table=jnp.broadcast_to(table, (layers, *table.shape)))
 
-    return {name: one(c) for name, c in pools.items()}
+def without_table(pools: dict) -> dict:
+    """Page pools {stack: [Paged*Cache of each layer]} with their table dropped (what a step keeps)."""
+    return {name: [dataclasses.replace(c, table=None) for c in layers] for name, layers in pools.items()}
 
 
 def filled(x: jax.Array, lengths: jax.Array, slots: int) -> jax.Array:

@@ -46,7 +46,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.errors import ConfigError
-from jaxpar.layers.attention import AttentionConfig
+from jaxpar.layers.attention import AttentionConfig, output_projection
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, LatentCache, Step, filled, mla_decode
 from jaxpar.layers.norms import RMSNorm
@@ -194,8 +194,7 @@ class MLA(nnx.Module):
                     *(constrain(filled(a, step.lengths, slots), LatentCache.NAMES) for a in (latent, k_rope[:, :, 0]))
                 )
         out = checkpoint_name(constrain(out, HEADS), "attn_ctx")  # [B, T, N, Hv]
-        y = jnp.einsum("btnh,nhd->btd", out, self._w(self.o))
-        y = constrain(y, ("batch", "length", "act_embed"))
+        y = constrain(output_projection(out, self._w(self.o), flat=cache is not None), ("batch", "length", "act_embed"))
         return y if cache is None else (y, cache)
 
     def _attention(self, q_nope, q_rope, latent, k_rope, index, scale: float) -> jax.Array:

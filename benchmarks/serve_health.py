@@ -2,7 +2,7 @@
 
     python benchmarks/serve_health.py --out benchmarks/results/serve_health_cpu.json     # ~1 min
 
-One replica of ``tiny`` on one CPU device, the default ``Limits`` (bodies up to 4 MiB, text up to
+One replica of ``tiny`` on one CPU device, the default ``Limits`` (bodies up to 1 MiB, text up to
 262,144 characters), a word-level tokenizer of 256 words. A client thread sends, one after another,
 ``--requests`` bodies of each kind below; meanwhile another polls ``GET /health`` every 5 ms. Reports
 the health latency (p50, p99, max) while each kind is in flight, beside the same with no load, and how
@@ -10,9 +10,10 @@ long each kind took to be answered. Kinds:
 
 * ``text``: a prompt of 262,144 characters of words (the most the server tokenizes; refused after
   tokenizing, as far longer than the cache);
-* ``ids``: 4 MiB of token ids (about 900,000 of them; refused after parsing, as far longer than the cache);
+* ``ids``: the largest body of token ids (1 MiB, about 520,000 of them; refused after parsing, as far
+  longer than the cache);
 * ``too_long``: a prompt of 262,145 characters (refused before tokenizing);
-* ``deep``: JSON nested 1.5 million deep in 3 MiB (refused by the parser).
+* ``deep``: JSON nested as deep as the largest body allows (refused by the parser).
 
 Writes JSON; nothing here is asserted (the tests check that a held parse never blocks ``/health``).
 """

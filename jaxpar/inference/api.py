@@ -131,6 +131,15 @@ def whole(value) -> int | None:
     return value
 
 
+def wholes(value) -> list[int] | None:
+    """``value`` as a list of integers (``whole`` of each entry, each converted once), or None when it is
+    not a list or an entry is not an integer."""
+    if not isinstance(value, list):
+        return None
+    out = [whole(t) for t in value]
+    return None if None in out else out
+
+
 def _number(body: dict, name: str, default, low, high, *, low_open: bool = False, integer: bool = False):
     value = body.get(name, default)
     if value is None:
@@ -276,11 +285,8 @@ class Parser:
 
     def _prompts(self, prompt) -> list[list[int]]:
         def ids(value, where: str) -> list[int]:
-            if isinstance(value, str):
-                out = self._text(value, where)
-            elif isinstance(value, list) and all(whole(t) is not None for t in value):
-                out = [whole(t) for t in value]
-            else:
+            out = self._text(value, where) if isinstance(value, str) else wholes(value)
+            if out is None:
                 raise APIError(f"'{where}' must be text, a list of token ids, or a list of either", param="prompt")
             bad = [t for t in out if not 0 <= t < self.vocab_size]
             if bad:
@@ -397,12 +403,12 @@ class Parser:
         return stops
 
     def _stop_ids(self, body: dict) -> frozenset:
-        ids = body.get("stop_token_ids") or []
-        if not isinstance(ids, list) or not all(whole(t) is not None and 0 <= whole(t) < self.vocab_size for t in ids):
+        ids = wholes(body.get("stop_token_ids") or [])
+        if ids is None or not all(0 <= t < self.vocab_size for t in ids):
             raise APIError(
                 f"'stop_token_ids' must be a list of token ids in [0, {self.vocab_size})", param="stop_token_ids"
             )
-        return frozenset(whole(t) for t in ids)
+        return frozenset(ids)
 
 
 def _no_constant(name: str):

@@ -8,8 +8,10 @@ the decode program grows with depth. For the llama-100m shape (``--model``) with
 this lowers and compiles ``Generator``'s decode step from shapes alone (``compile_decode``: no weights
 allocated) and reports per layer count: ``lower_s`` (tracing and lowering; prefill is lowered too),
 ``compile_s`` (XLA compiling the decode step), the number of HLO instructions, the
-large copies (``large_copies``: copy and dynamic-slice of an operand at least as large as the smallest
-weight), and XLA's ``bytes accessed`` per step against the floor (weights + cache read + new entries).
+large copies (``large_copies``: copy, slice and dynamic-slice of an operand at least as large as the
+smallest weight; ``cache_copies``: copies of a whole cache array), and the bytes a step moves (XLA's
+``bytes accessed``, and that less ``cost_overcount``) against the floor (weights + cache read + new
+entries + the sampler's own bytes).
 Each count is compiled ``--repeats`` times (the compilation cache off); the fastest compile is kept.
 Prints one JSON object and writes it to ``--out``.
 """
@@ -38,7 +40,7 @@ def parse(argv=None):
 
 def one(cfg, layers: int, args) -> dict:
     """The decode step of ``cfg`` with ``layers`` layers: compile time, size, copies and bytes."""
-    from jaxpar.analysis.copies import compile_decode, large_copies
+    from jaxpar.analysis.copies import cache_copies, compile_decode, large_copies
 
     cfg = dataclasses.replace(cfg, num_layers=layers)
     best = None
@@ -55,9 +57,12 @@ def one(cfg, layers: int, args) -> dict:
         "large_copies": len(copies),
         "large_dynamic_slices": sum(c.kind == "dynamic-slice" for c in copies),
         "large_copies_of_weights": sum("state[" in c.op_name for c in copies),
+        "cache_copies": len(cache_copies(large_copies(text, min_elements=2), best.cache_shapes)),
         "bytes_accessed": best.bytes_accessed,
+        "bytes_moved": best.bytes_moved,
         "floor_bytes": best.floor_bytes,
-        "bytes_ratio": round(best.bytes_accessed / best.floor_bytes, 4),
+        "sampler_bytes": best.sampler_bytes,
+        "bytes_ratio": round(best.bytes_moved / (best.floor_bytes + best.sampler_bytes), 4),
     }
 
 

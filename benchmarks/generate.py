@@ -58,6 +58,8 @@ def _args(argv):
     p.add_argument("--bw-repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="tiny only, batch 1 and 8, 32 + 16 tokens")
     p.add_argument("--gpu", action="store_true", help="llama3-8b shape in bf16 at batch 1 and 64, one device")
+    p.add_argument("--peers", action="store_true", help="compare decoders (benchmarks/decoders.py) instead")
+    p.add_argument("--rounds", type=int, default=3, help="--peers: interleaved rounds")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.quick:
@@ -229,6 +231,7 @@ def measured_cache(gen, batch: int, prompt: int, new: int) -> dict:
     import jax
 
     from jaxpar.inference.generate import bucket
+    from jaxpar.layers.kvcache import slot_axis
 
     slots = bucket(prompt + new)
     prefill, _ = gen.programs(batch, bucket(prompt), slots)
@@ -236,7 +239,8 @@ def measured_cache(gen, batch: int, prompt: int, new: int) -> dict:
     spec = lambda tree: jax.tree.map(lambda x: (x.shape, str(x.dtype)), tree)
     assert spec(cache) == spec(prefill.out_info[2]), (spec(cache), spec(prefill.out_info[2]))
     total = tree_bytes(cache)
-    kept = {a.shape[1] for a in jax.tree.leaves(cache)}  # each layer's [B, S, ...]: S per array
+    layers = jax.tree.leaves(cache, is_leaf=lambda c: hasattr(c, "NAMES"))
+    kept = {x.shape[slot_axis(names)] for c in layers for x, names in zip(jax.tree.leaves(c), c.NAMES)}  # S per array
     assert len(kept) == 1, kept
     per_token, words = kv_formula(gen.cfg, gen.model.execution)
     measured = total / (batch * kept.pop())
@@ -382,6 +386,15 @@ def main(argv=None) -> int:
             "source": "measured on the host: the best of a numpy copy (read + written bytes / s) "
             "and a numpy sum (read bytes / s), on one thread and on all cores"
         } | host_bandwidth(args.bw_mib, args.bw_repeats)
+    if args.peers:
+        from decoders import compare  # benchmarks/decoders.py, beside this script
+
+        batches = [int(b) for b in args.batches.split(",")]
+        result["peers"] = [
+            compare(m, batches, args.prompt, args.new, args.rounds, result["peak"]["gb_s"])
+            for m in args.models.split(",")
+        ]
+        return _finish(result, args)
     dtype = overrides.get("dtype", "float32")
     result["matmul_gflops"] = {"dtype": dtype, "gflops": matmul_gflops(dtype, 4096 if args.gpu else 2048)}
     print(json.dumps({"peak": result["peak"], "matmul_gflops": result["matmul_gflops"]}), file=sys.stderr)
@@ -391,6 +404,10 @@ def main(argv=None) -> int:
         if name
     }
     result["kv_check"] = {name: kv_only(name, args) for name in args.kv_models.split(",") if name}
+    return _finish(result, args)
+
+
+def _finish(result: dict, args) -> int:
     result["load_avg_after"] = _load()
     text = json.dumps(result, indent=1)
     print(text)

@@ -40,6 +40,65 @@ def convert_growth() -> str:
 # --- Generation and serving ---------------------------------------------------------------------------------
 
 
+@table("decode-peers")
+def decode_peers() -> str:
+    data = load("decode_peers_cpu.json")
+    rows = []
+    for run in data["peers"]:
+        for batch, by in run["batches"].items():
+            for name, r in by.items():
+                if isinstance(r, dict):
+                    rates = ", ".join(f"{x:,.1f}" for x in r["decode_tokens_per_s"])
+                    rows.append(
+                        [
+                            f"`{run['model']}`",
+                            batch,
+                            name,
+                            f"**{r['median']:,.1f}** ({rates})",
+                            pct(r["same_tokens_as_jaxpar"], 0),
+                            f"{r['achieved_gb_s']:.2f}",
+                            f"{r['share_of_peak']:.3f}",
+                        ]
+                    )
+    header = [
+        "model",
+        "batch",
+        "decoder",
+        "decode tok/s: median (rounds)",
+        "rows with jaxpar's tokens",
+        "GB/s read",
+        "share of the copy peak",
+    ]
+    return markdown(header, rows, "lrlrrrr")
+
+
+@table("decode-compile")
+def decode_compile() -> str:
+    data = load("decode_compile_cpu.json")
+    rows = [
+        [
+            r["layers"],
+            f"{r['lower_s']:.2f}",
+            f"{r['compile_s']:.2f}",
+            f"{r['hlo_instructions']:,}",
+            r["large_copies"],
+            r["cache_copies"],
+            f"{r['bytes_ratio']:.3f}",
+        ]
+        for r in data["rows"]
+    ]
+    header = [
+        "layers",
+        "lower s",
+        "compile s",
+        "HLO instructions",
+        "weight-sized copies",
+        "cache copies",
+        "bytes moved ÷ floor",
+    ]
+    return markdown(header, rows, "rrrrrrr")
+
+
 @table("generate-cpu")
 def generate_cpu() -> str:
     data = load("generate_cpu.json")

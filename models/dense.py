@@ -338,29 +338,28 @@ class DenseLM(nnx.Module):
     def empty_cache(self, batch: int, slots: int) -> dict:
         """A zero KV cache for ``batch`` sequences: {stack: [KVCache or LatentCache of each layer]}.
         ``slots`` is the longest sequence; a sliding window keeps at most the window."""
-        return self._zeros(batch, min(slots, self.cfg.sliding_window or slots))
+        s, cfg = min(slots, self.cfg.sliding_window or slots), self.cfg
+        if cfg.uses_mla:
+            return self._zeros(LatentCache, [(batch, s, cfg.mla.kv_lora_rank), (batch, s, cfg.mla.qk_rope_head_dim)])
+        k, h = cfg.num_kv_heads, cfg.head_dim
+        return self._zeros(KVCache, [(batch, k, h, s), (batch, k, s, h)])  # keys [B, K, H, S], values [B, K, S, H]
 
     def empty_pages(self, num_pages: int, page_size: int) -> dict:
         """Zero page pools {stack: [PagedKVCache or PagedLatentCache of each layer, no table yet]}; give
         each call its table with ``jaxpar.layers.kvcache.with_table``. Page 0 is the null page."""
-        paged = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
-        return {
-            name: [paged[type(c)](*(getattr(c, f.name) for f in dataclasses.fields(c)), None) for c in layers]
-            for name, layers in self._zeros(num_pages, page_size).items()
-        }
-
-    def _zeros(self, batch: int, s: int) -> dict:
-        """{stack: [one zero cache per layer]} of ``batch`` rows of ``s`` slots (or pages of s positions)."""
-        cfg, dtype = self.cfg, self.execution.dtype
+        cfg, pages = self.cfg, (num_pages, page_size)
         if cfg.uses_mla:
-            cls, shapes = LatentCache, [(batch, s, cfg.mla.kv_lora_rank), (batch, s, cfg.mla.qk_rope_head_dim)]
-        else:
-            cls, shapes = KVCache, [(batch, s, cfg.num_kv_heads, cfg.head_dim)] * 2
-        out = {}
+            return self._zeros(PagedLatentCache, [(*pages, cfg.mla.kv_lora_rank), (*pages, cfg.mla.qk_rope_head_dim)])
+        return self._zeros(PagedKVCache, [(*pages, cfg.num_kv_heads, cfg.head_dim)] * 2)
+
+    def _zeros(self, cls: type, shapes: list[tuple[int, ...]]) -> dict:
+        """{stack: [one zero ``cls`` per layer]}, its arrays of ``shapes`` (a paged cache: no table yet)."""
+        dtype, out = self.execution.dtype, {}
+        table = (None,) if cls in (PagedKVCache, PagedLatentCache) else ()
         for name in self.cache_stacks():
-            prefix = cfg.first_dense_layers
-            n = prefix if name == self.prefix_stack else cfg.num_layers - prefix
-            out[name] = [cls(*(jnp.zeros(shape, dtype) for shape in shapes)) for _ in range(n)]
+            prefix = self.cfg.first_dense_layers
+            n = prefix if name == self.prefix_stack else self.cfg.num_layers - prefix
+            out[name] = [cls(*(jnp.zeros(shape, dtype) for shape in shapes), *table) for _ in range(n)]
         return out
 
     def _cached(self, ids: jax.Array, positions: jax.Array, cache: dict, step: Step):

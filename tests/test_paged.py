@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.layers.kvcache import KVCache, LatentCache, PagedKVCache, PagedLatentCache, gqa_decode, mla_decode
+from jaxpar.layers.kvcache import (
+    KVCache,
+    LatentCache,
+    PagedKVCache,
+    PagedLatentCache,
+    gqa_decode,
+    keys_layout,
+    mla_decode,
+    values_layout,
+)
 
 B, W, PAGE, K, G, H = 3, 4, 4, 2, 3, 8  # 3 rows, 4 pages of 4 slots each, GQA 6 query heads over 2
 S = W * PAGE
@@ -48,14 +57,16 @@ def test_paged_gqa_is_dense_gqa(t, window):
     paged = PagedKVCache(*(_dense_to_pool(a, table, 20, lengths) for a in (ck, cv)), table)
 
     want, dense = jax.jit(gqa_decode, static_argnames="window")(
-        q, k, v, KVCache(jnp.asarray(ck), jnp.asarray(cv)), positions, window=window
+        q, k, v, KVCache(keys_layout(jnp.asarray(ck)), values_layout(jnp.asarray(cv))), positions, window=window
     )
     got, pool = jax.jit(gqa_decode, static_argnames="window")(q, k, v, paged, positions, window=window)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for b in range(B):  # the new tokens landed in the row's pages
         rows = np.concatenate([np.asarray(pool.k)[int(p)] for p in table[b]])
-        np.testing.assert_array_equal(rows[: lengths[b] + t], np.asarray(dense.k)[b, : lengths[b] + t])
+        np.testing.assert_array_equal(
+            rows[: lengths[b] + t], np.einsum("bkhs->bskh", np.asarray(dense.k))[b, : lengths[b] + t]
+        )
     assert not np.asarray(pool.k)[0].any()  # the null page stays zero
 
 

@@ -24,6 +24,21 @@ def _model(name: str):
     return build_model(get_model_preset(name), rngs=nnx.Rngs(0))
 
 
+def _layer_views(layers: dict, prefix: str, rest: str, row, names):
+    """[(the unstacked variable, what it must hold, its logical names)] for stacked row ``row`` (its
+    names ``names``) of variable ``rest``: the row itself, or for an MLA's kv_b [Rkv, N, Hn + Hv] the
+    absorbed kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv] (``jaxpar.layers.mla.absorb``)."""
+    if not rest.endswith("kv_b"):
+        return [(layers[f"{prefix}/{rest}"], row, names)]
+    base, (r, n, h) = rest[: -len("kv_b")], names
+    k = layers[f"{prefix}/{base}kv_k"]
+    hn = k[...].shape[1]
+    return [
+        (k, None if row is None else np.einsum("rnh->nhr", row[..., :hn]), (n, h, r)),
+        (layers[f"{prefix}/{base}kv_v"], None if row is None else np.einsum("rnh->nrh", row[..., hn:]), (n, r, h)),
+    ]
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_unstack_gives_each_layer_its_own_arrays_and_names(name):
     model = _model(name)
@@ -42,11 +57,12 @@ def test_unstack_gives_each_layer_its_own_arrays_and_names(name):
             rest = path[len(stack) + 1 :]
             buffers = set()
             for i in range(len(blocks)):
-                layer = layers[f"{stack}/{i}/{rest}"]
-                assert layer.get_metadata()["out_sharding"] == names[1:], path
-                np.testing.assert_array_equal(np.asarray(layer[...]), np.asarray(var[...])[i])
-                buffers.add(layer[...].unsafe_buffer_pointer())
-            assert len(buffers) == len(blocks) and var[...].unsafe_buffer_pointer() not in buffers, path
+                for layer, row, want in _layer_views(layers, f"{stack}/{i}", rest, np.asarray(var[...])[i], names[1:]):
+                    assert layer.get_metadata()["out_sharding"] == want, path
+                    np.testing.assert_array_equal(np.asarray(layer[...]), row)
+                    buffers.add(layer[...].unsafe_buffer_pointer())
+            views = len(_layer_views(layers, f"{stack}/0", rest, None, names[1:]))
+            assert len(buffers) == views * len(blocks) and var[...].unsafe_buffer_pointer() not in buffers, path
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -79,6 +95,9 @@ def test_decode_layouts_place_each_layer_as_its_row_of_the_stack(name, mesh):
     for stack in model.cache_stacks():
         for path, var in stacked.items():
             if path.startswith(stack + "/"):
-                want = pad(var[...].sharding.spec, var[...].ndim)
-                layer = layers[f"{stack}/0/{path[len(stack) + 1 :]}"][...]
-                assert want[0] is None and pad(layer.sharding.spec, layer.ndim) == want[1:], path
+                spec = pad(var[...].sharding.spec, var[...].ndim)
+                assert spec[0] is None, path
+                by_name = dict(zip(var.get_metadata()["out_sharding"][1:], spec[1:]))
+                for layer, _, names in _layer_views(layers, f"{stack}/0", path[len(stack) + 1 :], None, by_name):
+                    got = pad(layer[...].sharding.spec, layer[...].ndim)
+                    assert got == tuple(by_name[n] for n in names), path

@@ -118,8 +118,8 @@ def cache_per_device(model, mesh, name, batch, slots):
     total = 0
     for layers in jax.eval_shape(lambda: model.empty_cache(batch, slots)).values():
         for c in layers:  # one cache per layer
-            for x in jax.tree.leaves(c):
-                total += int(np.prod(layout.sharding(c.NAMES).shard_shape(x.shape))) * x.dtype.itemsize
+            for x, names in zip(jax.tree.leaves(c), c.NAMES):  # each array with its logical axis names
+                total += int(np.prod(layout.sharding(names).shard_shape(x.shape))) * x.dtype.itemsize
     return total
 
 

@@ -190,7 +190,7 @@ class Engine:
         """One device call; its outputs on the host (``logprobs.fetch``), a dict, or (raw, filtered)."""
         m = self.models[which]
         extras = extras or logprobs.StepExtras.build([], self.slots, t, self.max_length)
-        host = jax.device_put((ids, positions, table, last, params, extras), self._replicated)
+        host = (ids, positions, table, last, params, extras)  # numpy: jit places them replicated itself
         out, m.pools = self._program(which, t, every)(m.state, m.pools, *host)
         return logprobs.fetch(out, extras, rows=self.record_logits)
 

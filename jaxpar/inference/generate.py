@@ -38,6 +38,7 @@ from jaxpar.inference.layouts import (
 )
 from jaxpar.inference.sampling import SamplingParams, sample
 from jaxpar.inference.unstack import is_unstacked, restack, unstack
+from jaxpar.layers.kvcache import map_arrays
 from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model
 from jaxpar.rules import trace_layout
@@ -134,12 +135,9 @@ def abstract_cache(model: LanguageModel, layout: InferenceLayout, batch: int, sl
     """The cache's shapes and dtypes ({stack: [each layer's cache]}), each placed by its logical names
     under ``layout``."""
 
-    def placed(c):
-        arrays = (getattr(c, f.name) for f in dataclasses.fields(c))
-        return type(c)(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.sharding(c.NAMES)) for x in arrays))
-
+    placed = lambda x, names: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.sharding(names))
     cache = jax.eval_shape(lambda: model.empty_cache(batch, slots))
-    return {name: [placed(c) for c in layers] for name, layers in cache.items()}
+    return {name: [map_arrays(c, placed) for c in layers] for name, layers in cache.items()}
 
 
 def compile_programs(model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):

@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.inference.layouts import build_inference_mesh, check_inference_layout, placed_state
+from jaxpar.layers.kvcache import map_arrays
 from jaxpar.meshes import Phase, compose_rules
 from jaxpar.model_api import LanguageModel
 
@@ -73,9 +74,8 @@ class Weights:
         """``model``'s weights moved onto ``layout`` (an ``InferenceLayout``), its pools made there."""
         graphdef, state = nnx.graphdef(model), placed_state(model, layout.phase("decode"))
 
-        def place(c):  # one layer's pools, placed by their logical names (no table yet)
-            arrays = (getattr(c, f.name) for f in dataclasses.fields(c))
-            return type(c)(*(None if x is None else jax.device_put(x, layout.sharding(c.NAMES)) for x in arrays))
-
-        pools = {k: [place(c) for c in layers] for k, layers in model.empty_pages(num_pages, page_size).items()}
+        place = lambda x, names: jax.device_put(x, layout.sharding(names))  # by their logical names
+        pools = {
+            k: [map_arrays(c, place) for c in layers] for k, layers in model.empty_pages(num_pages, page_size).items()
+        }
         return cls(graphdef, state, pools)

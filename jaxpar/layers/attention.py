@@ -18,7 +18,17 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.config import check_choices
 from jaxpar.execution import AttentionImpl
 from jaxpar.layers.common import param, zeros
-from jaxpar.layers.kvcache import DECODE, KVCache, Step, filled, gqa_decode
+from jaxpar.layers.kvcache import (
+    DECODE,
+    KVCache,
+    Step,
+    filled,
+    gqa_decode,
+    keys_layout,
+    map_arrays,
+    slot_axis,
+    values_layout,
+)
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.layers.rope import RopeScaling, YarnScaling, apply_rope, rope_frequencies
 from jaxpar.parallel.attention import ContextParallel, context_attention
@@ -119,11 +129,10 @@ class Attention(nnx.Module):
                 implementation=self.cfg.implementation,
             )
             if cache is not None:  # prefill
-                slots = cache.k.shape[1]
+                slots = cache.v.shape[slot_axis(KVCache.NAMES[1])]
                 heads = ("batch", "inner_length", "act_kv_heads", None)
-                cache = KVCache(
-                    *(constrain(filled(constrain(a, heads), step.lengths, slots), KVCache.NAMES) for a in (k, v))
-                )
+                k, v = (filled(constrain(a, heads), step.lengths, slots) for a in (k, v))  # [B, S, K, H]
+                cache = map_arrays(KVCache(keys_layout(k), values_layout(v)), constrain)
         out = checkpoint_name(constrain(out, ("batch", "inner_length", "act_heads", None)), "attn_ctx")  # [B, T, N, H]
         o = self.o[...].astype(self.dtype)
         y = constrain(output_projection(out, o, flat=cache is not None), ("batch", "length", "act_embed"))

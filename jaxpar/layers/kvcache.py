@@ -7,25 +7,29 @@ A layer is called in one of two modes (``Step.mode``):
     prefill  the prompts, right-padded to a bucket of T positions (row b's tokens are 0..lengths[b]-1):
              attention runs exactly as in training (ring attention when positions are split over
              ``sequence``), then the keys and values of the real tokens fill a fresh cache
-    decode   T new tokens per row at ``positions`` [B, T] (one when decoding): written into the cache,
-             then attended over it (``jaxpar.parallel.decode``: a partial-softmax combine when the cache's
-             slots are split over devices)
+    decode   T new tokens per row at ``positions`` [B, T] (one when decoding): attended over the cache
+             as it was and over themselves, then written into it (``jaxpar.parallel.decode``: why in
+             that order; a partial-softmax combine when the cache's slots are split over devices)
 Position p lives in slot p mod S. A full-attention cache has S ≥ every position, so slot s holds
 position s; a sliding-window cache keeps S = window slots as a ring, so at most the window is kept.
 
-GQA caches K and V, [B, S, K, H] each. MLA caches what it needs to rebuild them: the normalised latent
-[B, S, R] and the rotated rope key [B, S, Hr] shared by all heads; decoding absorbs the up-projection of
-keys into the query and that of values into the output, so per-head keys and values never exist.
-Every cache array carries logical names (``cache_batch``, ``cache_length``, ``cache_kv_heads``). A
+GQA caches keys [B, K, H, S] and values [B, K, S, H]: each in the layout its product reads (batched over
+B and K, then the contracted axis, then the kept one), so neither is transposed in a step (kept as
+[B, S, K, H], XLA:CPU transposed every layer's whole cache in every step). MLA caches what it needs to
+rebuild them: the normalised latent [B, S, R] and the rotated rope key [B, S, Hr] shared by all heads;
+decoding absorbs the up-projection of keys into the query and that of values into the output, so
+per-head keys and values never exist. Every cache array carries logical names, one tuple per array
+(``NAMES``: ``cache_batch``, ``cache_length``, ``cache_kv_heads``). A
 model keeps one cache per layer ({stack: [cache of each layer]}, ``empty_cache``), each its own arrays,
 so a decode step writes its new entries in place (the cache is donated) and copies nothing.
 
 Paged caches (``PagedKVCache``, ``PagedLatentCache``; the serving engine's) keep one pool of pages
 [P, page, ...] shared by all sequences and a page table [B, W] per call: row b's position p lives in
-page table[b, p // page], at p mod page. Decoding writes the new tokens there, gathers each row's pages
-into a dense [B, W·page, ...] cache (slots past the row's newest position zeroed: a stale page may hold
-anything, NaN included, and 0·NaN would poison the softmax-weighted sum) and runs the same attention
-code as the dense cache, so paged and dense attention agree bit for bit. Page 0 is the all-zero null
+page table[b, p // page], at p mod page. Decoding gathers each row's pages into a dense [B, W·page, ...]
+cache (slots from the row's first new position on zeroed: a stale page may hold anything, NaN included,
+and 0·NaN would poison the softmax-weighted sum), runs the same attention code as the dense cache (the
+cache as it was, then the new tokens: ``jaxpar.parallel.decode``), so paged and dense attention agree bit
+for bit, and then writes the new tokens into their pages. Page 0 is the all-zero null
 page that unused table entries point at (``jaxpar.inference.pages``). Query positions < 0 are padding:
 nothing is written for them and their outputs are meaningless but finite.
 """
@@ -33,11 +37,20 @@ nothing is written for them and their outputs are meaningless but finite.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel.decode import run_over_slots, softmax_combine, visible, write
+from jaxpar.parallel.decode import (
+    after,
+    first_positions,
+    new_visible,
+    old_visible,
+    run_over_slots,
+    softmax_combine,
+    write,
+)
 from jaxpar.rules import constrain
 
 PREFILL, DECODE = "prefill", "decode"
@@ -48,10 +61,13 @@ PREFILL, DECODE = "prefill", "decode"
 class KVCache:
     """One GQA layer's cache."""
 
-    k: jax.Array  # [B, S, K, H]
-    v: jax.Array  # [B, S, K, H]
+    k: jax.Array  # [B, K, H, S]
+    v: jax.Array  # [B, K, S, H]
 
-    NAMES = ("cache_batch", "cache_length", "cache_kv_heads", None)
+    NAMES = (
+        ("cache_batch", "cache_kv_heads", None, "cache_length"),
+        ("cache_batch", "cache_kv_heads", "cache_length", None),
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -62,7 +78,7 @@ class LatentCache:
     latent: jax.Array  # [B, S, R]   kv_a_norm of the compressed key/value
     rope_key: jax.Array  # [B, S, Hr]  the decoupled RoPE key, rotated
 
-    NAMES = ("cache_batch", "cache_length", None)
+    NAMES = (("cache_batch", "cache_length", None),) * 2
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +90,7 @@ class PagedKVCache:
     v: jax.Array  # [P, page, K, H]
     table: jax.Array  # [B, W] int32 page ids
 
-    NAMES = (None, None, "cache_kv_heads", None)
+    NAMES = ((None, None, "cache_kv_heads", None),) * 2
 
 
 @jax.tree_util.register_dataclass
@@ -86,7 +102,7 @@ class PagedLatentCache:
     rope_key: jax.Array  # [P, page, Hr]
     table: jax.Array  # [B, W] int32 page ids
 
-    NAMES = (None, None, None)
+    NAMES = ((None, None, None),) * 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +112,29 @@ class Step:
 
     mode: str
     lengths: jax.Array | None = None
+
+
+def map_arrays(cache, fn: Callable):
+    """``cache`` (any of the four kinds) with ``fn(array, its logical names)`` applied to each array;
+    a page table (or its absence) is kept as it is."""
+    fields = [getattr(cache, f.name) for f in dataclasses.fields(cache)]
+    mapped = [fn(x, names) for x, names in zip(fields, cache.NAMES)]
+    return type(cache)(*mapped, *fields[len(cache.NAMES) :])
+
+
+def slot_axis(names: tuple) -> int:
+    """The axis of a cache array's slots, from its logical names."""
+    return names.index("cache_length")
+
+
+def keys_layout(x: jax.Array) -> jax.Array:
+    """Keys [B, S, K, H] as the cache keeps them, [B, K, H, S]."""
+    return jnp.einsum("bskh->bkhs", x)
+
+
+def values_layout(x: jax.Array) -> jax.Array:
+    """Values [B, S, K, H] as the cache keeps them, [B, K, S, H]."""
+    return jnp.einsum("bskh->bksh", x)
 
 
 def with_table(pools: dict, table: jax.Array) -> dict:
@@ -143,82 +182,121 @@ def page_gather(pool: jax.Array, table: jax.Array, limit: jax.Array) -> jax.Arra
     return jnp.where(held, x, 0)
 
 
-def _paged(pools: tuple, new: tuple, table, positions):
-    """Write ``new`` into ``pools`` and gather them densely: (dense caches, pools, attention positions)."""
-    pools = tuple(page_write(p, x, positions, table) for p, x in zip(pools, new))
-    limit = jnp.max(positions, axis=1) + 1
-    return tuple(page_gather(p, table, limit) for p in pools), pools, jnp.maximum(positions, 0)
+def _gqa_attend(q, k, v, ck, cv, positions, *, offset, slots: int, window, axis):
+    """Grouped queries q [B, K, G, T, H] over the cache as it was, keys ck [B, K, H, S] and values cv
+    [B, K, S, H], and the call's new keys and values k/v [B, U, K, H] -> [B, K, G, T, H]. The cache
+    products read the cache as it lies; the new tokens' block is counted on the first device only."""
+    f32, scale = jnp.float32, q.shape[-1] ** -0.5
+    old = jnp.einsum("bkgth,bkhs->bkgts", q, ck, preferred_element_type=f32) * scale
+    new = jnp.einsum("bkgth,bukh->bkgtu", q, k, preferred_element_type=f32) * scale
+    parts = [
+        (old, old_visible(positions, offset, cv.shape[2], slots, window)[:, None, None], cv, "bkgts,bksh->bkgth"),
+        (new, new_visible(positions, window, counted=offset == 0)[:, None, None], v, "bkgtu,bukh->bkgth"),
+    ]
+    return softmax_combine(parts, axis)
 
 
-def _gqa_attend(q, ck, cv, positions, *, offset, slots: int, window, axis):
-    """Grouped queries q [B, T, K, G, H] over cache slots ck/cv [B, S, K, H] (already written)."""
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, ck, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    ok = visible(positions, offset, ck.shape[1], slots, window)[:, None, None]  # [B, 1, 1, T, S]
-    out = softmax_combine(scores, ok, cv, "bkgts,bskh->bkgth", axis)
-    return jnp.einsum("bkgth->btkgh", out)
+def _grouped(q, kv: int):
+    """q [B, T, N, H] -> [B, K, G, T, H]: query head i uses kv head i // G."""
+    b, t, n, h = q.shape
+    return jnp.einsum("btkgh->bkgth", q.reshape(b, t, kv, n // kv, h))
+
+
+def _ungrouped(out):
+    """[B, K, G, T, H] -> [B, T, N, H]."""
+    b, kv, g, t, h = out.shape
+    return jnp.einsum("bkgth->btkgh", out).reshape(b, t, kv * g, h)
+
+
+def _written_after(out, *new):
+    """The new entries, made to depend on the attention output ``out`` [B, K, ...] (one value per row
+    and kv head), so the cache is written after every read of it (``jaxpar.parallel.decode.after``)."""
+    done = out[:, :, 0, 0, 0][:, None, :, None]  # [B, 1, K, 1]
+    return tuple(after(x, done) for x in new)
 
 
 def paged_gqa_decode(q, k, v, cache: PagedKVCache, positions, *, window: int | None):
-    """``gqa_decode`` over a page pool: same arguments and results."""
-    b, t, n, h = q.shape
-    q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)
-    (ck, cv), (pk, pv), seen = _paged((cache.k, cache.v), (k, v), cache.table, positions)
-    out = _gqa_attend(q, ck, cv, seen, offset=0, slots=ck.shape[1], window=window, axis=None)
-    pools = (constrain(a, PagedKVCache.NAMES) for a in (pk, pv))
-    return out.reshape(b, t, n, h), PagedKVCache(*pools, cache.table)
+    """``gqa_decode`` over a page pool: same arguments and results. Each row's pages are gathered
+    (positions before its first new token; the pools keep [P, page, K, H], the gathered cache is
+    [B, K, W·page, H]), attended with the new tokens, and the new tokens written into the pool after."""
+    limit = first_positions(positions)
+    ck, cv = (
+        keys_layout(page_gather(cache.k, cache.table, limit)),
+        values_layout(page_gather(cache.v, cache.table, limit)),
+    )
+    out = _gqa_attend(
+        _grouped(q, k.shape[2]), k, v, ck, cv, positions, offset=0, slots=cv.shape[2], window=window, axis=None
+    )
+    k, v = _written_after(out, k, v)
+    pools = [page_write(p, x, positions, cache.table) for p, x in ((cache.k, k), (cache.v, v))]
+    pools = (constrain(p, names) for p, names in zip(pools, PagedKVCache.NAMES))
+    return _ungrouped(out), PagedKVCache(*pools, cache.table)
 
 
 def gqa_decode(q, k, v, cache: KVCache, positions, *, window: int | None) -> tuple[jax.Array, KVCache]:
     """q [B, T, N, H], new k/v [B, T, K, H] at positions [B, T] -> (attention output [B, T, N, H], cache)."""
     if isinstance(cache, PagedKVCache):
         return paged_gqa_decode(q, k, v, cache, positions, window=window)
-    b, t, n, h = q.shape
-    kv, slots = k.shape[2], cache.k.shape[1]
-    flat = ("cache_batch", None, "cache_kv_heads", None)  # q and the output in the cache's layout
-    q = constrain(q, flat).reshape(b, t, kv, n // kv, h)  # query head i uses kv head i // G
+    knames, vnames = KVCache.NAMES
+    slots = cache.v.shape[slot_axis(vnames)]
+    flat = ("cache_batch", None, "cache_kv_heads", None)  # q and the output: heads split as the cache's
+    q = _grouped(constrain(q, flat), k.shape[2])
 
     def body(q, k, v, ck, cv, positions, *, offset, axis):
-        ck, cv = write(ck, k, positions, offset, slots), write(cv, v, positions, offset, slots)
-        return _gqa_attend(q, ck, cv, positions, offset=offset, slots=slots, window=window, axis=axis), ck, cv
+        out = _gqa_attend(q, k, v, ck, cv, positions, offset=offset, slots=slots, window=window, axis=axis)
+        k, v = _written_after(out, k, v)
+        ck = write(ck, k, positions, offset, slots, axis=slot_axis(knames))
+        cv = write(cv, v, positions, offset, slots, axis=slot_axis(vnames))
+        return out, ck, cv
 
-    grouped, token = ("cache_batch", None, "cache_kv_heads", None, None), ("cache_batch", None, "cache_kv_heads", None)
-    names = (grouped, token, token, KVCache.NAMES, KVCache.NAMES, ("cache_batch", None))
+    grouped, token = ("cache_batch", "cache_kv_heads", None, None, None), ("cache_batch", None, "cache_kv_heads", None)
+    names = (grouped, token, token, knames, vnames, ("cache_batch", None))
     args = [constrain(a, nm) for a, nm in zip((q, k, v, cache.k, cache.v, positions), names)]
-    out, ck, cv = run_over_slots(body, args, names, (grouped, KVCache.NAMES, KVCache.NAMES))
-    return constrain(out.reshape(b, t, n, h), flat), KVCache(ck, cv)
+    out, ck, cv = run_over_slots(body, args, names, (grouped, knames, vnames))
+    return constrain(_ungrouped(out), flat), KVCache(ck, cv)
 
 
-def _mla_attend(ql, qr, cc, ckr, positions, *, offset, slots: int, scale: float, axis):
-    """Absorbed MLA queries over latent slots cc [B, S, R] and rope keys ckr [B, S, Hr]."""
+def _mla_attend(ql, qr, c, kr, cc, ckr, positions, *, offset, slots: int, scale: float, axis):
+    """Absorbed MLA queries ql [B, T, N, R], qr [B, T, N, Hr] over the cache as it was, latents cc
+    [B, S, R] and rope keys ckr [B, S, Hr], and the call's new c [B, U, R], kr [B, U, Hr] -> [B, N, T, R]."""
     f32 = jnp.float32
-    scores = (
-        jnp.einsum("btnr,bsr->bnts", ql, cc, preferred_element_type=f32)
-        + jnp.einsum("btnh,bsh->bnts", qr, ckr, preferred_element_type=f32)
-    ) * scale
-    ok = visible(positions, offset, cc.shape[1], slots, None)[:, None]  # [B, 1, T, S]
-    out = softmax_combine(scores, ok, cc, "bnts,bsr->bntr", axis)
-    return jnp.einsum("bntr->btnr", out)
+    old = jnp.einsum("btnr,bsr->bnts", ql, cc, preferred_element_type=f32)
+    old = (old + jnp.einsum("btnh,bsh->bnts", qr, ckr, preferred_element_type=f32)) * scale
+    new = jnp.einsum("btnr,bur->bntu", ql, c, preferred_element_type=f32)
+    new = (new + jnp.einsum("btnh,buh->bntu", qr, kr, preferred_element_type=f32)) * scale
+    parts = [
+        (old, old_visible(positions, offset, cc.shape[1], slots, None)[:, None], cc, "bnts,bsr->bntr"),
+        (new, new_visible(positions, None, counted=offset == 0)[:, None], c, "bntu,bur->bntr"),
+    ]
+    return softmax_combine(parts, axis)
 
 
 def mla_decode(q_latent, q_rope, latent, rope_key, cache: LatentCache, positions, *, scale: float):
     """MLA with absorbed up-projections: q_latent [B, T, N, R] (q_nope · W_k), q_rope [B, T, N, Hr], new
     latent [B, T, R] and rope_key [B, T, Hr] at positions [B, T] -> (softmax-weighted latents [B, T, N, R]
     for the caller to project by W_v, cache)."""
+    done = lambda out: out[:, 0, 0, 0][:, None, None]  # [B, 1, 1]: one value per row
     if isinstance(cache, PagedLatentCache):
-        (cc, ckr), pools, seen = _paged((cache.latent, cache.rope_key), (latent, rope_key), cache.table, positions)
-        out = _mla_attend(q_latent, q_rope, cc, ckr, seen, offset=0, slots=cc.shape[1], scale=scale, axis=None)
-        return out, PagedLatentCache(*pools, cache.table)
-    slots = cache.latent.shape[1]
+        cc, ckr = (page_gather(p, cache.table, first_positions(positions)) for p in (cache.latent, cache.rope_key))
+        out = _mla_attend(
+            q_latent, q_rope, latent, rope_key, cc, ckr, positions, offset=0, slots=cc.shape[1], scale=scale, axis=None
+        )
+        new = (after(x, done(out)) for x in (latent, rope_key))
+        pools = (page_write(p, x, positions, cache.table) for p, x in zip((cache.latent, cache.rope_key), new))
+        return jnp.einsum("bntr->btnr", out), PagedLatentCache(*pools, cache.table)
+    names = LatentCache.NAMES[0]
+    slots = cache.latent.shape[slot_axis(names)]
 
     def body(ql, qr, c, kr, cc, ckr, positions, *, offset, axis):
-        cc, ckr = write(cc, c, positions, offset, slots), write(ckr, kr, positions, offset, slots)
-        return _mla_attend(ql, qr, cc, ckr, positions, offset=offset, slots=slots, scale=scale, axis=axis), cc, ckr
+        out = _mla_attend(ql, qr, c, kr, cc, ckr, positions, offset=offset, slots=slots, scale=scale, axis=axis)
+        c, kr = after(c, done(out)), after(kr, done(out))
+        return out, write(cc, c, positions, offset, slots), write(ckr, kr, positions, offset, slots)
 
     heads, token = ("cache_batch", None, None, None), ("cache_batch", None, None)
-    names = (heads, heads, token, token, LatentCache.NAMES, LatentCache.NAMES, ("cache_batch", None))
+    names = (heads, heads, token, token, names, names, ("cache_batch", None))
     args = [
         constrain(a, nm)
         for a, nm in zip((q_latent, q_rope, latent, rope_key, cache.latent, cache.rope_key, positions), names)
     ]
-    out, cc, ckr = run_over_slots(body, args, names, (heads, LatentCache.NAMES, LatentCache.NAMES))
-    return out, LatentCache(cc, ckr)
+    out, cc, ckr = run_over_slots(body, args, names, (heads, *LatentCache.NAMES))
+    return jnp.einsum("bntr->btnr", out), LatentCache(cc, ckr)

@@ -11,6 +11,9 @@ Weights (HF ``nn.Linear`` weights are [out, in]; ours are their transposes with 
     o   [N, Hv, D]                                = o_proj.T.reshape(N, Hv, D)
 Per head, q's last Hr columns are its rope part; kv_a's last Hr columns are one rope key per token, shared
 by all heads (never broadcast in memory on the plain path). kv_b gives [k_nope | v] per head.
+For generation (``absorb``, at the inference boundary) kv_b is held as the two arrays the absorbed decode
+reads as they lie: kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv] (slicing and transposing kv_b inside the step
+copied it in every step); ``kv_b_of`` joins them back.
 
 RoPE (decoupled: only the Hr parts rotate), HF ``rope_interleave=True`` (DeepSeek-V3's default and the layout
 of DeepSeek's own checkpoints): the Hr columns hold rotation pairs (2i, 2i+1) turned by angle p·inv_freq[i].
@@ -48,7 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.errors import ConfigError
 from jaxpar.layers.attention import AttentionConfig, output_projection
 from jaxpar.layers.common import param
-from jaxpar.layers.kvcache import DECODE, LatentCache, Step, filled, mla_decode
+from jaxpar.layers.kvcache import DECODE, LatentCache, Step, filled, map_arrays, mla_decode, slot_axis
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.layers.rope import YarnScaling, apply_rope, rope_frequencies, yarn_frequencies
 from jaxpar.parallel.attention import context_attention
@@ -189,9 +192,9 @@ class MLA(nnx.Module):
         else:
             out = self._attention(q_nope, q_rope, latent, k_rope, positions if index is None else index, scale)
             if cache is not None:  # prefill
-                slots = cache.latent.shape[1]
-                cache = LatentCache(
-                    *(constrain(filled(a, step.lengths, slots), LatentCache.NAMES) for a in (latent, k_rope[:, :, 0]))
+                slots = cache.latent.shape[slot_axis(LatentCache.NAMES[0])]
+                cache = map_arrays(
+                    LatentCache(*(filled(a, step.lengths, slots) for a in (latent, k_rope[:, :, 0]))), constrain
                 )
         out = checkpoint_name(constrain(out, HEADS), "attn_ctx")  # [B, T, N, Hv]
         y = constrain(output_projection(out, self._w(self.o), flat=cache is not None), ("batch", "length", "act_embed"))
@@ -200,8 +203,12 @@ class MLA(nnx.Module):
     def _attention(self, q_nope, q_rope, latent, k_rope, index, scale: float) -> jax.Array:
         """Training and prefill: per-head keys and values from the latent, then causal attention."""
         hn = self.cfg.qk_nope_head_dim
-        kv = constrain(jnp.einsum("btr,rnh->btnh", latent, self._w(self.kv_b)), HEADS)  # [B, T, N, Hn + Hv]
-        k_nope, v = kv[..., :hn], kv[..., hn:]
+        if hasattr(self, "kv_k"):  # absorbed (generation)
+            k_nope = constrain(jnp.einsum("btr,nhr->btnh", latent, self._w(self.kv_k)), HEADS)
+            v = constrain(jnp.einsum("btr,nrh->btnh", latent, self._w(self.kv_v)), HEADS)
+        else:
+            kv = constrain(jnp.einsum("btr,rnh->btnh", latent, self._w(self.kv_b)), HEADS)  # [B, T, N, Hn + Hv]
+            k_nope, v = kv[..., :hn], kv[..., hn:]
         if self.attn.context_parallel == "none" and self.attn.implementation is None:
             return _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale)
         k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
@@ -212,11 +219,14 @@ class MLA(nnx.Module):
     def _decode(self, q_nope, q_rope, latent, rope_key, cache: LatentCache, positions, scale: float):
         """Decoding over the latent cache with kv_b absorbed: keys through the query (q_nope · W_k),
         values through the output (weights · latents) · W_v."""
-        w = self._w(self.kv_b)  # [Rkv, N, Hn + Hv]
-        hn = self.cfg.qk_nope_head_dim
-        q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, w[..., :hn])  # [B, T, N, Rkv]
+        if hasattr(self, "kv_k"):  # absorbed: kv_k [N, Hn, Rkv], kv_v [N, Rkv, Hv]
+            w_k, w_v = self._w(self.kv_k), self._w(self.kv_v)
+        else:  # a layer sliced out of a stack: kv_b's halves, laid out here
+            w, hn = self._w(self.kv_b), self.cfg.qk_nope_head_dim
+            w_k, w_v = jnp.einsum("rnh->nhr", w[..., :hn]), jnp.einsum("rnh->nrh", w[..., hn:])
+        q_latent = jnp.einsum("btnh,nhr->btnr", q_nope, w_k)  # [B, T, N, Rkv]
         mixed, cache = mla_decode(q_latent, q_rope, latent, rope_key, cache, positions, scale=scale)
-        return jnp.einsum("btnr,rnh->btnh", mixed, w[..., hn:]), cache
+        return jnp.einsum("btnr,nrh->btnh", mixed, w_v), cache
 
     def _padded_attention(self, q, k, v, index, scale: float) -> jax.Array:
         """``context_attention`` with q/k [B, T, N, Hq] and v [B, T, N, Hv] zero-padded to one width H."""
@@ -244,3 +254,24 @@ def _causal_attention(q_nope, q_rope, k_nope, k_rope, v, index, scale: float) ->
     visible = index[:, None, :, None] >= index[:, None, None, :]  # [B, 1, T, S]
     p = jax.nn.softmax(jnp.where(visible, s * scale, jnp.finfo(f32).min), axis=-1)
     return jnp.einsum("bnts,bsnh->btnh", p.astype(v.dtype), v)
+
+
+def _eager_or_abstract(fn, *xs):
+    """fn(*xs), or its shapes when xs are abstract (``jax.ShapeDtypeStruct``)."""
+    return jax.eval_shape(fn, *xs) if isinstance(xs[0], jax.ShapeDtypeStruct) else fn(*xs)
+
+
+def absorb(attn: MLA) -> None:
+    """In place: ``attn``'s kv_b [Rkv, N, Hn + Hv] replaced by kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv]
+    (module doc), with the logical names of the dimensions they came from. Abstract stays abstract."""
+    hn, names = attn.cfg.qk_nope_head_dim, dict(zip(("r", "n", "h"), attn.kv_b.out_sharding))
+    w = attn.kv_b.get_value()
+    for field, spec, part in (("kv_k", "nhr", slice(None, hn)), ("kv_v", "nrh", slice(hn, None))):
+        value = _eager_or_abstract(lambda x, spec=spec, part=part: jnp.einsum(f"rnh->{spec}", x[..., part]), w)
+        setattr(attn, field, nnx.Param(value, out_sharding=tuple(names[c] for c in spec), eager_sharding=False))
+    del attn.kv_b
+
+
+def kv_b_of(kv_k: jax.Array, kv_v: jax.Array) -> jax.Array:
+    """kv_b [Rkv, N, Hn + Hv] from ``absorb``'s kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv]."""
+    return jnp.concatenate([jnp.einsum("nhr->rnh", kv_k), jnp.einsum("nrh->rnh", kv_v)], axis=-1)

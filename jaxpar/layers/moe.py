@@ -288,6 +288,23 @@ class MoE(nnx.Module):
 
     def _dropless(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
         """Every assignment runs (``jaxpar.parallel.dropless``: grouped matmuls, and the ragged
-        exchange over the expert axis when it is split); the outputs are weighed and summed."""
+        exchange over the expert axis when it is split); the outputs are weighed and summed. A decode
+        step (one token per row) runs every expert instead (``_every_expert``)."""
+        if x.shape[1] == 1:
+            return self._every_expert(x, idx, weight)
         out = dropless_apply(x, idx, self.gate_up[...], self.down[...])  # cast inside, as above
         return jnp.einsum("btkd,btk->btd", out, weight.astype(self.dtype))
+
+    def _every_expert(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
+        """Every expert on every token, combined by the routing weights (zero for the experts a token did
+        not choose): the decode step's experts. Batched over E, each expert's weights are read once as
+        they are stored; grouping the rows by expert for ``ragged_dot`` instead made XLA:CPU lay every
+        expert's weights out anew in each step (measured: a copy of ``down`` per layer). E/k× the
+        routed flops, which a step bound by reading the weights hides; with the experts split, each
+        device runs its own and the combine sums over the expert axis."""
+        e, dtype = self.cfg.num_experts, x.dtype
+        chosen = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32) * weight[..., None], axis=2)  # [B, T, E]
+        xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, B, T, D]: a few rows
+        h = jnp.einsum("ebtd,edkf->ebtkf", xe, self.gate_up[...].astype(dtype))
+        act = jax.nn.silu(h[..., 0, :]) * h[..., 1, :] * jnp.einsum("bte->ebt", chosen.astype(dtype))[..., None]
+        return jnp.einsum("ebtf,efd->btd", act, self.down[...].astype(dtype))  # weighed, summed over E·F at once

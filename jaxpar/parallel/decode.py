@@ -1,7 +1,18 @@
 """Attention of new tokens over a KV cache whose slots may be split over mesh axes (``cache_length``).
 
-Legend: B batch, T new tokens (1 when decoding), S cache slots (S/n per device when split n ways),
-K kv heads, G query heads per kv head, N query heads, H head width, R an MLA latent width.
+Legend: B batch, T new tokens (1 when decoding), U the same T tokens as keys, S cache slots (S/n per
+device when split n ways), K kv heads, G query heads per kv head, N query heads, H head width, R an MLA
+latent width.
+
+A call's queries attend over two blocks of keys: the cache as it was (the "old" block: each row's
+positions before its first new token) and the call's own new tokens (causal among themselves). Only
+then are the new tokens written into their slots (position p lives in slot p mod S: a sliding-window
+cache of S = window slots is a ring), only by the device that owns the slot; slots another device owns,
+and positions beyond the cache, are dropped by the scatter (``mode="drop"``). Reading the cache before
+writing it is what lets XLA update the donated cache in place: the write is made to depend on the
+attention's output (``after``), so every read of the old cache is done when the write begins. (Written
+first and read after, XLA:CPU copied every layer's whole cache in every step at batch 1: it fused the
+in-place update into two consumers.)
 
 Decoding reads the whole cache once per token. When a long prompt was prefilled with ring attention over
 ``sequence``, its cache stays split along its slots: device r holds slots [r·S/n, (r+1)·S/n). Gathering it
@@ -11,11 +22,8 @@ devices combine their partial softmaxes, flash-attention style:
     m = pmax(max_s score)        l = psum(Σ_s e^(score − m))        o = psum(Σ_s e^(score − m)·v)        out = o / l
 
 Three small collectives per layer (the [B, heads] maxima and sums and the [B, heads, H] numerators);
-the cache never moves. With ``cache_length`` unsplit the same code runs without the collectives.
-
-A new token is written into its slot first (position p lives in slot p mod S: a sliding-window cache of
-S = window slots is a ring), only by the device that owns the slot; slots another device owns, and
-positions beyond the cache, are dropped by the scatter (``mode="drop"``).
+the cache never moves. The new tokens' block is counted by the first device only. With
+``cache_length`` unsplit the same code runs without the collectives.
 """
 
 from __future__ import annotations
@@ -28,45 +36,72 @@ import jax.numpy as jnp
 from jaxpar.rules import active_layout
 
 
-def slot_positions(positions: jax.Array, offset, local_slots: int, slots: int) -> jax.Array:
-    """The position each of this device's slots holds as seen by each query: positions [B, T] ->
-    [B, T, S_local]; negative = empty. Slot s holds the newest position ≤ p that is ≡ s (mod S)."""
-    s = offset + jnp.arange(local_slots, dtype=positions.dtype)
+def first_positions(positions: jax.Array) -> jax.Array:
+    """Each row's first new position [B] (its cache holds the positions before it); 0 for a row of
+    padding only (positions < 0)."""
+    real = positions >= 0
+    return jnp.where(real.any(axis=1), jnp.min(jnp.where(real, positions, jnp.iinfo(positions.dtype).max), axis=1), 0)
+
+
+def old_visible(positions: jax.Array, offset, local_slots: int, slots: int, window: int | None) -> jax.Array:
+    """Which of this device's slots of the cache as it was each query sees: bool [B, T, S_local]. Slot s
+    holds the newest position before the row's first new token that is ≡ s (mod S); a query sees it when
+    it is not after the query (a padding query may sit before the row's tokens) and within the window."""
+    last = first_positions(positions)[:, None] - 1  # [B, 1]
+    held = (last - jnp.mod(last - (offset + jnp.arange(local_slots, dtype=positions.dtype)), slots))[:, None, :]
     p = positions[..., None]
-    return p - jnp.mod(p - s, slots)
+    ok = (held >= 0) & (held <= p)
+    return ok if window is None else ok & (p - held < window)
 
 
-def visible(positions: jax.Array, offset, local_slots: int, slots: int, window: int | None) -> jax.Array:
-    """Which slots each query attends to: bool [B, T, S_local] (causal, within the window)."""
-    held = slot_positions(positions, offset, local_slots, slots)
-    ok = held >= 0
-    return ok if window is None else ok & (positions[..., None] - held < window)
+def new_visible(positions: jax.Array, window: int | None, *, counted=True) -> jax.Array:
+    """Which of the call's new tokens each query sees: bool [B, T, U] (causal, within the window, not
+    padding). ``counted`` False (a device other than the first, when the slots are split) sees none."""
+    p, u = positions[:, :, None], positions[:, None, :]
+    ok = (u >= 0) & (u <= p) & counted
+    return ok if window is None else ok & (p - u < window)
 
 
-def write(cache: jax.Array, new: jax.Array, positions: jax.Array, offset, slots: int) -> jax.Array:
-    """cache [B, S_local, ...] with new [B, T, ...] written at the slots of positions [B, T] that this
-    device owns (the others are dropped). One scatter per row under ``vmap``: the row is a batching
-    dimension of the scatter, so a cache split by rows (``cache_batch``) writes where it lies (indexing
-    the rows explicitly made the partitioner all-gather every row's new keys and values to every device)."""
+def after(x: jax.Array, done: jax.Array) -> jax.Array:
+    """``x`` unchanged, but computed from ``done`` (values of the attention's output that broadcast
+    against x: one per row, or per row and kv head, so the dependency stays on each device): a float
+    ``0 · done`` (XLA keeps it: it is NaN for an infinite value), made an exact zero by a select."""
+    zero = done.astype(jnp.float32) * 0
+    return x + jnp.where(zero == 0, zero, 0).astype(x.dtype)
+
+
+def write(cache: jax.Array, new: jax.Array, positions: jax.Array, offset, slots: int, *, axis: int = 1) -> jax.Array:
+    """cache [B, ..., S_local, ...] (slots on ``axis``) with new [B, T, ...] written at the slots of
+    positions [B, T] that this device owns (the others are dropped). One scatter per row under ``vmap``:
+    the row is a batching dimension of the scatter, so a cache split by rows (``cache_batch``) writes where
+    it lies (indexing the rows explicitly made the partitioner all-gather every row's new keys and values to
+    every device). A cache with axes before its slots ([B, K, S, H]) takes new [B, T, K, H] as it comes."""
     local = jnp.mod(positions, slots) - offset
-    local = jnp.where((local >= 0) & (local < cache.shape[1]), local, cache.shape[1])  # out of range: dropped
-    return jax.vmap(lambda c, n, i: c.at[i].set(n, mode="drop"))(cache, new.astype(cache.dtype), local)
+    local = jnp.where((local >= 0) & (local < cache.shape[axis]), local, cache.shape[axis])  # out of range: dropped
+    new = jnp.moveaxis(new.astype(cache.dtype), 1, axis)  # [B, ..., T, ...]: a few values, not the cache
+    lead = (slice(None),) * (axis - 1)
+    return jax.vmap(lambda c, n, i: c.at[(*lead, i)].set(n, mode="drop"))(cache, new, local)
 
 
-def softmax_combine(scores: jax.Array, valid: jax.Array, values: jax.Array, spec: str, axis) -> jax.Array:
-    """softmax(scores) · values over the slot axis (last of ``scores``), combined over ``axis`` when the
-    slots are split. scores float32 [..., S_local]; valid broadcasts against them; ``spec`` the einsum of
-    the weights with ``values`` giving [..., V] (the scores' leading axes, then the value width)."""
-    scores = jnp.where(valid, scores, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))  # a shift: no gradient flows
+def softmax_combine(parts: Sequence[tuple], axis) -> jax.Array:
+    """softmax over the union of several blocks of keys, times their values, combined over ``axis``
+    when the slots are split. ``parts``: (scores float32 [..., S_i], valid (broadcasts against them),
+    values, the einsum of the weights with the values giving [..., V]). A query that sees no key at all
+    gets zeros (its weights are all 0), not NaN."""
+    scores = [jnp.where(ok, sc, -jnp.inf) for sc, ok, _, _ in parts]
+    m = jnp.max(jnp.stack([jnp.max(sc, axis=-1) for sc in scores]), axis=0)[..., None]
+    m = jax.lax.stop_gradient(m)  # a shift: no gradient flows
     if axis:
         m = jax.lax.pmax(m, axis)
-    weights = jnp.exp(scores - m)  # empty slots: exp(-inf) = 0
-    total = jnp.sum(weights, axis=-1)
-    out = jnp.einsum(spec, weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    m = jnp.where(jnp.isfinite(m), m, 0)
+    total, out = 0.0, 0.0
+    for sc, (_, _, values, spec) in zip(scores, parts):
+        weights = jnp.exp(sc - m)  # unseen keys: exp(-inf) = 0
+        total = total + jnp.sum(weights, axis=-1)
+        out = out + jnp.einsum(spec, weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
     if axis:
         total, out = jax.lax.psum(total, axis), jax.lax.psum(out, axis)
-    return (out / total[..., None]).astype(values.dtype)
+    return (out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]).astype(parts[0][2].dtype)
 
 
 def run_over_slots(body: Callable, args: Sequence[jax.Array], names: Sequence[tuple], out_names: Sequence[tuple]):
@@ -81,7 +116,7 @@ def run_over_slots(body: Callable, args: Sequence[jax.Array], names: Sequence[tu
     mesh, rules = layout
 
     def local(*local_args):
-        slots = next(a.shape[1] for a, n in zip(local_args, names) if len(n) > 1 and n[1] == "cache_length")
+        slots = next(a.shape[n.index("cache_length")] for a, n in zip(local_args, names) if "cache_length" in n)
         return body(*local_args, offset=jax.lax.axis_index(split) * slots, axis=split)
 
     specs = tuple(rules.spec(n) for n in names)

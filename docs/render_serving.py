@@ -60,43 +60,19 @@ def decode_peers() -> str:
                             f"{r['share_of_peak']:.3f}",
                         ]
                     )
-    header = [
-        "model",
-        "batch",
-        "decoder",
-        "decode tok/s: median (rounds)",
-        "rows with jaxpar's tokens",
-        "GB/s read",
-        "share of the copy peak",
-    ]
-    return markdown(header, rows, "lrlrrrr")
+    header = (
+        "model|batch|decoder|decode tok/s: median (rounds)|rows with jaxpar's tokens|GB/s read|share of the copy peak"
+    )
+    return markdown(header.split("|"), rows, "lrlrrrr")
 
 
 @table("decode-compile")
 def decode_compile() -> str:
     data = load("decode_compile_cpu.json")
-    rows = [
-        [
-            r["layers"],
-            f"{r['lower_s']:.2f}",
-            f"{r['compile_s']:.2f}",
-            f"{r['hlo_instructions']:,}",
-            r["large_copies"],
-            r["cache_copies"],
-            f"{r['bytes_ratio']:.3f}",
-        ]
-        for r in data["rows"]
-    ]
-    header = [
-        "layers",
-        "lower s",
-        "compile s",
-        "HLO instructions",
-        "weight-sized copies",
-        "cache copies",
-        "bytes moved ÷ floor",
-    ]
-    return markdown(header, rows, "rrrrrrr")
+    cells = lambda r: [r["layers"], f"{r['lower_s']:.2f}", f"{r['compile_s']:.2f}", f"{r['hlo_instructions']:,}"]
+    rows = [cells(r) + [r["large_copies"], r["cache_copies"], f"{r['bytes_ratio']:.3f}"] for r in data["rows"]]
+    header = "layers|lower s|compile s|HLO instructions|weight-sized copies|cache copies|bytes moved ÷ floor"
+    return markdown(header.split("|"), rows, "rrrrrrr")
 
 
 @table("generate-cpu")

@@ -5,7 +5,8 @@ Compiled from shapes alone (``jaxpar.analysis.copies.compile_decode``: the gener
 one device, float32, nothing the size of the model allocated), for a dense model (llama-100m's shape),
 an MoE (qwen3-30b-a3b's, two layers) and an MLA + MoE model (deepseek-v3's, two layers, one dense).
 The floor a step must move: every parameter read once, except the embedding table, of which a step reads
-one row per sequence (none of these ties it to the LM head); every layer's whole cache read (decode
+one row per sequence (none of these ties it to the LM head), and an MLA's kv_b, which only prefill reads
+(decode reads its halves, kept in the absorbed layouts); every layer's whole cache read (decode
 attends over all slots, masked); one position per sequence written per layer; and what the sampler moves
 compiled alone on the step's logits. Each stands against a mutation: the same step on the stacked model
 (layers sliced out of the stacks inside the step) must be caught."""
@@ -55,6 +56,19 @@ def test_no_cache_is_copied(step):
     attention products in every step)."""
     _, s = step
     assert cache_copies(large_copies(s.compiled.as_text(), min_elements=2), s.cache_shapes) == []
+
+
+def test_prefill_copies_no_weight():
+    """Prefill of a 128-token prompt reads the weights as they lie too: for the dense model no copy, slice
+    or dynamic-slice as large as a weight matrix; for the MLA + MoE model none of a weight outside the
+    experts (an MLA prefill reads kv_b, not the absorbed halves). The experts are left out: XLA:CPU
+    lowers prefill's ``ragged_dot`` by laying every expert's weights out anew."""
+    dense = compile_decode(_cfg("llama-100m-b1"), batch=1, slots=256, prefill_of=128)
+    assert large_copies(dense.prefill.as_text(), min_elements=dense.smallest_weight) == []
+    mla = compile_decode(_cfg("deepseek-v3-2l-b1"), batch=1, slots=256, prefill_of=128)
+    found = large_copies(mla.prefill.as_text(), min_elements=mla.smallest_weight)
+    named = [c for c in found if "state[" in c.op_name]
+    assert [c for c in named if "moe'" not in c.op_name.replace("\\", "")] == []
 
 
 def test_the_stacked_model_is_caught():

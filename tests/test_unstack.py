@@ -26,14 +26,15 @@ def _model(name: str):
 
 def _layer_views(layers: dict, prefix: str, rest: str, row, names):
     """[(the unstacked variable, what it must hold, its logical names)] for stacked row ``row`` (its
-    names ``names``) of variable ``rest``: the row itself, or for an MLA's kv_b [Rkv, N, Hn + Hv] the
+    names ``names``) of variable ``rest``: the row itself, and for an MLA's kv_b [Rkv, N, Hn + Hv] also the
     absorbed kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv] (``jaxpar.layers.mla.absorb``)."""
+    itself = [(layers[f"{prefix}/{rest}"], row, names)]
     if not rest.endswith("kv_b"):
-        return [(layers[f"{prefix}/{rest}"], row, names)]
+        return itself
     base, (r, n, h) = rest[: -len("kv_b")], names
     k = layers[f"{prefix}/{base}kv_k"]
     hn = k[...].shape[1]
-    return [
+    return itself + [
         (k, None if row is None else np.einsum("rnh->nhr", row[..., :hn]), (n, h, r)),
         (layers[f"{prefix}/{base}kv_v"], None if row is None else np.einsum("rnh->nrh", row[..., hn:]), (n, r, h)),
     ]

@@ -116,7 +116,8 @@ def cost_overcount(hlo_text: str, /) -> int:
 class DecodeStep:
     """A compiled decode step (abstract: nothing the size of the model allocated) and what it must move:
     ``weight_bytes`` (every parameter read once, except the embedding table, of which a step reads one row
-    per sequence, unless the LM head shares it), ``cache_bytes`` (every layer's whole cache read) and
+    per sequence, unless the LM head shares it, and an absorbed MLA's kv_b, which prefill reads),
+    ``cache_bytes`` (every layer's whole cache read) and
     ``new_bytes`` (one position per sequence written in every layer); beside them ``sampler_bytes``, what
     the step's sampler moves compiled alone on the step's [B, V] logits (``bytes_moved`` of it)."""
 
@@ -129,6 +130,7 @@ class DecodeStep:
     sampler_bytes: float
     lower_s: float  # tracing and lowering (``lower_programs``: prefill's too)
     compile_s: float  # XLA's compilation of the decode step
+    prefill: object = None  # the compiled prefill (``compile_decode(prefill_of=)``)
 
     @property
     def floor_bytes(self) -> int:
@@ -170,10 +172,13 @@ def _sampler_bytes(batch: int, vocab: int) -> float:
     return moved(jax.jit(sample).lower(logits, SamplingParams.greedy(batch), positions).compile())
 
 
-def compile_decode(cfg, *, batch: int, slots: int, mesh: str = "decode_dp", unstacked: bool = True) -> DecodeStep:
+def compile_decode(
+    cfg, *, batch: int, slots: int, mesh: str = "decode_dp", unstacked: bool = True, prefill_of: int | None = None
+) -> DecodeStep:
     """The decode step ``Generator`` runs for ``cfg`` (unstacked, on one device's ``mesh`` layout),
     compiled from shapes alone. ``unstacked=False``: the same step on the stacked model (each layer
-    sliced out of its stack inside the step), what generation ran before the inference boundary."""
+    sliced out of its stack inside the step), what generation ran before the inference boundary.
+    ``prefill_of``: also compile the prefill of prompts bucketed to that many positions (``prefill``)."""
     # deferred: jax, flax, the model zoo and the generator
     import time
 
@@ -187,7 +192,8 @@ def compile_decode(cfg, *, batch: int, slots: int, mesh: str = "decode_dp", unst
     from jaxpar.models import build_model
 
     name, built = build_inference_mesh(mesh, devices=jax.devices()[:1])
-    layout = check_inference_layout(cfg, built, name, batch=batch, prompt=16, slots=slots)
+    prompt = prefill_of or 16
+    layout = check_inference_layout(cfg, built, name, batch=batch, prompt=prompt, slots=slots)
     if unstacked:
         model = for_generation(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
     else:
@@ -198,13 +204,15 @@ def compile_decode(cfg, *, batch: int, slots: int, mesh: str = "decode_dp", unst
         shardings = nnx.get_named_sharding(abstract, built)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     start = time.perf_counter()
-    lowered = lower_programs(model, state, layout, batch, 16, slots)[1]
+    prefill, lowered = lower_programs(model, state, layout, batch, prompt, slots)
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     lower_s, compile_s = lowered_at - start, time.perf_counter() - lowered_at
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     (table,) = jax.tree.leaves(nnx.state(model.embed))  # [V, D]
     unread = 0 if cfg.tie_embeddings else nbytes(table) - batch * table.shape[1] * table.dtype.itemsize
+    if unstacked:  # an absorbed MLA's kv_b: prefill's (decode reads kv_k and kv_v)
+        unread += nbytes([v for path, v in nnx.to_flat_state(abstract) if path[-1] == "kv_b"])
     layers = jax.tree.leaves(abstract_cache(model, layout, batch, slots), is_leaf=lambda c: hasattr(c, "NAMES"))
     arrays = [(x, names) for c in layers for x, names in zip(jax.tree.leaves(c), c.NAMES)]  # with logical names
     cache = [x for x, _ in arrays]
@@ -212,6 +220,5 @@ def compile_decode(cfg, *, batch: int, slots: int, mesh: str = "decode_dp", unst
     smallest = min(x.size for x in jax.tree.leaves(state) if x.ndim >= 2)
     sampler = _sampler_bytes(batch, cfg.vocab_size)
     weights = nbytes(state) - unread
-    return DecodeStep(
-        compiled, smallest, frozenset(x.shape for x in cache), weights, nbytes(cache), new, sampler, lower_s, compile_s
-    )
+    shapes, prefill = frozenset(x.shape for x in cache), prefill.compile() if prefill_of else None
+    return DecodeStep(compiled, smallest, shapes, weights, nbytes(cache), new, sampler, lower_s, compile_s, prefill)

@@ -9,8 +9,8 @@ when it is loaded (``jaxpar.inference.generate.for_generation``): each stack (``
 less the leading stacked axis. A decode layout never splits that axis, so it places every layer as it
 placed the stack. The model's generation hooks then run the layers unrolled, each with its own cache.
 
-MLA layers also get their decode weights (``jaxpar.layers.mla.absorb``: kv_b as the two arrays the
-absorbed decode reads).
+MLA layers also get their decode weights (``jaxpar.layers.mla.absorb``: kv_b's halves as the two arrays
+the absorbed decode reads), which ``restack`` drops.
 
 ``restack`` is the inverse: ``restack(unstack(model))`` has ``model``'s structure, metadata and values
 bit for bit. Checkpoints, conversion and training only ever see stacked models.
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.layers.mla import MLA, absorb, kv_b_of
+from jaxpar.layers.mla import ABSORBED, MLA, absorb
 from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model
 from jaxpar.models.dense import split_stack
@@ -52,14 +52,11 @@ def unstack(model: LanguageModel) -> LanguageModel:
     return out
 
 
-def _joined(tree):
-    """A layer's pure dict with every absorbed MLA's kv_k and kv_v joined back into kv_b."""
+def _unabsorbed(tree):
+    """A layer's pure dict without the absorbed MLA decode weights (``absorb``'s copies of kv_b)."""
     if not isinstance(tree, dict):
         return tree
-    out = {k: _joined(v) for k, v in tree.items() if k not in ("kv_k", "kv_v")}
-    if "kv_k" in tree:
-        out["kv_b"] = kv_b_of(tree["kv_k"], tree["kv_v"])
-    return out
+    return {k: _unabsorbed(v) for k, v in tree.items() if k not in ABSORBED}
 
 
 def restack(model: LanguageModel) -> LanguageModel:
@@ -71,7 +68,7 @@ def restack(model: LanguageModel) -> LanguageModel:
     pure = nnx.to_pure_dict(nnx.state(model))
     for name in model.cache_stacks():
         if isinstance(getattr(model, name), nnx.List):
-            layers = [_joined(pure[name][i]) for i in range(len(pure[name]))]
+            layers = [_unabsorbed(pure[name][i]) for i in range(len(pure[name]))]
             pure[name] = jax.tree.map(lambda *rows: jnp.stack(rows), *layers)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)

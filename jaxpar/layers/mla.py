@@ -11,9 +11,10 @@ Weights (HF ``nn.Linear`` weights are [out, in]; ours are their transposes with 
     o   [N, Hv, D]                                = o_proj.T.reshape(N, Hv, D)
 Per head, q's last Hr columns are its rope part; kv_a's last Hr columns are one rope key per token, shared
 by all heads (never broadcast in memory on the plain path). kv_b gives [k_nope | v] per head.
-For generation (``absorb``, at the inference boundary) kv_b is held as the two arrays the absorbed decode
-reads as they lie: kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv] (slicing and transposing kv_b inside the step
-copied it in every step); ``kv_b_of`` joins them back.
+For generation (``absorb``, at the inference boundary) kv_b's halves are also held as the two arrays the
+absorbed decode reads as they lie: kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv] (slicing and transposing kv_b
+inside the step copied it in every step). Prefill keeps reading kv_b, as training does (read through
+kv_k and kv_v, XLA:CPU copied them); the two layouts cost kv_b's bytes once more per layer.
 
 RoPE (decoupled: only the Hr parts rotate), HF ``rope_interleave=True`` (DeepSeek-V3's default and the layout
 of DeepSeek's own checkpoints): the Hr columns hold rotation pairs (2i, 2i+1) turned by angle p·inv_freq[i].
@@ -203,12 +204,8 @@ class MLA(nnx.Module):
     def _attention(self, q_nope, q_rope, latent, k_rope, index, scale: float) -> jax.Array:
         """Training and prefill: per-head keys and values from the latent, then causal attention."""
         hn = self.cfg.qk_nope_head_dim
-        if hasattr(self, "kv_k"):  # absorbed (generation)
-            k_nope = constrain(jnp.einsum("btr,nhr->btnh", latent, self._w(self.kv_k)), HEADS)
-            v = constrain(jnp.einsum("btr,nrh->btnh", latent, self._w(self.kv_v)), HEADS)
-        else:
-            kv = constrain(jnp.einsum("btr,rnh->btnh", latent, self._w(self.kv_b)), HEADS)  # [B, T, N, Hn + Hv]
-            k_nope, v = kv[..., :hn], kv[..., hn:]
+        kv = constrain(jnp.einsum("btr,rnh->btnh", latent, self._w(self.kv_b)), HEADS)  # [B, T, N, Hn + Hv]
+        k_nope, v = kv[..., :hn], kv[..., hn:]
         if self.attn.context_parallel == "none" and self.attn.implementation is None:
             return _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale)
         k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
@@ -262,16 +259,14 @@ def _eager_or_abstract(fn, *xs):
 
 
 def absorb(attn: MLA) -> None:
-    """In place: ``attn``'s kv_b [Rkv, N, Hn + Hv] replaced by kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv]
-    (module doc), with the logical names of the dimensions they came from. Abstract stays abstract."""
+    """In place: ``attn`` given kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv], kv_b's halves in the absorbed
+    decode's layouts (module doc), with the logical names of the dimensions they came from. Abstract
+    stays abstract."""
     hn, names = attn.cfg.qk_nope_head_dim, dict(zip(("r", "n", "h"), attn.kv_b.out_sharding))
     w = attn.kv_b.get_value()
     for field, spec, part in (("kv_k", "nhr", slice(None, hn)), ("kv_v", "nrh", slice(hn, None))):
         value = _eager_or_abstract(lambda x, spec=spec, part=part: jnp.einsum(f"rnh->{spec}", x[..., part]), w)
         setattr(attn, field, nnx.Param(value, out_sharding=tuple(names[c] for c in spec), eager_sharding=False))
-    del attn.kv_b
 
 
-def kv_b_of(kv_k: jax.Array, kv_v: jax.Array) -> jax.Array:
-    """kv_b [Rkv, N, Hn + Hv] from ``absorb``'s kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv]."""
-    return jnp.concatenate([jnp.einsum("nhr->rnh", kv_k), jnp.einsum("nrh->rnh", kv_v)], axis=-1)
+ABSORBED = ("kv_k", "kv_v")  # what ``absorb`` adds (``jaxpar.inference.unstack.restack`` drops them)

@@ -11,6 +11,8 @@ attends over all slots, masked); one position per sequence written per layer; an
 compiled alone on the step's logits. Each stands against a mutation: the same step on the stacked model
 (layers sliced out of the stacks inside the step) must be caught."""
 
+import functools
+
 import pytest
 
 from jaxpar.analysis.copies import cache_copies, compile_decode, large_copies
@@ -33,10 +35,16 @@ def _cfg(case: str):
     return get_model_preset(preset, **overrides)
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@functools.cache
+def _compiled(case: str):
+    """The case's decode step, compiled once for every test that reads it."""
+    _, _, batch, slots = CASES[case]
+    return compile_decode(_cfg(case), batch=batch, slots=slots)
+
+
+@pytest.fixture(params=list(CASES))
 def step(request):
-    _, _, batch, slots = CASES[request.param]
-    return request.param, compile_decode(_cfg(request.param), batch=batch, slots=slots)
+    return request.param, _compiled(request.param)
 
 
 def _weight_copies(s) -> list:
@@ -76,7 +84,7 @@ def test_the_stacked_model_is_caught():
     step) copies every layer's weights, and its bytes break the bound."""
     cfg = _cfg("llama-100m-b1")
     s = compile_decode(cfg, batch=1, slots=256, unstacked=False)
-    weight = compile_decode(cfg, batch=1, slots=256).smallest_weight  # a stack's norms are 2-D: not weights
+    weight = _compiled("llama-100m-b1").smallest_weight  # a stack's norms are 2-D: not weights
     found = large_copies(s.compiled.as_text(), min_elements=weight)
     assert len(found) >= cfg.num_layers, found
     assert s.bytes_moved / (s.floor_bytes + s.sampler_bytes) > MOVED_BOUND
@@ -101,8 +109,7 @@ def test_the_cache_is_donated_and_updated_in_place(step):
 def test_bytes_moved_within_a_tenth_of_the_floor(case):
     """XLA's bytes accessed of one step (scatters into the donated cache and gathers of embedding rows
     counted as what they move: ``cost_overcount``) ≤ 1.1 × the floor plus the sampler."""
-    _, _, batch, slots = CASES[case]
-    s = compile_decode(_cfg(case), batch=batch, slots=slots)
+    s = _compiled(case)
     floor = s.floor_bytes + s.sampler_bytes
     ratio = s.bytes_moved / floor
     print(

@@ -217,8 +217,9 @@ def _written_after(out, *new):
 
 def paged_gqa_decode(q, k, v, cache: PagedKVCache, positions, *, window: int | None):
     """``gqa_decode`` over a page pool: same arguments and results. Each row's pages are gathered
-    (positions before its first new token; the pools keep [P, page, K, H], the gathered cache is
-    [B, K, W·page, H]), attended with the new tokens, and the new tokens written into the pool after."""
+    (positions before its first new token; the pools keep [P, page, K, H], and the gathered keys and
+    values take the dense cache's layouts), attended with the new tokens, and the new tokens written
+    into the pool after."""
     limit = first_positions(positions)
     ck, cv = (
         keys_layout(page_gather(cache.k, cache.table, limit)),

@@ -27,6 +27,7 @@ CASES = {  # name: (preset, overrides, batch, cache slots)
     "deepseek-v3-2l-b1": ("deepseek-v3", {"num_layers": 2, "first_dense_layers": 1}, 1, 256),
 }
 MOVED_BOUND = 1.1  # bytes moved ≤ 1.1 × the floor (issue 33)
+PREFILLED = ("llama-100m-b1", "deepseek-v3-2l-b1")  # their prefill of 128 tokens is compiled too
 SHAPED = [c for c in CASES if not c.startswith("tiny")]  # tiny's floor (~0.4 MB) is per-op overhead
 
 
@@ -39,7 +40,7 @@ def _cfg(case: str):
 def _compiled(case: str):
     """The case's decode step, compiled once for every test that reads it."""
     _, _, batch, slots = CASES[case]
-    return compile_decode(_cfg(case), batch=batch, slots=slots)
+    return compile_decode(_cfg(case), batch=batch, slots=slots, prefill_of=128 if case in PREFILLED else None)
 
 
 @pytest.fixture(params=list(CASES))
@@ -71,9 +72,9 @@ def test_prefill_copies_no_weight():
     or dynamic-slice as large as a weight matrix; for the MLA + MoE model none of a weight outside the
     experts (an MLA prefill reads kv_b, not the absorbed halves). The experts are left out: XLA:CPU
     lowers prefill's ``ragged_dot`` by laying every expert's weights out anew."""
-    dense = compile_decode(_cfg("llama-100m-b1"), batch=1, slots=256, prefill_of=128)
+    dense = _compiled("llama-100m-b1")
     assert large_copies(dense.prefill.as_text(), min_elements=dense.smallest_weight) == []
-    mla = compile_decode(_cfg("deepseek-v3-2l-b1"), batch=1, slots=256, prefill_of=128)
+    mla = _compiled("deepseek-v3-2l-b1")
     found = large_copies(mla.prefill.as_text(), min_elements=mla.smallest_weight)
     named = [c for c in found if "state[" in c.op_name]
     assert [c for c in named if "moe'" not in c.op_name.replace("\\", "")] == []

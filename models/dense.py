@@ -350,7 +350,8 @@ class DenseLM(nnx.Module):
         cfg, pages = self.cfg, (num_pages, page_size)
         if cfg.uses_mla:
             return self._zeros(PagedLatentCache, [(*pages, cfg.mla.kv_lora_rank), (*pages, cfg.mla.qk_rope_head_dim)])
-        return self._zeros(PagedKVCache, [(*pages, cfg.num_kv_heads, cfg.head_dim)] * 2)
+        k, h = cfg.num_kv_heads, cfg.head_dim  # keys [P, K, H, page], values [P, K, page, H]
+        return self._zeros(PagedKVCache, [(num_pages, k, h, page_size), (num_pages, k, page_size, h)])
 
     def _zeros(self, cls: type, shapes: list[tuple[int, ...]]) -> dict:
         """{stack: [one zero ``cls`` per layer]}, its arrays of ``shapes`` (a paged cache: no table yet)."""

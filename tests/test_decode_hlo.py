@@ -12,6 +12,7 @@ compiled alone on the step's logits. Each stands against a mutation: the same st
 (layers sliced out of the stacks inside the step) must be caught."""
 
 import functools
+import math
 
 import pytest
 
@@ -119,3 +120,64 @@ def test_bytes_moved_within_a_tenth_of_the_floor(case):
     )
     assert s.bytes_moved >= s.weight_bytes + s.cache_bytes
     assert ratio <= MOVED_BOUND
+
+
+# ---------------------------------------------------------------------------------- the paged engine
+def _engine_step_text() -> tuple[str, tuple[int, ...], int]:
+    """The paged engine's decode step (tiny, 4 slots of 64 positions, pages of 16) compiled: (its HLO,
+    one row-gathered dense cache's dims [B, W·page, K, H], its number of pool arrays)."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxpar.inference import logprobs
+    from jaxpar.inference.engine import Engine
+    from jaxpar.inference.sampling import SamplingParams
+    from jaxpar.models import build_model
+
+    cfg = get_model_preset("tiny")
+    engine = Engine(build_model(cfg, rngs=nnx.Rngs(0)), max_slots=4, max_length=64, page_size=16)
+    m, b = engine.models["target"], engine.slots
+    host = (
+        np.zeros((b, 1), np.int32),
+        np.full((b, 1), 40, np.int32),
+        np.arange(b * engine.width, dtype=np.int32).reshape(b, engine.width) + 1,
+        np.zeros(b, np.int32),
+        SamplingParams.greedy(b),
+        logprobs.StepExtras.build([], b, 1, engine.max_length),
+    )
+    text = engine._program("target", 1).lower(m.state, m.pools, *host).compile().as_text()
+    return text, (b, engine.max_length, cfg.num_kv_heads, cfg.head_dim), 2 * cfg.num_layers
+
+
+def _cache_sized_copies(text: str, gathered: tuple[int, ...]) -> list:
+    """Copies as large as a row-gathered cache (a pool is larger), in any shape: pages stay a dim."""
+    return [c for c in large_copies(text, min_elements=math.prod(gathered)) if c.kind == "copy"]
+
+
+def test_the_engine_reads_its_pages_where_they_lie():
+    """The engine's step attends over each row's pages one page column at a time: no copy as large as a
+    row-gathered dense cache (so none of a pool either), and every pool updated in place (donated)."""
+    text, gathered, pools = _engine_step_text()
+    assert _cache_sized_copies(text, gathered) == []
+    header = text.split("\n", 1)[0]
+    assert header.count("may-alias") + header.count("must-alias") == pools
+
+
+def test_gathering_every_page_first_is_caught(monkeypatch):
+    """The mutation: every page of a row gathered first and laid out as the dense cache (then attended
+    as one block) copies a row-gathered cache per pool per step."""
+    import jax.numpy as jnp
+
+    from jaxpar.parallel import decode
+
+    def gathered_first(q, pool_k, pool_v, table, ok, held):
+        b, w = table.shape
+        keys = jnp.einsum("bwkhp->bkhwp", pool_k[table]).reshape(b, *pool_k.shape[1:3], -1)
+        values = jnp.einsum("bwkph->bkwph", pool_v[table]).reshape(b, pool_v.shape[1], -1, pool_v.shape[-1])
+        values = jnp.where(held[:, None, :, None], values, 0)
+        scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys) * q.shape[-1] ** -0.5
+        return decode.block(scores, ok[:, None, None], values, "bkgts,bksh->bkgth")
+
+    monkeypatch.setattr(kvcache, "over_pages", gathered_first)
+    text, gathered, pools = _engine_step_text()
+    assert len(_cache_sized_copies(text, gathered)) >= pools

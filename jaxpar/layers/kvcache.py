@@ -24,14 +24,16 @@ model keeps one cache per layer ({stack: [cache of each layer]}, ``empty_cache``
 so a decode step writes its new entries in place (the cache is donated) and copies nothing.
 
 Paged caches (``PagedKVCache``, ``PagedLatentCache``; the serving engine's) keep one pool of pages
-[P, page, ...] shared by all sequences and a page table [B, W] per call: row b's position p lives in
-page table[b, p // page], at p mod page. Decoding gathers each row's pages into a dense [B, W·page, ...]
-cache (slots from the row's first new position on zeroed: a stale page may hold anything, NaN included,
-and 0·NaN would poison the softmax-weighted sum), runs the same attention code as the dense cache (the
-cache as it was, then the new tokens: ``jaxpar.parallel.decode``), so paged and dense attention agree bit
-for bit, and then writes the new tokens into their pages. Page 0 is the all-zero null
-page that unused table entries point at (``jaxpar.inference.pages``). Query positions < 0 are padding:
-nothing is written for them and their outputs are meaningless but finite.
+shared by all sequences and a page table [B, W] per call: row b's position p lives in page table[b, p //
+page], at p mod page. GQA pools keep each page in the layout its product reads (keys [P, K, H, page],
+values [P, K, page, H]); decoding runs over each row's pages one page column at a time, a partial softmax
+per page merged as it goes (``jaxpar.parallel.decode.over_pages``), then over the call's new tokens, and
+then writes them into their pages. MLA pools keep [P, page, ...]; decoding gathers each row's pages into a
+dense [B, W·page, ...] cache and runs the dense cache's attention code on it. Slots from a row's first new
+position on are zeroed when read: a stale page may hold anything, NaN included, and 0·NaN would poison
+the softmax-weighted sum. Page 0 is the all-zero null page that unused table entries point at
+(``jaxpar.inference.pages``). Query positions < 0 are padding: nothing is written for them and their
+outputs are meaningless but finite.
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ import jax.numpy as jnp
 
 from jaxpar.parallel.decode import (
     after,
+    block,
+    finished,
     first_positions,
+    merged,
     new_visible,
     old_visible,
+    over_pages,
     run_over_slots,
     softmax_combine,
     write,
@@ -86,11 +92,12 @@ class LatentCache:
 class PagedKVCache:
     """One GQA layer's page pool and this call's page table."""
 
-    k: jax.Array  # [P, page, K, H]
-    v: jax.Array  # [P, page, K, H]
+    k: jax.Array  # [P, K, H, page]
+    v: jax.Array  # [P, K, page, H]
     table: jax.Array  # [B, W] int32 page ids
 
-    NAMES = ((None, None, "cache_kv_heads", None),) * 2
+    NAMES = ((None, "cache_kv_heads", None, None),) * 2
+    SLOT_AXES = (3, 2)  # where each pool keeps a page's positions
 
 
 @jax.tree_util.register_dataclass
@@ -164,14 +171,15 @@ def filled(x: jax.Array, lengths: jax.Array, slots: int) -> jax.Array:
     return jnp.where((held >= 0).reshape(b, slots, *tail), picked, 0)
 
 
-def page_write(pool: jax.Array, new: jax.Array, positions: jax.Array, table: jax.Array) -> jax.Array:
-    """pool [P, page, ...] with new [B, T, ...] written at positions [B, T] through table [B, W];
-    padding (position < 0) and positions past the table are dropped."""
-    size, width = pool.shape[1], table.shape[1]
+def page_write(pool: jax.Array, new: jax.Array, positions: jax.Array, table: jax.Array, axis: int = 1) -> jax.Array:
+    """pool [P, ...] (a page's positions on ``axis``) with new [B, T, ...] written at positions [B, T]
+    through table [B, W]; padding (position < 0) and positions past the table are dropped."""
+    size, width = pool.shape[axis], table.shape[1]
     index = positions // size
     page = jnp.take_along_axis(table, jnp.clip(index, 0, width - 1), axis=1)
     page = jnp.where((positions >= 0) & (index < width), page, pool.shape[0])  # dropped
-    return pool.at[page, jnp.mod(positions, size)].set(new.astype(pool.dtype), mode="drop")
+    where = (page, *(slice(None),) * (axis - 1), jnp.mod(positions, size))
+    return pool.at[where].set(new.astype(pool.dtype), mode="drop")
 
 
 def page_gather(pool: jax.Array, table: jax.Array, limit: jax.Array) -> jax.Array:
@@ -216,20 +224,21 @@ def _written_after(out, *new):
 
 
 def paged_gqa_decode(q, k, v, cache: PagedKVCache, positions, *, window: int | None):
-    """``gqa_decode`` over a page pool: same arguments and results. Each row's pages are gathered
-    (positions before its first new token; the pools keep [P, page, K, H], and the gathered keys and
-    values take the dense cache's layouts), attended with the new tokens, and the new tokens written
-    into the pool after."""
-    limit = first_positions(positions)
-    ck, cv = (
-        keys_layout(page_gather(cache.k, cache.table, limit)),
-        values_layout(page_gather(cache.v, cache.table, limit)),
-    )
-    out = _gqa_attend(
-        _grouped(q, k.shape[2]), k, v, ck, cv, positions, offset=0, slots=cv.shape[2], window=window, axis=None
-    )
+    """``gqa_decode`` over a page pool: same arguments and results. Each row's pages (positions before its
+    first new token) are attended page by page (``over_pages``), then the new tokens, and the new tokens
+    are written into the pool after."""
+    q = _grouped(q, k.shape[2])
+    slots = cache.table.shape[1] * cache.v.shape[PagedKVCache.SLOT_AXES[1]]
+    held = jnp.arange(slots)[None, :] < first_positions(positions)[:, None]
+    old = over_pages(q, cache.k, cache.v, cache.table, old_visible(positions, 0, slots, slots, window), held)
+    scores = jnp.einsum("bkgth,bukh->bkgtu", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    new = block(scores, new_visible(positions, window)[:, None, None], v, "bkgtu,bukh->bkgth")
+    out = finished(merged(old, new), cache.v.dtype)
     k, v = _written_after(out, k, v)
-    pools = [page_write(p, x, positions, cache.table) for p, x in ((cache.k, k), (cache.v, v))]
+    pools = (
+        page_write(p, x, positions, cache.table, axis)
+        for p, x, axis in zip((cache.k, cache.v), (k, v), PagedKVCache.SLOT_AXES)
+    )
     pools = (constrain(p, names) for p, names in zip(pools, PagedKVCache.NAMES))
     return _ungrouped(out), PagedKVCache(*pools, cache.table)
 

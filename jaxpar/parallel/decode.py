@@ -104,6 +104,56 @@ def softmax_combine(parts: Sequence[tuple], axis) -> jax.Array:
     return (out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]).astype(parts[0][2].dtype)
 
 
+def block(scores: jax.Array, ok: jax.Array, values: jax.Array, spec: str) -> tuple:
+    """One block of keys' unnormalised softmax: (the row maxima m [...], Σ e^(score − m) [...], Σ
+    e^(score − m)·v [..., V]; float32). Unseen keys weigh 0; a query that sees none of the block has m = −∞
+    and zero sums."""
+    sc = jnp.where(ok, scores, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(sc, axis=-1))
+    weights = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0)[..., None])
+    out = jnp.einsum(spec, weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return m, jnp.sum(weights, axis=-1), out
+
+
+def merged(a: tuple, b: tuple) -> tuple:
+    """Two blocks' partial softmaxes (``block``) as one: each rescaled to the larger maximum."""
+    m = jnp.maximum(a[0], b[0])
+    shift = jnp.where(jnp.isfinite(m), m, 0)
+    ra, rb = jnp.exp(a[0] - shift), jnp.exp(b[0] - shift)  # a block with m = −∞ contributes 0
+    return m, a[1] * ra + b[1] * rb, a[2] * ra[..., None] + b[2] * rb[..., None]
+
+
+def finished(partial: tuple, dtype) -> jax.Array:
+    """The attention output of a partial softmax (zeros for a query that saw no key)."""
+    _, total, out = partial
+    return (out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]).astype(dtype)
+
+
+def over_pages(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: jax.Array, ok: jax.Array, held: jax.Array):
+    """Grouped queries q [B, K, G, T, H] over each row's pages (``block``'s partial softmax): key pool [P,
+    K, H, page] and value pool [P, K, page, H] (each page in the layout its product reads), row b's page w
+    at table[b, w]; ok [B, T, W·page] which slots each query sees, held [B, W·page] which hold the row's
+    own positions (the others' values are zeroed: a stale page may hold anything, NaN included, and
+    0·NaN would poison the weighted sum). One page column per step of a ``scan``: each step gathers [B,
+    K, H, page] and [B, K, page, H] and uses them at once (gathering every page first and transposing
+    them to a dense cache moved the whole cache twice more, and XLA:CPU did it element by element)."""
+    b, w = table.shape
+    t, page = q.shape[3], pool_k.shape[-1]
+    scale = q.shape[-1] ** -0.5
+    columns = (table.T, jnp.moveaxis(ok.reshape(b, t, w, page), 2, 0), jnp.moveaxis(held.reshape(b, w, page), 1, 0))
+
+    def step(partial, column):
+        ids, ok_w, held_w = column
+        k = pool_k[ids]
+        v = jnp.where(held_w[:, None, :, None], pool_v[ids], 0)
+        scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+        return merged(partial, block(scores, ok_w[:, None, None], v, "bkgts,bksh->bkgth")), None
+
+    lead = q.shape[:4]
+    empty = (jnp.full(lead, -jnp.inf), jnp.zeros(lead), jnp.zeros((*lead, pool_v.shape[-1])))
+    return jax.lax.scan(step, empty, columns)[0]
+
+
 def run_over_slots(body: Callable, args: Sequence[jax.Array], names: Sequence[tuple], out_names: Sequence[tuple]):
     """``body(*args, offset=, axis=)`` with the cache split as the layout splits ``cache_length``: under
     ``shard_map`` (each device its own slots; ``offset`` its first slot, ``axis`` the mesh axes to combine

@@ -124,8 +124,9 @@ def test_bytes_moved_within_a_tenth_of_the_floor(case):
 
 # ---------------------------------------------------------------------------------- the paged engine
 def _engine_step_text() -> tuple[str, tuple[int, ...], int]:
-    """The paged engine's decode step (tiny, 4 slots of 64 positions, pages of 16) compiled: (its HLO,
-    one row-gathered dense cache's dims [B, W·page, K, H], its number of pool arrays)."""
+    """The paged engine's decode step (tiny, 4 slots of 2048 positions, pages of 16: a cache large enough
+    to be read in several blocks, ``pages_per_step``) compiled: (its HLO, one row-gathered dense cache's
+    dims [B, W·page, K, H], its number of pool arrays)."""
     import numpy as np
     from flax import nnx
 
@@ -135,7 +136,7 @@ def _engine_step_text() -> tuple[str, tuple[int, ...], int]:
     from jaxpar.models import build_model
 
     cfg = get_model_preset("tiny")
-    engine = Engine(build_model(cfg, rngs=nnx.Rngs(0)), max_slots=4, max_length=64, page_size=16)
+    engine = Engine(build_model(cfg, rngs=nnx.Rngs(0)), max_slots=4, max_length=2048, page_size=16)
     m, b = engine.models["target"], engine.slots
     host = (
         np.zeros((b, 1), np.int32),
@@ -155,8 +156,8 @@ def _cache_sized_copies(text: str, gathered: tuple[int, ...]) -> list:
 
 
 def test_the_engine_reads_its_pages_where_they_lie():
-    """The engine's step attends over each row's pages one page column at a time: no copy as large as a
-    row-gathered dense cache (so none of a pool either), and every pool updated in place (donated)."""
+    """The engine's step attends over each row's pages a block of page columns at a time: no copy as large
+    as a row-gathered dense cache (so none of a pool either), and every pool updated in place (donated)."""
     text, gathered, pools = _engine_step_text()
     assert _cache_sized_copies(text, gathered) == []
     header = text.split("\n", 1)[0]

@@ -24,6 +24,7 @@ from jaxpar.layers.kvcache import (
     mla_decode,
     values_layout,
 )
+from jaxpar.parallel import decode
 
 B, W, PAGE, K, G, H = 3, 4, 4, 2, 3, 8  # 3 rows, 4 pages of 4 slots each, GQA 6 query heads over 2
 S = W * PAGE
@@ -73,8 +74,13 @@ def _oracle(q, k, v, ck, cv, lengths, positions, window, order=None):
     return np.asarray(attention_oracle.attention(q, full_k[:, order], full_v[:, order], allowed[:, :, order]))
 
 
+@pytest.mark.parametrize("pages_per_step", ["all", "one"])
 @pytest.mark.parametrize("t,window", [(1, None), (3, None), (3, 5)], ids=["decode", "chunk", "window"])
-def test_paged_and_dense_gqa_match_the_oracle(t, window):
+def test_paged_and_dense_gqa_match_the_oracle(t, window, pages_per_step, monkeypatch):
+    """Paged GQA read in one step (a small cache) and one page column per step (``BLOCK_BYTES`` below a
+    column: the running softmax merged W times)."""
+    if pages_per_step == "one":
+        monkeypatch.setattr(decode, "BLOCK_BYTES", 1)
     rng = np.random.default_rng(t)
     lengths = np.array([5, 0, 9])  # tokens already cached per row
     positions = lengths[:, None] + np.arange(t)[None, :]
@@ -86,22 +92,22 @@ def test_paged_and_dense_gqa_match_the_oracle(t, window):
     noise = float(np.max(np.abs(_oracle(q, k, v, ck, cv, lengths, positions, window, rng.permutation(S)) - want)))
     noise /= float(np.max(np.abs(want)))
 
-    run = jax.jit(gqa_decode, static_argnames="window")
+    run = jax.jit(lambda *a, window: gqa_decode(*a, window=window), static_argnames="window")  # traced here
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     pos = jnp.asarray(positions, jnp.int32)
     dense_cache = KVCache(keys_layout(jnp.asarray(ck)), values_layout(jnp.asarray(cv)))
     dense_out, dense = run(*args, dense_cache, pos, window=window)
     got, pool = run(*args, _gqa_pools(ck, cv, table, 20, lengths), pos, window=window)
     assert np.isfinite(np.asarray(got)).all()
-    check_arrays([dense_out], [want], noise, "paged", f"dense gqa {t} {window}", names=("out",))
-    check_arrays([got], [want], noise, "paged", f"paged gqa {t} {window}", names=("out",))
+    check_arrays([dense_out], [want], noise, "paged", f"dense gqa {t} {window} {pages_per_step}", names=("out",))
+    check_arrays([got], [want], noise, "paged", f"paged gqa {t} {window} {pages_per_step}", names=("out",))
 
     stale = np.asarray(table).copy()
     stale[2, 1] = stale[0, 0]  # row 2 reads row 0's first page for its second (within every window)
     wrong, _ = run(*args, _gqa_pools(ck, cv, table, 20, lengths, jnp.asarray(stale)), pos, window=window)
     factor = float(np.max(np.abs(np.asarray(wrong) - want)) / np.max(np.abs(want)))
     factor /= max(MULTIPLE * noise, FLOOR["grad"])
-    record("paged", f"mutation: another row's page {t} {window}", factor=factor)
+    record("paged", f"mutation: another row's page {t} {window} {pages_per_step}", factor=factor)
     assert factor >= MUTATION_GAP, factor
 
     keys = np.asarray(pool.k)  # [P, K, H, page]

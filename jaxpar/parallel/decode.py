@@ -28,6 +28,7 @@ the cache never moves. The new tokens' block is counted by the first device only
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -129,25 +130,45 @@ def finished(partial: tuple, dtype) -> jax.Array:
     return (out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]).astype(dtype)
 
 
+BLOCK_BYTES = 1 << 18  # the most key bytes one step of ``over_pages`` gathers: it stays in cache while used
+
+
+def pages_per_step(table: jax.Array, pool_k: jax.Array) -> int:
+    """How many page columns one step of ``over_pages`` takes: the most that divide the table's width and
+    whose keys fit in ``BLOCK_BYTES`` (at least one). A small cache is read in one step (a loop step costs
+    more than its work there); a large one in blocks that stay in cache."""
+    b, w = table.shape
+    column = b * math.prod(pool_k.shape[1:]) * pool_k.dtype.itemsize
+    return max([c for c in range(1, w + 1) if w % c == 0 and c * column <= BLOCK_BYTES] or [1])
+
+
 def over_pages(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: jax.Array, ok: jax.Array, held: jax.Array):
     """Grouped queries q [B, K, G, T, H] over each row's pages (``block``'s partial softmax): key pool [P,
     K, H, page] and value pool [P, K, page, H] (each page in the layout its product reads), row b's page w
     at table[b, w]; ok [B, T, W·page] which slots each query sees, held [B, W·page] which hold the row's
     own positions (the others' values are zeroed: a stale page may hold anything, NaN included, and
-    0·NaN would poison the weighted sum). One page column per step of a ``scan``: each step gathers [B,
-    K, H, page] and [B, K, page, H] and uses them at once (gathering every page first and transposing
-    them to a dense cache moved the whole cache twice more, and XLA:CPU did it element by element)."""
+    0·NaN would poison the weighted sum). A ``scan`` over blocks of c page columns (``pages_per_step``):
+    each step gathers keys [B, K, H, c·page] and values [B, K, c·page, H] and uses them at once
+    (gathering every page of a large cache first and laying it out as a dense cache would move the
+    whole cache twice more, element by element on XLA:CPU)."""
     b, w = table.shape
     t, page = q.shape[3], pool_k.shape[-1]
+    c = pages_per_step(table, pool_k)
+    n, width = w // c, c * page
     scale = q.shape[-1] ** -0.5
-    columns = (table.T, jnp.moveaxis(ok.reshape(b, t, w, page), 2, 0), jnp.moveaxis(held.reshape(b, w, page), 1, 0))
+    columns = (
+        jnp.moveaxis(table.reshape(b, n, c), 1, 0),
+        jnp.moveaxis(ok.reshape(b, t, n, width), 2, 0),
+        jnp.moveaxis(held.reshape(b, n, width), 1, 0),
+    )
 
     def step(partial, column):
-        ids, ok_w, held_w = column
-        k = pool_k[ids]
-        v = jnp.where(held_w[:, None, :, None], pool_v[ids], 0)
+        ids, ok_c, held_c = column
+        k = jnp.einsum("bckhp->bkhcp", pool_k[ids]).reshape(b, *pool_k.shape[1:3], width)
+        v = jnp.einsum("bckph->bkcph", pool_v[ids]).reshape(b, pool_v.shape[1], width, pool_v.shape[-1])
+        v = jnp.where(held_c[:, None, :, None], v, 0)
         scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-        return merged(partial, block(scores, ok_w[:, None, None], v, "bkgts,bksh->bkgth")), None
+        return merged(partial, block(scores, ok_c[:, None, None], v, "bkgts,bksh->bkgth")), None
 
     lead = q.shape[:4]
     empty = (jnp.full(lead, -jnp.inf), jnp.zeros(lead), jnp.zeros((*lead, pool_v.shape[-1])))

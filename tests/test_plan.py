@@ -191,6 +191,9 @@ def test_hlo_reading_equals_a_direct_count():
             ["--mesh", "stage=2,fsdp=4", "--schedule", "interleaved"],
             "pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2",
         ),
+        (["--mesh", "fsdp=8", "--grad-accum", "3"], "batch=8 / grad_accum=3 = 2.66667 rows per slice"),
+        (["--mesh", "fsdp=8", "--grad-accum", "0"], "grad_accum=0: the slices of the batch"),
+        (["--mesh", "stage=2,fsdp=4", "--grad-accum", "2"], "grad_accum=2 with mesh stage=2"),
     ],
 )
 def test_bad_input(argv, message, capsys):
@@ -537,3 +540,35 @@ def test_plan_prices_the_attention_kernel_it_is_given():
     assert flash.times["parts"]["attention_s"] < xla.times["parts"]["attention_s"] / 2
     assert flash.estimated_memory_bytes < xla.estimated_memory_bytes
     assert not workload_of(get_model_preset("tiny"), ExecutionConfig(), {}, batch=4, seq=256).flash
+
+
+def test_grad_accum_prices_what_the_accumulating_step_does():
+    """``grad_accum`` k: one slice's activations live at a time (the estimate's and XLA:CPU's compiled
+    temporaries both fall), a float32 gradient sum joins the state, and the weights are gathered and the
+    gradients reduced once per slice, as the compiled step does (the loop's trip count in the measured
+    bytes): nearly k times the one-slice step's on fsdp and on data."""
+    args = dict(batch=32, seq=64, hardware="h100", execution=dict(remat="none", dtype="float32"))
+    one, four = (plan("tiny", "data=2,fsdp=4", grad_accum=k, **args) for k in (1, 4))
+    assert four.grad_accum == 4 and one.grad_accum == 1
+    assert four.memory_parts["kept"] == pytest.approx(one.memory_parts["kept"] / 4)
+    assert four.memory_parts["state"] == pytest.approx(one.memory_parts["state"] * 20 / 16)
+    temp = lambda p: p.per_device_memory_bytes - p.memory_parts["state"]
+    assert four.per_device_memory_bytes < one.per_device_memory_bytes or temp(four) < temp(one)
+    for axis in ("fsdp", "data"):  # all but what runs once a step (the embedding's, the loss's) runs per slice
+        assert four.bytes_by_axis[axis] > 3 * one.bytes_by_axis[axis], axis
+        assert axis in four.flagged  # several times the one reduction a step needs at least
+    assert four.predicted_step_s > one.predicted_step_s
+
+
+def test_search_fits_a_layout_by_accumulating():
+    """A batch whose activations overflow every 8-device layout of an 8B model fits once accumulated
+    over 8 slices, without a pipeline (the candidates say how many slices they price)."""
+    from jaxpar.analysis.search import search
+
+    args = dict(batch=64, seq=8192, hardware="h100", execution=dict(remat="full"))
+    plain, _ = search("llama3-8b", 8, **args)
+    sliced, _ = search("llama3-8b", 8, grad_accum=8, **args)
+    flat = lambda ranked: [c for c in ranked if c.pipeline is None]
+    assert not any(c.fits for c in flat(plain))
+    fitting = [c for c in flat(sliced) if c.fits]
+    assert fitting and all(c.grad_accum == 8 for c in flat(sliced))

@@ -95,6 +95,7 @@ class Activations:
     capacity_slots: int | None = None  # per sequence, all experts (None: dropless)
     schedule: str | None = None  # the pipeline's (mesh stage > 1; jaxpar.pipeline.Schedule)
     microbatches: int = 1  # pipeline microbatches per step
+    grad_accum: int = 1  # gradient-accumulation slices per step (no pipeline): one slice's activations live
     virtual_stages: int = 1  # model chunks per stage
 
 
@@ -151,7 +152,8 @@ def minimum_bytes(report, activations: Activations, mesh: dict, rules) -> dict[s
 
 def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float:
     """HBM traffic of one step per device, estimated: the weights a device computes with (gathered over
-    the token axes, float32) read 3 times (forward, remat recompute, backward), the optimizer reading and
+    the token axes, float32) read 3 times (forward, remat recompute, backward) per gradient-accumulation
+    slice, the optimizer reading and
     writing its shard (parameter, gradient, two moments: 28 bytes per element), and about 20 reads or
     writes of a [tokens, D] activation per layer it runs (L/p of them under a pipeline)."""
     size = lambda axes: math.prod(mesh[x] for x in axes)
@@ -162,7 +164,7 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
         local += math.prod(p.shard_shape)
     tokens = a.batch * a.seq / size(token_axes)
     layers = a.num_layers / mesh.get("stage", 1)
-    return 3 * used + 28 * local + 20 * layers * tokens * a.embed_dim * a.act_bytes
+    return 3 * a.grad_accum * used + 28 * local + 20 * layers * tokens * a.embed_dim * a.act_bytes
 
 
 def kept_bytes(cfg, execution, b: int, t: int) -> float:
@@ -225,13 +227,16 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
     dtype where it differs from theirs), one layer's working set
     (16 × tokens × max(D, F/t) × b_a, and the scores without a flash kernel), and float32 logits with
     their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are one
-    microbatch's, the layers one chunk's, plus the executor's stage-input buffers."""
+    microbatch's, the layers one chunk's, plus the executor's stage-input buffers. With gradient
+    accumulation (``grad_accum`` k) the tokens are one slice's, and the state holds a float32 gradient sum
+    beside the slice's gradient (4 more bytes per element)."""
     local = sum(math.prod(p.shard_shape) for p in report.params)
     t, stages = mesh.get("tensor", 1), mesh.get("stage", 1)
     tokens = acts.batch * acts.seq / math.prod(mesh[a] for a in token_axes)
     layers, buffers = acts.num_layers, 0.0
     if stages > 1:
         layers, buffers, tokens = pipeline_memory(acts, stages, tokens, t)
+    tokens /= acts.grad_accum  # one slice's activations at a time
     width = max(cfg.embed_dim, cfg.mlp_dim / t)
     kept_scores, scores = score_bytes(cfg, execution, acts, tokens, t)
     kept = layers * (tokens * kept_bytes(cfg, execution, acts.act_bytes, t) + kept_scores)
@@ -241,7 +246,8 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
             math.prod(p.shard_shape) for p in report.params if p.names[:1] in (("layers",), ("prefix_layers",))
         )
     working = 16 * tokens * width * acts.act_bytes + scores + 8 * tokens * cfg.padded_vocab / t
-    return dict(state=16 * local, activations=buffers + kept + working, kept=kept, stage_buffers=buffers)
+    state = (16 + (4 if acts.grad_accum > 1 else 0)) * local  # accumulating: a float32 sum beside the slice's
+    return dict(state=state, activations=buffers + kept + working, kept=kept, stage_buffers=buffers)
 
 
 def memory_estimate(cfg, execution, report, acts: Activations, mesh: dict, token_axes: set) -> float:

@@ -93,6 +93,7 @@ class Plan:
     times: dict
     assumptions: dict
     pipeline: dict | None = None  # mesh stage > 1: the schedule, its bubbles, stage sends and memory
+    grad_accum: int = 1  # gradient-accumulation slices per step (no pipeline)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,10 +112,12 @@ def cpu_compilable(execution: ExecutionConfig) -> ExecutionConfig:
     return dataclasses.replace(execution, attention_impl=None) if cudnn else execution
 
 
-def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None, execution: ExecutionConfig | None = None):
+def compile_step(
+    cfg, layout, *, batch: int, seq: int, pipeline=None, execution: ExecutionConfig | None = None, grad_accum: int = 1
+):
     """The train step compiled for ``layout`` from abstract state and batch (nothing allocated), the model
     run as ``execution`` says (default ``ExecutionConfig()``; ``cpu_compilable``); ``pipeline``: the
-    schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``)."""
+    schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``); ``grad_accum``: slices per step."""
     run = cpu_compilable(ExecutionConfig() if execution is None else execution)
     program = init_program(
         lambda r: build_model(cfg, execution=run, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
@@ -124,16 +127,23 @@ def compile_step(cfg, layout, *, batch: int, seq: int, pipeline=None, execution:
         jax.eval_shape(program.create),
         program.shardings,
     )
-    step = make_train_step(TrainState(program.graphdef, state, program.shardings), layout, pipeline=pipeline)
+    ts = TrainState(program.graphdef, state, program.shardings)
+    step = make_train_step(ts, layout, pipeline=pipeline, grad_accum=grad_accum)
     data = {k: jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     return step.lower(state, data).compile()
 
 
 def activations_of(
-    cfg, *, batch: int, seq: int, pipeline: tuple | None = None, execution: ExecutionConfig | None = None
+    cfg,
+    *,
+    batch: int,
+    seq: int,
+    pipeline: tuple | None = None,
+    execution: ExecutionConfig | None = None,
+    grad_accum: int = 1,
 ) -> Activations:
     """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1; ``execution``:
-    how the model runs (default ``ExecutionConfig()``)."""
+    how the model runs (default ``ExecutionConfig()``); ``grad_accum``: slices per step (no pipeline)."""
     execution = ExecutionConfig() if execution is None else execution
     moe, mla, cf = cfg.moe, cfg.mla, execution.capacity_factor
     slots = None
@@ -152,18 +162,35 @@ def activations_of(
         moe_layers=cfg.num_moe_layers,
         top_k=moe.top_k if moe else 0,
         capacity_slots=slots,
+        grad_accum=grad_accum,
         **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}),
     )
 
 
-def check_microbatches(batch: int, microbatches: int, ways: int, split: str) -> None:
-    """Refuses a batch the pipeline's microbatches, split ``ways`` ways (``split`` names the axes), cannot cut."""
+def check_microbatches(batch: int, microbatches: int, ways: int, split: str, field: str = "pipeline.microbatches"):
+    """Refuses a batch the pipeline's microbatches (or ``field``'s slices), split ``ways`` ways (``split``
+    names the axes), cannot cut."""
     if batch % microbatches or batch // microbatches % ways:
         raise ConfigError(
-            f"batch={batch} / pipeline.microbatches={microbatches} = {batch / microbatches:g} rows "
-            f"per microbatch: must be a whole number divisible by the {ways} devices the batch is "
+            f"batch={batch} / {field}={microbatches} = {batch / microbatches:g} rows "
+            f"per slice: must be a whole number divisible by the {ways} devices the batch is "
             f"split over ({split or 'none'})"
         )
+
+
+def check_grad_accum(mesh: dict, rules, *, batch: int, grad_accum: int) -> None:
+    """Refuses, naming ``grad_accum``, slices a step cannot take: fewer than one, beside a pipeline (its
+    microbatches accumulate already), or not cutting the batch into whole rows on every device."""
+    if grad_accum < 1:
+        raise ConfigError(f"grad_accum={grad_accum}: the slices of the batch a step accumulates over (≥ 1)")
+    if grad_accum > 1 and mesh.get("stage", 1) > 1:
+        raise ConfigError(
+            f"grad_accum={grad_accum} with mesh stage={mesh['stage']}: the pipeline's microbatches already "
+            "accumulate the gradient; give --microbatches"
+        )
+    axes = [a for a in rules["batch"] if mesh[a] > 1]
+    split = " × ".join(f"{a}={mesh[a]}" for a in axes)
+    check_microbatches(batch, grad_accum, math.prod(mesh[a] for a in axes), split, field="grad_accum")
 
 
 def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatches: int, virtual_stages: int):
@@ -224,25 +251,29 @@ def plan(
     microbatches: int | None = None,
     virtual_stages: int | None = None,
     execution: Mapping[str, Any] | None = None,
+    grad_accum: int = 1,
     **model_overrides,
 ) -> Plan:
     """Compile and analyse ``model`` (its preset with ``model_overrides``) under ``mesh`` on the simulated
     devices JAX has (or the first ``devices``) and predict it on ``hardware`` (see the module docstring),
     run as ``plan_execution(model, execution)`` says. With ``stage`` > 1 the step runs ``schedule`` over
-    ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s). ``efficiency``/``overlap``:
-    force the roofline with these (``step_times``)."""
+    ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s); without, ``grad_accum`` slices
+    of the batch per step. ``efficiency``/``overlap``: force the roofline with these (``step_times``)."""
     hw = get_hardware(hardware)
     cfg, run = get_model_preset(model, **model_overrides), plan_execution(model, execution)
     preset = resolve_mesh_arg(mesh)
     devices = None if devices is None else jax.devices()[:devices]
     layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=run)
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
+    check_grad_accum(shape, layout.rules, batch=batch, grad_accum=grad_accum)
     pipe = _pipeline_settings(schedule, microbatches, virtual_stages)
     table = pipeline_for(
         cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2]
     )
-    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=pipe if table else None, execution=run)
-    compiled = compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table, execution=run)
+    acts = activations_of(
+        cfg, batch=batch, seq=seq, pipeline=pipe if table else None, execution=run, grad_accum=grad_accum
+    )
+    compiled = compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table, execution=run, grad_accum=grad_accum)
     report = analyze_compiled(compiled, mesh=layout.mesh)
     costs = pipeline_costs(cfg, acts, shape, remat_full=run.remat == Remat.FULL) if table else None
     measured, stage_path = _pipeline_traffic(report, costs, acts, shape, layout.rules, acts.act_bytes / 4)
@@ -306,9 +337,10 @@ def _price(
         overlap=overlap,
         stage_bytes=stage_path,
         pipeline=costs,
+        grad_accum=acts.grad_accum,
     )
     assumptions["attention"] = "flash" if flash_attention(run) else "xla: every score in HBM"
-    return _make_plan(
+    plan = _make_plan(
         model,
         batch,
         seq,
@@ -325,6 +357,7 @@ def _price(
         costs,
         assumptions,
     )
+    return dataclasses.replace(plan, grad_accum=acts.grad_accum)
 
 
 def _allocated_bytes(memory: dict) -> int:

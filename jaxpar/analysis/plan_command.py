@@ -125,6 +125,13 @@ def _add_pipeline(parser: argparse.ArgumentParser) -> None:
         "whole rows)",
     )
     parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="gradient-accumulation slices per step on a mesh without stage (as grad_accum in train: one "
+        "slice's activations live at a time; default 1)",
+    )
+    parser.add_argument(
         "--virtual-stages",
         type=int,
         default=None,
@@ -182,6 +189,7 @@ def run(args: argparse.Namespace, /) -> int:
         schedule=args.schedule,
         microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
+        grad_accum=args.grad_accum,
         **_overrides(args.overrides),
     )
     if args.json:
@@ -269,6 +277,7 @@ def _search(args) -> int:
         schedule=args.schedule,
         microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
+        grad_accum=args.grad_accum,
         **_overrides(args.overrides),
     )
     if args.json:
@@ -288,7 +297,7 @@ def _search(args) -> int:
         for i, c in enumerate(ranked, 1):
             mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items()) or "one device"
             pipe = (
-                ""
+                (f"grad_accum {c.grad_accum}" if c.grad_accum > 1 else "")
                 if c.pipeline is None
                 else (
                     f"{c.pipeline['schedule']} m={c.pipeline['microbatches']}"

@@ -8,7 +8,8 @@ def format_plan(p) -> str:
     """The text ``jaxpar plan`` prints of a ``Plan``."""
     gb = 1e9
     lines = [
-        f"{p.model} on {p.mesh} ({p.hardware}), batch {p.batch} × seq {p.seq}",
+        f"{p.model} on {p.mesh} ({p.hardware}), batch {p.batch} × seq {p.seq}"
+        + (f", {p.grad_accum} gradient-accumulation slices" if p.grad_accum > 1 else ""),
         f"memory per device: estimated {p.estimated_memory_bytes / gb:.2f} GB "
         f"({'fits' if p.fits else 'DOES NOT FIT'}): state {p.memory_parts['state'] / gb:.2f}, activations "
         f"{p.memory_parts['activations'] / gb:.2f} ({p.memory_parts['kept'] / gb:.2f} kept for the backward); "

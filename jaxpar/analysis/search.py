@@ -19,6 +19,8 @@ analytic inputs: the mechanisms where they describe the model and layout, else t
              what the executor adds to it: it gathers FSDP weights and reduces data/fsdp gradients once per
              section rather than once per step (``jaxpar plan`` measures it and flags those groups), so
              pipelines combined with fsdp or data rank optimistically here.
+    slices   ``grad_accum`` k for candidates without a pipeline: one slice's activations in memory, the
+             weights read k times, and the step model's k microbatches (``jaxpar plan --grad-accum``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from jaxpar.analysis.costmodel import (
     stage_sends,
 )
 from jaxpar.analysis.hardware import get_hardware
-from jaxpar.analysis.plan import activations_of, pipeline_for, plan_execution, step_times
+from jaxpar.analysis.plan import activations_of, check_grad_accum, pipeline_for, plan_execution, step_times
 from jaxpar.errors import JaxparError
 from jaxpar.execution import ExecutionConfig, Remat
 from jaxpar.layout import Layout, check_model_layout
@@ -79,6 +81,7 @@ class Candidate:
     # the step's parts (``jaxpar.analysis.prediction.predict``): compute_s, memory_s, communication_s (seconds per
     # axis group), exposed_communication_s, bubble_fraction, pipelined_s, step_s
     times: dict | None = None
+    grad_accum: int = 1  # gradient-accumulation slices per step (candidates without a pipeline)
 
 
 def factorizations(n: int, axes: tuple[str, ...]) -> list[dict]:
@@ -109,10 +112,12 @@ def estimate(
     virtual_stages: int | None = None,
     base=None,
     execution: ExecutionConfig | None = None,
+    grad_accum: int = 1,
 ):
     """One candidate's ``Candidate`` (raises ``LayoutError``/``ConfigError`` when the layout cannot divide
-    the model, or the pipeline the batch), the model run as ``execution`` says (default
-    ``ExecutionConfig()``). ``base``: ``base_report(cfg)``, built once for many candidates."""
+    the model, or the pipeline or ``grad_accum``'s slices the batch), the model run as ``execution`` says
+    (default ``ExecutionConfig()``). ``base``: ``base_report(cfg)``, built once for many candidates.
+    ``grad_accum`` applies to candidates without a pipeline (a pipeline's microbatches play its part)."""
     execution = ExecutionConfig() if execution is None else execution
     hw = get_hardware(hardware)
     full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
@@ -128,6 +133,9 @@ def estimate(
         microbatches=microbatches,
         virtual_stages=virtual_stages,
     )
+    if costs is None and grad_accum > 1:
+        check_grad_accum(full, rules, batch=batch, grad_accum=grad_accum)
+        acts = dataclasses.replace(acts, grad_accum=grad_accum)
     report = resharded(base or base_report(cfg), rules, full)
     return _predicted(
         cfg,
@@ -173,6 +181,7 @@ def _predicted(
         overlap=overlap,
         stage_bytes=stage_path,
         pipeline=costs,
+        grad_accum=acts.grad_accum,
     )
     memory = memory_estimate(cfg, execution, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
@@ -186,6 +195,7 @@ def _predicted(
         traffic,
         summary,
         times,
+        acts.grad_accum,
     )
 
 
@@ -262,13 +272,15 @@ def search(
     microbatches: int | None = None,
     virtual_stages: int | None = None,
     execution: Mapping[str, Any] | None = None,
+    grad_accum: int = 1,
     **overrides,
 ) -> tuple[list, list]:
     """(ranked candidates: fitting ones by predicted step time, then the rest by memory; refused
     factorizations with their reasons) of ``model`` (its preset with ``overrides``) run as
     ``plan_execution(model, execution)`` says. ``schedule``, ``microbatches``, ``virtual_stages``: the
     pipeline of candidates with ``stage`` > 1 (defaults: every schedule, each a candidate of its own,
-    ``default_microbatches``, 1 chunk a device, 2 interleaved)."""
+    ``default_microbatches``, 1 chunk a device, 2 interleaved); ``grad_accum``: the slices of candidates
+    without one."""
     cfg, run = get_model_preset(model, **overrides), plan_execution(model, execution)
     schedules = [Schedule.parse(schedule, field="--schedule")] if schedule else list(Schedule)
     axes = SEARCH_AXES if cfg.moe is not None else tuple(a for a in SEARCH_AXES if a != "expert")
@@ -291,6 +303,7 @@ def search(
                         virtual_stages=virtual_stages,
                         base=base,
                         execution=run,
+                        grad_accum=grad_accum,
                     )
                 )
             except JaxparError as err:

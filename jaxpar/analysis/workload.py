@@ -272,14 +272,23 @@ class Workload:
 
 
 def workload_of(
-    cfg, execution, mesh: dict, *, batch: int, seq: int, dcn: dict | None = None, pipeline: dict | None = None
+    cfg,
+    execution,
+    mesh: dict,
+    *,
+    batch: int,
+    seq: int,
+    dcn: dict | None = None,
+    pipeline: dict | None = None,
+    grad_accum: int = 1,
 ) -> Workload | None:
     """The ``Workload`` of a jaxpar model config (any family: ``DenseConfig`` and the families that extend
     it) run as ``execution`` (a ``jaxpar.execution.ExecutionConfig``) says, under ``mesh`` (ICI axis
     sizes), or None where the step-time model does not describe it: expert-choice routing. A split
     sequence without ring or Ulysses attention is GSPMD's: the full K/V gathered on every device
     (``allgather``). ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and
-    stage_bytes of the executor."""
+    stage_bytes of the executor. ``grad_accum`` k (no pipeline): the batch runs as k microbatches, each
+    gathering and reducing the weights as jaxpar's accumulating step does."""
     if cfg.moe is not None and cfg.moe.router == "expert_choice":
         return None
     dcn = {a: int(n) for a, n in (dcn or {}).items() if int(n) > 1}
@@ -295,6 +304,8 @@ def workload_of(
             executor=True,
             **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")},
         )
+    elif grad_accum > 1:
+        w = dataclasses.replace(w, microbatch=batch // (w.replicas * grad_accum))
     return w
 
 

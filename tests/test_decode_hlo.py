@@ -9,7 +9,8 @@ one row per sequence (none of these ties it to the LM head), and an MLA's kv_b, 
 (decode reads its halves, kept in the absorbed layouts); every layer's whole cache read (decode
 attends over all slots, masked); one position per sequence written per layer; and what the sampler moves
 compiled alone on the step's logits. Each stands against a mutation: the same step on the stacked model
-(layers sliced out of the stacks inside the step) must be caught."""
+(layers sliced out of the stacks inside the step) must be caught. The paged engine's step (GQA and MLA
+pools) gathers no row's whole cache and copies none, against the mutation that gathers every page first."""
 
 import functools
 import math
@@ -123,10 +124,10 @@ def test_bytes_moved_within_a_tenth_of_the_floor(case):
 
 
 # ---------------------------------------------------------------------------------- the paged engine
-def _engine_step_text() -> tuple[str, tuple[int, ...], int]:
-    """The paged engine's decode step (tiny, 4 slots of 2048 positions, pages of 16: a cache large enough
-    to be read in several blocks, ``pages_per_step``) compiled: (its HLO, one row-gathered dense cache's
-    dims [B, W·page, K, H], its number of pool arrays)."""
+def _engine_step_text(preset: str) -> tuple[str, tuple[int, ...], int]:
+    """The paged engine's decode step (``preset``, 4 slots of 2048 positions, pages of 16: a cache large
+    enough to be read in several blocks, ``pages_per_step``) compiled: (its HLO, one row-gathered dense
+    cache's dims, [B, W·page, K, H] or an MLA latent's [B, W·page, R], its number of pool arrays)."""
     import numpy as np
     from flax import nnx
 
@@ -135,7 +136,7 @@ def _engine_step_text() -> tuple[str, tuple[int, ...], int]:
     from jaxpar.inference.sampling import SamplingParams
     from jaxpar.models import build_model
 
-    cfg = get_model_preset("tiny")
+    cfg = get_model_preset(preset)
     engine = Engine(build_model(cfg, rngs=nnx.Rngs(0)), max_slots=4, max_length=2048, page_size=16)
     m, b = engine.models["target"], engine.slots
     host = (
@@ -147,38 +148,65 @@ def _engine_step_text() -> tuple[str, tuple[int, ...], int]:
         logprobs.StepExtras.build([], b, 1, engine.max_length),
     )
     text = engine._program("target", 1).lower(m.state, m.pools, *host).compile().as_text()
-    return text, (b, engine.max_length, cfg.num_kv_heads, cfg.head_dim), 2 * cfg.num_layers
+    row = (cfg.mla.kv_lora_rank,) if cfg.uses_mla else (cfg.num_kv_heads, cfg.head_dim)
+    return text, (b, engine.max_length, *row), 2 * cfg.num_layers
 
 
 def _cache_sized_copies(text: str, gathered: tuple[int, ...]) -> list:
-    """Copies as large as a row-gathered cache (a pool is larger), in any shape: pages stay a dim."""
-    return [c for c in large_copies(text, min_elements=math.prod(gathered)) if c.kind == "copy"]
+    """Gathers and copies as large as a row-gathered cache, in any shape (pages stay a dim): every row's
+    pages gathered at once, or laid out anew."""
+    return large_copies(text, min_elements=math.prod(gathered), kinds=("copy", "gather"))
 
 
-def test_the_engine_reads_its_pages_where_they_lie():
-    """The engine's step attends over each row's pages a block of page columns at a time: no copy as large
-    as a row-gathered dense cache (so none of a pool either), and every pool updated in place (donated)."""
-    text, gathered, pools = _engine_step_text()
+@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek"])
+def test_the_engine_reads_its_pages_where_they_lie(preset):
+    """The engine's step (GQA and MLA pools) attends over each row's pages a block of page columns at a
+    time: no gather or copy as large as a row-gathered dense cache (so none of a pool either), and every
+    pool updated in place (donated)."""
+    text, gathered, pools = _engine_step_text(preset)
     assert _cache_sized_copies(text, gathered) == []
     header = text.split("\n", 1)[0]
     assert header.count("may-alias") + header.count("must-alias") == pools
 
 
-def test_gathering_every_page_first_is_caught(monkeypatch):
-    """The mutation: every page of a row gathered first and laid out as the dense cache (then attended
-    as one block) copies a row-gathered cache per pool per step."""
+def _gqa_gathered_first(q, cache, positions, window):
+    """The mutation for GQA: every page of a row gathered at once and laid out as the dense cache."""
     import jax.numpy as jnp
 
     from jaxpar.parallel import decode
 
-    def gathered_first(q, pool_k, pool_v, table, ok, held):
-        b, w = table.shape
-        keys = jnp.einsum("bwkhp->bkhwp", pool_k[table]).reshape(b, *pool_k.shape[1:3], -1)
-        values = jnp.einsum("bwkph->bkwph", pool_v[table]).reshape(b, pool_v.shape[1], -1, pool_v.shape[-1])
-        values = jnp.where(held[:, None, :, None], values, 0)
-        scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys) * q.shape[-1] ** -0.5
-        return decode.block(scores, ok[:, None, None], values, "bkgts,bksh->bkgth")
+    b, slots = cache.table.shape[0], cache.table.shape[1] * cache.v.shape[2]
+    kv, h = cache.k.shape[1:3]
+    keys = jnp.einsum("bwkhp->bkhwp", cache.k[cache.table]).reshape(b, kv, h, slots)
+    values = jnp.einsum("bwkph->bkwph", cache.v[cache.table]).reshape(b, kv, slots, h)
+    held = jnp.arange(slots)[None, :] < decode.first_positions(positions)[:, None]
+    values = jnp.where(held[:, None, :, None], values, 0)
+    scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys) * q.shape[-1] ** -0.5
+    ok = decode.old_visible(positions, 0, slots, slots, window)[:, None, None]
+    return decode.block(scores, ok, values, "bkgts,bksh->bkgth")
 
-    monkeypatch.setattr(kvcache, "over_pages", gathered_first)
-    text, gathered, pools = _engine_step_text()
-    assert len(_cache_sized_copies(text, gathered)) >= pools
+
+def _mla_gathered_first(ql, qr, cache, positions, scale):
+    """The mutation for MLA: every page of a row gathered at once into the dense cache's layout."""
+    import jax.numpy as jnp
+
+    from jaxpar.parallel import decode
+
+    b = cache.table.shape[0]
+    c, kr = (p[cache.table].reshape(b, -1, p.shape[-1]) for p in (cache.latent, cache.rope_key))
+    slots = c.shape[1]
+    c = jnp.where((jnp.arange(slots)[None, :] < decode.first_positions(positions)[:, None])[..., None], c, 0)
+    ok = decode.old_visible(positions, 0, slots, slots, None)[:, None]
+    return decode.block(kvcache._mla_scores(ql, qr, c, kr, scale), ok, c, "bnts,bsr->bntr")
+
+
+@pytest.mark.parametrize(
+    "preset,name,mutation",
+    [("tiny", "_gqa_pages", _gqa_gathered_first), ("tiny-deepseek", "_mla_pages", _mla_gathered_first)],
+)
+def test_gathering_every_page_first_is_caught(preset, name, mutation, monkeypatch):
+    """The mutation: every page of a row gathered first into a dense cache (then attended as one block)
+    gathers (or lays out anew) a row-sized cache in every layer in every step."""
+    monkeypatch.setattr(kvcache, name, mutation)
+    text, gathered, pools = _engine_step_text(preset)
+    assert len(_cache_sized_copies(text, gathered)) >= pools // 2  # two pools a layer

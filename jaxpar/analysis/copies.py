@@ -36,13 +36,13 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.split(",") if d)
 
 
-def large_copies(hlo_text: str, /, *, min_elements: int) -> list[Copy]:
-    """Every ``copy``, ``slice`` and ``dynamic-slice`` in ``hlo_text`` whose result has ≥ ``min_elements``
-    elements."""
+def large_copies(hlo_text: str, /, *, min_elements: int, kinds: tuple[str, ...] = KINDS) -> list[Copy]:
+    """Every ``copy``, ``slice`` and ``dynamic-slice`` (or instruction of ``kinds``: ``("gather",)``) in
+    ``hlo_text`` whose result has ≥ ``min_elements`` elements."""
     found = []
     for line in hlo_text.splitlines():
         m = _INSTRUCTION.search(line)
-        if m is None or m.group(4) not in KINDS:
+        if m is None or m.group(4) not in kinds:
             continue
         dims = _dims(m.group(3))
         if math.prod(dims) >= min_elements:

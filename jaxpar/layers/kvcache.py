@@ -26,14 +26,13 @@ so a decode step writes its new entries in place (the cache is donated) and copi
 Paged caches (``PagedKVCache``, ``PagedLatentCache``; the serving engine's) keep one pool of pages
 shared by all sequences and a page table [B, W] per call: row b's position p lives in page table[b, p //
 page], at p mod page. GQA pools keep each page in the layout its product reads (keys [P, K, H, page],
-values [P, K, page, H]); decoding runs over each row's pages one page column at a time, a partial softmax
-per page merged as it goes (``jaxpar.parallel.decode.over_pages``), then over the call's new tokens, and
-then writes them into their pages. MLA pools keep [P, page, ...]; decoding gathers each row's pages into a
-dense [B, W·page, ...] cache and runs the dense cache's attention code on it. Slots from a row's first new
-position on are zeroed when read: a stale page may hold anything, NaN included, and 0·NaN would poison
-the softmax-weighted sum. Page 0 is the all-zero null page that unused table entries point at
-(``jaxpar.inference.pages``). Query positions < 0 are padding: nothing is written for them and their
-outputs are meaningless but finite.
+values [P, K, page, H]); MLA pools keep latents and rope keys [P, page, ...]. Decoding runs over each
+row's pages where they lie, a block of page columns at a time, a partial softmax per block merged as it
+goes (``jaxpar.parallel.decode.over_pages``), then over the call's new tokens, and then writes them into
+their pages. Slots from a row's first new position on are zeroed when read: a stale page may hold
+anything, NaN included, and 0·NaN would poison the softmax-weighted sum. Page 0 is the all-zero null
+page that unused table entries point at (``jaxpar.inference.pages``). Query positions < 0 are padding:
+nothing is written for them and their outputs are meaningless but finite.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ import jax.numpy as jnp
 from jaxpar.parallel.decode import (
     after,
     block,
+    empty_partial,
     finished,
     first_positions,
     merged,
@@ -182,14 +182,6 @@ def page_write(pool: jax.Array, new: jax.Array, positions: jax.Array, table: jax
     return pool.at[where].set(new.astype(pool.dtype), mode="drop")
 
 
-def page_gather(pool: jax.Array, table: jax.Array, limit: jax.Array) -> jax.Array:
-    """Row b's pages as a dense cache [B, W·page, ...], slots ≥ limit[b] zeroed."""
-    b, width = table.shape
-    x = pool[table].reshape(b, width * pool.shape[1], *pool.shape[2:])
-    held = (jnp.arange(x.shape[1])[None, :] < limit[:, None]).reshape(b, x.shape[1], *(1,) * (x.ndim - 2))
-    return jnp.where(held, x, 0)
-
-
 def _gqa_attend(q, k, v, ck, cv, positions, *, offset, slots: int, window, axis):
     """Grouped queries q [B, K, G, T, H] over the cache as it was, keys ck [B, K, H, S] and values cv
     [B, K, S, H], and the call's new keys and values k/v [B, U, K, H] -> [B, K, G, T, H]. The cache
@@ -223,14 +215,31 @@ def _written_after(out, *new):
     return tuple(after(x, done) for x in new)
 
 
-def paged_gqa_decode(q, k, v, cache: PagedKVCache, positions, *, window: int | None):
-    """``gqa_decode`` over a page pool: same arguments and results. Each row's pages (positions before its
-    first new token) are attended page by page (``over_pages``), then the new tokens, and the new tokens
-    are written into the pool after."""
-    q = _grouped(q, k.shape[2])
-    slots = cache.table.shape[1] * cache.v.shape[PagedKVCache.SLOT_AXES[1]]
+def _gqa_pages(q, cache: PagedKVCache, positions, window):
+    """The partial softmax of grouped queries q [B, K, G, T, H] over each row's pages (positions before
+    its first new token): keys [B, c, K, H, page] and values [B, c, K, page, H] a block (``over_pages``)."""
+    b, w = cache.table.shape
+    page = cache.v.shape[PagedKVCache.SLOT_AXES[1]]
+    kv, h, slots = cache.k.shape[1], cache.k.shape[2], w * page
+    scale = q.shape[-1] ** -0.5
+
+    def attend(blocks, ok, held):
+        keys = jnp.einsum("bckhp->bkhcp", blocks[0]).reshape(b, kv, h, -1)
+        values = jnp.einsum("bckph->bkcph", blocks[1]).reshape(b, kv, -1, h)
+        values = jnp.where(held[:, None, :, None], values, 0)
+        scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys, preferred_element_type=jnp.float32) * scale
+        return block(scores, ok[:, None, None], values, "bkgts,bksh->bkgth")
+
     held = jnp.arange(slots)[None, :] < first_positions(positions)[:, None]
-    old = over_pages(q, cache.k, cache.v, cache.table, old_visible(positions, 0, slots, slots, window), held)
+    ok = old_visible(positions, 0, slots, slots, window)
+    return over_pages(cache.table, (cache.k, cache.v), page, ok, held, attend, empty_partial(q.shape[:4], h))
+
+
+def paged_gqa_decode(q, k, v, cache: PagedKVCache, positions, *, window: int | None):
+    """``gqa_decode`` over a page pool: same arguments and results. Each row's pages are attended where
+    they lie (``_gqa_pages``), then the new tokens, and the new tokens are written into the pool after."""
+    q = _grouped(q, k.shape[2])
+    old = _gqa_pages(q, cache, positions, window)
     scores = jnp.einsum("bkgth,bukh->bkgtu", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     new = block(scores, new_visible(positions, window)[:, None, None], v, "bkgtu,bukh->bkgth")
     out = finished(merged(old, new), cache.v.dtype)
@@ -266,19 +275,42 @@ def gqa_decode(q, k, v, cache: KVCache, positions, *, window: int | None) -> tup
     return constrain(_ungrouped(out), flat), KVCache(ck, cv)
 
 
+def _mla_scores(ql, qr, c, kr, scale: float):
+    """Absorbed MLA queries ql [B, T, N, R], qr [B, T, N, Hr] against latents c [B, S, R] and rope keys
+    kr [B, S, Hr] -> float32 scores [B, N, T, S]."""
+    f32 = jnp.float32
+    latent = jnp.einsum("btnr,bsr->bnts", ql, c, preferred_element_type=f32)
+    return (latent + jnp.einsum("btnh,bsh->bnts", qr, kr, preferred_element_type=f32)) * scale
+
+
 def _mla_attend(ql, qr, c, kr, cc, ckr, positions, *, offset, slots: int, scale: float, axis):
     """Absorbed MLA queries ql [B, T, N, R], qr [B, T, N, Hr] over the cache as it was, latents cc
     [B, S, R] and rope keys ckr [B, S, Hr], and the call's new c [B, U, R], kr [B, U, Hr] -> [B, N, T, R]."""
-    f32 = jnp.float32
-    old = jnp.einsum("btnr,bsr->bnts", ql, cc, preferred_element_type=f32)
-    old = (old + jnp.einsum("btnh,bsh->bnts", qr, ckr, preferred_element_type=f32)) * scale
-    new = jnp.einsum("btnr,bur->bntu", ql, c, preferred_element_type=f32)
-    new = (new + jnp.einsum("btnh,buh->bntu", qr, kr, preferred_element_type=f32)) * scale
+    old_ok = old_visible(positions, offset, cc.shape[1], slots, None)[:, None]
+    new_ok = new_visible(positions, None, counted=offset == 0)[:, None]
     parts = [
-        (old, old_visible(positions, offset, cc.shape[1], slots, None)[:, None], cc, "bnts,bsr->bntr"),
-        (new, new_visible(positions, None, counted=offset == 0)[:, None], c, "bntu,bur->bntr"),
+        (_mla_scores(ql, qr, cc, ckr, scale), old_ok, cc, "bnts,bsr->bntr"),
+        (_mla_scores(ql, qr, c, kr, scale), new_ok, c, "bntu,bur->bntr"),
     ]
     return softmax_combine(parts, axis)
+
+
+def _mla_pages(ql, qr, cache: PagedLatentCache, positions, scale: float):
+    """The partial softmax of absorbed queries over each row's pages (positions before its first new
+    token): latents [B, c, page, R] and rope keys [B, c, page, Hr] a block (``over_pages``)."""
+    b, w = cache.table.shape
+    page, slots = cache.latent.shape[1], w * cache.latent.shape[1]
+
+    def attend(blocks, ok, held):
+        c, kr = (x.reshape(b, -1, x.shape[-1]) for x in blocks)
+        c = jnp.where(held[..., None], c, 0)
+        return block(_mla_scores(ql, qr, c, kr, scale), ok[:, None], c, "bnts,bsr->bntr")
+
+    held = jnp.arange(slots)[None, :] < first_positions(positions)[:, None]
+    ok = old_visible(positions, 0, slots, slots, None)
+    lead = (b, ql.shape[2], ql.shape[1])  # [B, N, T]
+    pools = (cache.latent, cache.rope_key)
+    return over_pages(cache.table, pools, page, ok, held, attend, empty_partial(lead, cache.latent.shape[-1]))
 
 
 def mla_decode(q_latent, q_rope, latent, rope_key, cache: LatentCache, positions, *, scale: float):
@@ -287,10 +319,10 @@ def mla_decode(q_latent, q_rope, latent, rope_key, cache: LatentCache, positions
     for the caller to project by W_v, cache)."""
     done = lambda out: out[:, 0, 0, 0][:, None, None]  # [B, 1, 1]: one value per row
     if isinstance(cache, PagedLatentCache):
-        cc, ckr = (page_gather(p, cache.table, first_positions(positions)) for p in (cache.latent, cache.rope_key))
-        out = _mla_attend(
-            q_latent, q_rope, latent, rope_key, cc, ckr, positions, offset=0, slots=cc.shape[1], scale=scale, axis=None
-        )
+        old = _mla_pages(q_latent, q_rope, cache, positions, scale)
+        scores = _mla_scores(q_latent, q_rope, latent, rope_key, scale)
+        new = block(scores, new_visible(positions, None)[:, None], latent, "bntu,bur->bntr")
+        out = finished(merged(old, new), cache.latent.dtype)
         new = (after(x, done(out)) for x in (latent, rope_key))
         pools = (page_write(p, x, positions, cache.table) for p, x in zip((cache.latent, cache.rope_key), new))
         return jnp.einsum("bntr->btnr", out), PagedLatentCache(*pools, cache.table)

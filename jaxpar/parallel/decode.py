@@ -130,32 +130,30 @@ def finished(partial: tuple, dtype) -> jax.Array:
     return (out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]).astype(dtype)
 
 
-BLOCK_BYTES = 1 << 18  # the most key bytes one step of ``over_pages`` gathers: it stays in cache while used
+BLOCK_BYTES = 1 << 18  # the most pool bytes one step of ``over_pages`` gathers: they stay in cache while used
 
 
-def pages_per_step(table: jax.Array, pool_k: jax.Array) -> int:
+def pages_per_step(table: jax.Array, pools: Sequence[jax.Array]) -> int:
     """How many page columns one step of ``over_pages`` takes: the most that divide the table's width and
-    whose keys fit in ``BLOCK_BYTES`` (at least one). A small cache is read in one step (a loop step costs
-    more than its work there); a large one in blocks that stay in cache."""
+    whose pages (of every pool) fit in ``BLOCK_BYTES`` (at least one). A small cache is read in one step
+    (a loop step costs more than its work there); a large one in blocks that stay in cache."""
     b, w = table.shape
-    column = b * math.prod(pool_k.shape[1:]) * pool_k.dtype.itemsize
+    column = b * sum(math.prod(p.shape[1:]) * p.dtype.itemsize for p in pools)
     return max([c for c in range(1, w + 1) if w % c == 0 and c * column <= BLOCK_BYTES] or [1])
 
 
-def over_pages(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: jax.Array, ok: jax.Array, held: jax.Array):
-    """Grouped queries q [B, K, G, T, H] over each row's pages (``block``'s partial softmax): key pool [P,
-    K, H, page] and value pool [P, K, page, H] (each page in the layout its product reads), row b's page w
-    at table[b, w]; ok [B, T, W·page] which slots each query sees, held [B, W·page] which hold the row's
-    own positions (the others' values are zeroed: a stale page may hold anything, NaN included, and
-    0·NaN would poison the weighted sum). A ``scan`` over blocks of c page columns (``pages_per_step``):
-    each step gathers keys [B, K, H, c·page] and values [B, K, c·page, H] and uses them at once
-    (gathering every page of a large cache first and laying it out as a dense cache would move the
-    whole cache twice more, element by element on XLA:CPU)."""
+def over_pages(table, pools: Sequence[jax.Array], page: int, ok, held, attend: Callable, empty: tuple) -> tuple:
+    """The partial softmax (``block``) of a call's queries over each row's pages, read where they lie: a
+    ``scan`` over blocks of c page columns (``pages_per_step``), each step gathering row b's pages
+    table[b, j·c … j·c + c − 1] of every pool ([B, c, ...] each) and handing them to ``attend(blocks,
+    ok_c, held_c)`` (-> that block's partial softmax), merged into the running one (``empty`` to start).
+    ok [B, T, W·page]: which slots each query sees; held [B, W·page]: which hold the row's own positions
+    (``attend`` zeroes the others' values: a stale page may hold anything, NaN included, and 0·NaN would
+    poison the weighted sum). Gathering every page of a large cache first would move the whole cache
+    twice more (written gathered, read back), element by element on XLA:CPU."""
     b, w = table.shape
-    t, page = q.shape[3], pool_k.shape[-1]
-    c = pages_per_step(table, pool_k)
+    t, c = ok.shape[1], pages_per_step(table, pools)
     n, width = w // c, c * page
-    scale = q.shape[-1] ** -0.5
     columns = (
         jnp.moveaxis(table.reshape(b, n, c), 1, 0),
         jnp.moveaxis(ok.reshape(b, t, n, width), 2, 0),
@@ -164,15 +162,14 @@ def over_pages(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: jax.Ar
 
     def step(partial, column):
         ids, ok_c, held_c = column
-        k = jnp.einsum("bckhp->bkhcp", pool_k[ids]).reshape(b, *pool_k.shape[1:3], width)
-        v = jnp.einsum("bckph->bkcph", pool_v[ids]).reshape(b, pool_v.shape[1], width, pool_v.shape[-1])
-        v = jnp.where(held_c[:, None, :, None], v, 0)
-        scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-        return merged(partial, block(scores, ok_c[:, None, None], v, "bkgts,bksh->bkgth")), None
+        return merged(partial, attend([p[ids] for p in pools], ok_c, held_c)), None
 
-    lead = q.shape[:4]
-    empty = (jnp.full(lead, -jnp.inf), jnp.zeros(lead), jnp.zeros((*lead, pool_v.shape[-1])))
     return jax.lax.scan(step, empty, columns)[0]
+
+
+def empty_partial(lead: tuple, width: int) -> tuple:
+    """The partial softmax of no keys for queries of shape ``lead`` and values ``width`` wide."""
+    return jnp.full(lead, -jnp.inf), jnp.zeros(lead), jnp.zeros((*lead, width))
 
 
 def run_over_slots(body: Callable, args: Sequence[jax.Array], names: Sequence[tuple], out_names: Sequence[tuple]):

@@ -78,13 +78,13 @@ def _devices(mesh: str):
     return preset, jax.devices()[: int(np.prod([n for n in dataclasses.astuple(preset.mesh)[:6]]))]
 
 
-def check_case(name: str, schedule: str, p: int, m: int, v: int, mesh: str) -> None:
+def check_case(name: str, schedule: str, p: int, m: int, v: int, mesh: str, fsdp_gather: str = "section") -> None:
     preset, devices = _devices(mesh)
-    got = train_steps(
-        model(name), preset, tokens(name), devices=devices, pipeline=build(schedule, p, m, v), execution=execution(name)
-    )
+    table = build(schedule, p, m, v)
+    run = dict(devices=devices, pipeline=table, execution=execution(name), fsdp_gather=fsdp_gather)
+    got = train_steps(model(name), preset, tokens(name), **run)
     want, bound = reference(name, m)
-    label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}"
+    label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}, fsdp gathered per {fsdp_gather}"
     check_run(got, want, bound, label)
     for g, w in zip(got.moe, want.moe):  # routing statistics pass through the pipeline
         np.testing.assert_allclose(g.expert_load, w.expert_load, atol=1e-6, err_msg=label)

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from pipeline_cases import check_dropped_microbatch, invariance_test
+from pipeline_cases import check_case, check_dropped_microbatch, invariance_test
 from pipeline_cases import model as _model
 
 from jaxpar.errors import ConfigError, JaxparError
@@ -45,6 +45,61 @@ CASES = [
 ]
 
 test_pipeline_equals_one_device = invariance_test(CASES)
+
+
+@pytest.mark.parametrize(
+    "name,schedule,p,m,v,mesh",
+    [("tiny", "1f1b", 2, 4, 1, "stage=2,fsdp=4"), ("tiny", "interleaved", 2, 4, 2, "stage=2,fsdp=2,tensor=2")],
+)
+def test_weights_gathered_once_a_step_give_the_one_device_run(name, schedule, p, m, v, mesh):
+    """``pipeline.fsdp_gather=step``: the same losses and per-parameter gradients as one device."""
+    check_case(name, schedule, p, m, v, mesh, fsdp_gather="step")
+
+
+def _fsdp_gathers(fsdp_gather: str) -> tuple[list, set, int]:
+    """The fsdp all-gathers of tiny's 1F1B step (stage=2, fsdp=4, 4 microbatches) with ``fsdp_gather``:
+    (the ops, the shapes of every weight and of one layer of each stacked one, the compiled temp bytes)."""
+    import functools
+
+    from flax import nnx
+
+    from jaxpar.analysis.hlo import analyze_compiled
+    from jaxpar.layout import make_layout
+    from jaxpar.models import build_model
+    from jaxpar.train.optim import OptimizerConfig, make_optimizer
+    from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
+
+    cfg, rows, seq = _model("tiny"), 16, 32
+    layout = make_layout(cfg, resolve_mesh_arg("stage=2,fsdp=4"), batch=rows, seq=seq)
+    ts = init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
+    batch = {k: jax.ShapeDtypeStruct((rows, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
+    step = make_train_step(ts, layout, pipeline=build("1f1b", 2, 4), fsdp_gather=fsdp_gather)
+    compiled = step.lower(ts.state, batch).compile()
+    ops = [
+        o for o in analyze_compiled(compiled, mesh=layout.mesh).ops if o.kind == "all-gather" and o.axes == ("fsdp",)
+    ]
+    params = jax.tree.leaves(
+        nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))), is_leaf=lambda x: isinstance(x, nnx.Param)
+    )
+    shapes = {tuple(v.shape) for v in params} | {tuple(v.shape[1:]) for v in params if v.out_sharding[0] == "layers"}
+    return ops, shapes, compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_weights_gathered_once_a_step_read_from_the_program():
+    """With ``fsdp_gather=step`` no all-gather over fsdp inside the schedule's loop has a weight's shape
+    (a stage's layers whole, or one layer's): every weight is gathered once, before it; per section
+    (the default, the mutation here) a layer's weights are gathered again in every section that runs it.
+    The price, in compiled memory: the stage's weights whole over fsdp for the step."""
+    once, shapes, once_temp = _fsdp_gathers("step")
+    per_section, _, section_temp = _fsdp_gathers("section")
+    weight = lambda o: any(tuple(s) in shapes for s in o.shapes)
+    assert [o for o in once if weight(o) and o.executions > 1] == []
+    assert any(weight(o) and o.executions == 1 for o in once)
+    repeated = [o for o in per_section if weight(o) and o.executions > 1]
+    assert len(repeated) >= 4, repeated  # every matrix of a layer, once per section
+    assert once_temp > section_temp
 
 
 def test_a_dropped_microbatch_is_caught():

@@ -572,3 +572,17 @@ def test_search_fits_a_layout_by_accumulating():
     assert not any(c.fits for c in flat(plain))
     fitting = [c for c in flat(sliced) if c.fits]
     assert fitting and all(c.grad_accum == 8 for c in flat(sliced))
+
+
+def test_plan_prices_a_pipeline_gathering_its_weights_once():
+    """``fsdp_gather=step``: the measured fsdp bytes fall (the weights gathered once, not per section), the
+    memory estimate gains the stage's weights whole over fsdp, and XLA:CPU's compiled memory grows by as
+    much, less what a section already held whole (one layer's weights: between 1 − 1/4 of the estimate,
+    at 4 layers a stage, and all of it)."""
+    args = dict(batch=16, seq=64, hardware="h100", microbatches=4, execution=dict(remat="none", dtype="float32"))
+    wide = dict(embed_dim=512, mlp_dim=2048, head_dim=128, num_layers=8)  # weights above the other buffers
+    section, step = (plan("tiny", "stage=2,fsdp=4", fsdp_gather=g, **args, **wide) for g in ("section", "step"))
+    assert step.bytes_by_axis["fsdp"] < section.bytes_by_axis["fsdp"] / 2
+    assert section.memory_parts["gathered"] == 0 < step.memory_parts["gathered"]
+    grown = step.per_device_memory_bytes - section.per_device_memory_bytes
+    assert 0.75 * step.memory_parts["gathered"] <= grown <= step.memory_parts["gathered"], (grown, step.memory_parts)

@@ -29,7 +29,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig, moved_field
 from jaxpar.layers.moe import check_execution
 from jaxpar.models import DenseConfig, get_execution_preset, get_model_preset
-from jaxpar.pipeline.ops import Schedule
+from jaxpar.pipeline.ops import FsdpGather, Schedule
 from jaxpar.train.guard import NonFinite
 from jaxpar.train.optim import OptimizerConfig
 
@@ -58,6 +58,7 @@ class PipelineConfig:
     schedule: Schedule = Schedule.ONE_F_ONE_B  # gpipe, 1f1b, interleaved, zero_bubble
     microbatches: int = 8  # the batch is fed through the stages in this many pieces
     virtual_stages: int = 1  # model chunks per stage (interleaved only)
+    fsdp_gather: FsdpGather = FsdpGather.SECTION  # FSDP weights gathered per tick section, or once a step
 
     def __post_init__(self):
         check_choices(self, "pipeline")

@@ -223,6 +223,7 @@ class _Run:
             z_loss=self.cfg.z_loss,
             skip_nonfinite=self.cfg.nonfinite == NonFinite.SKIP,
             pipeline=pipeline_table(self.cfg, self.layout),
+            fsdp_gather=self.cfg.pipeline.fsdp_gather,
         )
         step = step.lower(self.ts.state, batch).compile()
         evaluate = (

@@ -166,7 +166,7 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int):
     return jax.tree.map(lambda x: x / grad_accum, parts), grads
 
 
-def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float):
+def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, fsdp_gather):
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
@@ -177,6 +177,7 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float):
         table,
         mesh=layout.mesh,
         losses=functools.partial(token_losses, z_loss=z_loss),
+        fsdp_gather=fsdp_gather,
     )
     return LossParts(out.cross_entropy, out.z_loss, out.moe), out.grads
 
@@ -203,6 +204,7 @@ def make_train_step(
     z_loss: float = 0.0,
     skip_nonfinite: bool = False,
     pipeline=None,
+    fsdp_gather: str = "section",
 ):
     """``step(state, batch) -> (state, StepMetrics)``, jitted with explicit shardings, state donated.
 
@@ -210,7 +212,8 @@ def make_train_step(
     the same update as the whole batch at once (up to float rounding), with 1/k of the activations.
     ``pipeline``: a schedule table (``jaxpar.pipeline.build``) for a mesh with ``stage`` > 1: the gradient
     is the mean over its microbatches, computed by the pipeline executor (``loss_fn`` is then
-    ``next_token_loss``'s objective, and ``grad_accum`` must be 1).
+    ``next_token_loss``'s objective, and ``grad_accum`` must be 1); ``fsdp_gather``: when it gathers the
+    FSDP-sharded weights (``jaxpar.pipeline.FsdpGather``: every section, or once a step).
     ``skip_nonfinite``: a step whose loss or gradient norm is not finite returns the state unchanged
     (parameters, moments and the optimizer's step count), so the schedule does not advance either.
     """
@@ -236,7 +239,7 @@ def make_train_step(
             if pipeline is None:
                 parts, grads = _accumulated_grads(model, batch, objective, grad_accum)
             else:
-                parts, grads = _pipelined_grads(model, batch, pipeline, layout, z_loss)
+                parts, grads = _pipelined_grads(model, batch, pipeline, layout, z_loss, fsdp_gather)
             metrics = StepMetrics(
                 loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss, moe=parts.moe
             )
@@ -265,7 +268,16 @@ def make_eval_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss
     return jax.jit(evaluate, in_shardings=(ts.shardings, batch_sharding(layout)), out_shardings=layout.sharding(()))
 
 
-def make_grad_fn(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, grad_accum: int = 1, pipeline=None):
+def make_grad_fn(
+    ts: TrainState,
+    layout: Layout,
+    /,
+    *,
+    loss_fn=next_token_loss,
+    grad_accum: int = 1,
+    pipeline=None,
+    fsdp_gather: str = "section",
+):
     """``grads(state, batch) -> (loss, grads)`` with gradients in their parameters' shardings, computed as
     the train step computes them (``grad_accum``, ``pipeline``: see ``make_train_step``)."""
     graphdef = ts.graphdef
@@ -277,7 +289,7 @@ def make_grad_fn(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss, 
             if pipeline is None:
                 parts, g = _accumulated_grads(model, batch, loss_fn, grad_accum)
             else:
-                parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0)
+                parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0, fsdp_gather)
             return parts.cross_entropy, g
 
     return jax.jit(grads, in_shardings=(ts.shardings, batch_sharding(layout)))

@@ -96,6 +96,7 @@ class Activations:
     schedule: str | None = None  # the pipeline's (mesh stage > 1; jaxpar.pipeline.Schedule)
     microbatches: int = 1  # pipeline microbatches per step
     grad_accum: int = 1  # gradient-accumulation slices per step (no pipeline): one slice's activations live
+    fsdp_gather: str = "section"  # the pipeline executor's (``jaxpar.pipeline.FsdpGather``)
     virtual_stages: int = 1  # model chunks per stage
 
 
@@ -227,7 +228,8 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
     dtype where it differs from theirs), one layer's working set
     (16 × tokens × max(D, F/t) × b_a, and the scores without a flash kernel), and float32 logits with
     their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are one
-    microbatch's, the layers one chunk's, plus the executor's stage-input buffers. With gradient
+    microbatch's, the layers one chunk's, plus the executor's stage-input buffers (and with
+    ``fsdp_gather`` step the stage's weights whole over fsdp, ``gathered``). With gradient
     accumulation (``grad_accum`` k) the tokens are one slice's, and the state holds a float32 gradient sum
     beside the slice's gradient (4 more bytes per element)."""
     local = sum(math.prod(p.shard_shape) for p in report.params)
@@ -247,7 +249,17 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
         )
     working = 16 * tokens * width * acts.act_bytes + scores + 8 * tokens * cfg.padded_vocab / t
     state = (16 + (4 if acts.grad_accum > 1 else 0)) * local  # accumulating: a float32 sum beside the slice's
-    return dict(state=state, activations=buffers + kept + working, kept=kept, stage_buffers=buffers)
+    whole = gathered_weight_bytes(report, mesh) if stages > 1 and acts.fsdp_gather == "step" else 0.0
+    return dict(
+        state=state, activations=buffers + kept + working + whole, kept=kept, stage_buffers=buffers, gathered=whole
+    )
+
+
+def gathered_weight_bytes(report, mesh: dict) -> float:
+    """Bytes per device of the weights a pipeline gathers over ``fsdp`` once a step and keeps whole."""
+    f = mesh.get("fsdp", 1)
+    split = [p for p in report.params if any("fsdp" in _axes(e) for e in p.spec)]
+    return float(sum(math.prod(p.shard_shape) * f * np.dtype(p.dtype).itemsize for p in split)) if f > 1 else 0.0
 
 
 def memory_estimate(cfg, execution, report, acts: Activations, mesh: dict, token_axes: set) -> float:
@@ -318,6 +330,7 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
         sends=int(fwd.sum() + bwd.sum()),
         send_ticks=int(fwd.any(axis=1).sum() + bwd.any(axis=1).sum()),
         flops_per_device=busy / p * chunk * a.batch * a.seq / m / (n / p),
+        fsdp_gather=a.fsdp_gather,
     )
 
 

@@ -58,6 +58,7 @@ from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.pipeline.executor import check_stack
+from jaxpar.pipeline.ops import FsdpGather
 from jaxpar.shardings import param_shardings
 from jaxpar.train.config import PipelineConfig
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
@@ -113,11 +114,20 @@ def cpu_compilable(execution: ExecutionConfig) -> ExecutionConfig:
 
 
 def compile_step(
-    cfg, layout, *, batch: int, seq: int, pipeline=None, execution: ExecutionConfig | None = None, grad_accum: int = 1
+    cfg,
+    layout,
+    *,
+    batch: int,
+    seq: int,
+    pipeline=None,
+    execution: ExecutionConfig | None = None,
+    grad_accum: int = 1,
+    fsdp_gather: str = "section",
 ):
     """The train step compiled for ``layout`` from abstract state and batch (nothing allocated), the model
     run as ``execution`` says (default ``ExecutionConfig()``; ``cpu_compilable``); ``pipeline``: the
-    schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``); ``grad_accum``: slices per step."""
+    schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``) and ``fsdp_gather`` its executor's;
+    ``grad_accum``: slices per step."""
     run = cpu_compilable(ExecutionConfig() if execution is None else execution)
     program = init_program(
         lambda r: build_model(cfg, execution=run, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
@@ -128,7 +138,7 @@ def compile_step(
         program.shardings,
     )
     ts = TrainState(program.graphdef, state, program.shardings)
-    step = make_train_step(ts, layout, pipeline=pipeline, grad_accum=grad_accum)
+    step = make_train_step(ts, layout, pipeline=pipeline, grad_accum=grad_accum, fsdp_gather=fsdp_gather)
     data = {k: jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     return step.lower(state, data).compile()
 
@@ -141,6 +151,7 @@ def activations_of(
     pipeline: tuple | None = None,
     execution: ExecutionConfig | None = None,
     grad_accum: int = 1,
+    fsdp_gather: str = "section",
 ) -> Activations:
     """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1; ``execution``:
     how the model runs (default ``ExecutionConfig()``); ``grad_accum``: slices per step (no pipeline)."""
@@ -163,6 +174,7 @@ def activations_of(
         top_k=moe.top_k if moe else 0,
         capacity_slots=slots,
         grad_accum=grad_accum,
+        fsdp_gather=str(fsdp_gather),
         **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}),
     )
 
@@ -252,13 +264,15 @@ def plan(
     virtual_stages: int | None = None,
     execution: Mapping[str, Any] | None = None,
     grad_accum: int = 1,
+    fsdp_gather: str = "section",
     **model_overrides,
 ) -> Plan:
     """Compile and analyse ``model`` (its preset with ``model_overrides``) under ``mesh`` on the simulated
     devices JAX has (or the first ``devices``) and predict it on ``hardware`` (see the module docstring),
     run as ``plan_execution(model, execution)`` says. With ``stage`` > 1 the step runs ``schedule`` over
-    ``microbatches`` and ``virtual_stages`` (defaults: ``PipelineConfig``'s); without, ``grad_accum`` slices
-    of the batch per step. ``efficiency``/``overlap``: force the roofline with these (``step_times``)."""
+    ``microbatches``, ``virtual_stages`` and ``fsdp_gather`` (defaults: ``PipelineConfig``'s); without,
+    ``grad_accum`` slices of the batch per step. ``efficiency``/``overlap``: force the roofline with these
+    (``step_times``)."""
     hw = get_hardware(hardware)
     cfg, run = get_model_preset(model, **model_overrides), plan_execution(model, execution)
     preset = resolve_mesh_arg(mesh)
@@ -270,10 +284,18 @@ def plan(
     table = pipeline_for(
         cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2]
     )
+    fsdp_gather = FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather")
     acts = activations_of(
-        cfg, batch=batch, seq=seq, pipeline=pipe if table else None, execution=run, grad_accum=grad_accum
+        cfg,
+        batch=batch,
+        seq=seq,
+        pipeline=pipe if table else None,
+        execution=run,
+        grad_accum=grad_accum,
+        fsdp_gather=fsdp_gather,
     )
-    compiled = compile_step(cfg, layout, batch=batch, seq=seq, pipeline=table, execution=run, grad_accum=grad_accum)
+    step = dict(pipeline=table, execution=run, grad_accum=grad_accum, fsdp_gather=fsdp_gather)
+    compiled = compile_step(cfg, layout, batch=batch, seq=seq, **step)
     report = analyze_compiled(compiled, mesh=layout.mesh)
     costs = pipeline_costs(cfg, acts, shape, remat_full=run.remat == Remat.FULL) if table else None
     measured, stage_path = _pipeline_traffic(report, costs, acts, shape, layout.rules, acts.act_bytes / 4)

@@ -125,6 +125,12 @@ def _add_pipeline(parser: argparse.ArgumentParser) -> None:
         "whole rows)",
     )
     parser.add_argument(
+        "--fsdp-gather",
+        default="section",
+        help="when a pipeline gathers its FSDP weights: section (every tick section that runs them) or step "
+        "(once, kept whole for the step), as pipeline.fsdp_gather",
+    )
+    parser.add_argument(
         "--grad-accum",
         type=int,
         default=1,
@@ -190,6 +196,7 @@ def run(args: argparse.Namespace, /) -> int:
         microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
         grad_accum=args.grad_accum,
+        fsdp_gather=args.fsdp_gather,
         **_overrides(args.overrides),
     )
     if args.json:

@@ -117,6 +117,7 @@ def step_times(
         virtual_stages=pipeline["virtual_stages"],
         bubble=bubble,
         stage_bytes=stage_bytes,
+        fsdp_gather=pipeline.get("fsdp_gather", "section"),
     )
     work = (
         workload_of(cfg, execution, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe, grad_accum=grad_accum)

@@ -199,7 +199,11 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     tp = 2 * 2 * (t - 1) / t * tokens * w.embed_dim * w.act_bytes / bw["tensor"] if t > 1 else 0.0
     tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp  # beside the weight-gradient matmuls
     # a layer's gather behind the previous forward; the backward's gather, scatter and reduce behind it
-    fsdp = np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)
+    # (gathered once a step and kept, ``Workload.gather_once``: one gather over the step's microbatches)
+    if w.gather_once:
+        fsdp = np.maximum(0.0, gather / w.microbatches - fwd) + np.maximum(0.0, scatter + reduce - recompute - bwd)
+    else:
+        fsdp = np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + scatter + reduce - recompute - bwd)
     # expert all-to-all: the slots out to their experts and back (dispatch, combine); in the forward between
     # dependent matmuls, in the backward beside the experts' weight-gradient matmuls where the platform
     # overlaps them, as tensor's

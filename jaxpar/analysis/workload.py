@@ -79,6 +79,7 @@ class Workload:
     dcn_overlap: bool = False  # DCN gradient reduction behind the backward (torch DDP's buckets)
     executor: bool = False  # jaxpar's pipeline executor (stage recompute, the head in every chunk)
     stage_bytes: float | None = None  # stage sends on the step's critical path, where a program gives them
+    gather_once: bool = False  # fsdp weights gathered once a step and kept (the executor's fsdp_gather=step)
     # mixture of experts (``experts`` > 0): the last num_layers − dense_layers layers route each token to
     # top_k of ``experts`` gated MLPs of width expert_mlp_dim, beside an always-on one of shared_mlp_dim
     experts: int = 0
@@ -302,6 +303,7 @@ def workload_of(
             w,
             microbatch=batch // (w.replicas * pipeline["microbatches"]),
             executor=True,
+            gather_once=pipeline.get("fsdp_gather") == "step",
             **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")},
         )
     elif grad_accum > 1:

@@ -8,13 +8,14 @@ A ``Table`` says, per tick and stage, which op (F, B, W) runs on which microbatc
 which buffer slots the executor reads and writes. Numpy only: nothing here imports jax.
 """
 
-from jaxpar.pipeline.ops import Op, Schedule, check_pipeline, min_microbatches
+from jaxpar.pipeline.ops import FsdpGather, Op, Schedule, check_pipeline, min_microbatches
 from jaxpar.pipeline.schedules import build
 from jaxpar.pipeline.table import Table
 from jaxpar.pipeline.timing import bubble_formula, durations, simulate
 
 __all__ = [
     "Op",
+    "FsdpGather",
     "Schedule",
     "Table",
     "bubble_formula",

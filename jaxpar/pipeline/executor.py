@@ -45,12 +45,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
 from jaxpar.model_api import LanguageModel
+from jaxpar.pipeline.ops import FsdpGather
 from jaxpar.pipeline.stage import AXIS, here, send_patterns, stage_body  # noqa: F401  (send_patterns: re-exported)
 from jaxpar.pipeline.timing import executor_bubble_fraction, tick_sections  # noqa: F401  (re-exported)
+from jaxpar.rules import active_layout
 
 
 @jax.tree_util.register_dataclass
@@ -92,13 +95,22 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
 
 
 def pipeline_grads(
-    model: LanguageModel, ids: jax.Array, targets: jax.Array, table, /, *, mesh, losses: Callable
+    model: LanguageModel,
+    ids: jax.Array,
+    targets: jax.Array,
+    table,
+    /,
+    *,
+    mesh,
+    losses: Callable,
+    fsdp_gather: FsdpGather = FsdpGather.SECTION,
 ) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
     ``table``; the same as accumulating over the m microbatches on one device.
 
     ``losses(logits, targets) -> (cross_entropy, z_loss)`` (float32 scalars, means over the microbatch).
-    ``mesh``: the layout's mesh, with ``stage`` = ``table.stages``."""
+    ``mesh``: the layout's mesh, with ``stage`` = ``table.stages``. ``fsdp_gather``: ``step`` gathers
+    the weights over ``fsdp`` once, before the schedule (``FsdpGather``)."""
     p, v, m = table.stages, table.virtual_stages, table.microbatches
     in_stack = nnx.PathContains(model.pipeline_stack)
     graphdef, sp, op, sr, orest = nnx.split(model, nnx.All(nnx.Param, in_stack), nnx.Param, in_stack, ...)
@@ -124,6 +136,8 @@ def pipeline_grads(
         in_specs=specs + (P(),) * prefixed,
         out_specs=(P(AXIS), P(), P(), P(), P(AXIS)) + (P(AXIS),) * prefixed,
     )
+    if FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather") == FsdpGather.STEP:
+        sp, op = _whole_over("fsdp", sp), _whole_over("fsdp", op)
     if prefixed:  # the embedding and the dense prefix, before the schedule
         start, prologue_vjp = jax.vjp(lambda o: _prologue(graphdef, sp, o, sr, orest, ids, mesh=mesh), op)
         dsp, dop, ce, z, stats, dstart = run(sp, op, sr, orest, ids, targets, start)
@@ -137,6 +151,21 @@ def pipeline_grads(
     grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, nnx.merge_state(sp, op))  # seeded with 1/m
     stats = None if stats is None else jax.tree.map(lambda a: a / m, stats)
     return PipelineResult(ce / m, z / m, stats, grads)
+
+
+def _whole_over(axis: str, params):
+    """``params`` (an ``nnx.State``) constrained to their layout's shardings with ``axis`` left out: each
+    parameter gathered over ``axis`` here, once, and whole over it wherever it is used after."""
+    mesh, rules = active_layout()
+
+    def spec(names):
+        kept = [tuple(a for a in (rules[n] if n else ()) if a != axis) for n in names]
+        return P(*[None if not a else a[0] if len(a) == 1 else a for a in kept])
+
+    def one(var):
+        return var.replace(jax.lax.with_sharding_constraint(var[...], NamedSharding(mesh, spec(var.out_sharding))))
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _prologue(graphdef, sp, op, sr, orest, ids, *, mesh):

@@ -22,6 +22,15 @@ class Schedule(Choice):
     ZERO_BUBBLE = "zero_bubble"
 
 
+class FsdpGather(Choice):
+    """When the executor gathers a stage's FSDP-sharded weights: in every tick section that uses them
+    (XLA's default: least memory), or once per step before the schedule (Megatron's and torchtitan's
+    ``reshard_after_forward=False``: the stage's weights stay whole over ``fsdp`` for the step)."""
+
+    SECTION = "section"
+    STEP = "step"
+
+
 class Op(enum.IntEnum):
     """What a stage runs in a tick. ``B`` is the input gradient alone when the schedule has ``W`` ops,
     else the whole backward."""

@@ -194,14 +194,21 @@ def active_layout(*arrays) -> tuple[jax.sharding.Mesh, Rules] | None:
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's layout by logical names. On one device (no layout, ``x`` on one device) it
-    is the identity; on a multi-device mesh without a layout it raises ``NoLayoutError``."""
+    is the identity; on a multi-device mesh without a layout it raises ``NoLayoutError``. Inside a
+    ``shard_map`` the axes it made manual are left out (the array is already this device's part over them:
+    the batch axes, when gradients are reduced once a step)."""
     layout = active_layout(x)
     if layout is None:
         return x
     mesh, rules = layout
     if len(names) != x.ndim:
         raise LayoutError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))
+    spec = rules.spec(names)
+    if partly_manual():
+        manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+        kept = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual) for e in spec]
+        spec = PartitionSpec(*[None if not k else k[0] if len(k) == 1 else k for k in kept])
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 # ------------------------------------------------------------------------------------------ check

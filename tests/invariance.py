@@ -58,16 +58,17 @@ def train_steps(
     pipeline=None,
     execution=None,
     fsdp_gather: str = "section",
+    grad_reduce: str = "slice",
 ) -> Run:
     """Trains ``cfg``, run as ``execution`` says (default ``ExecutionConfig()``), under ``preset`` on
     ``tokens`` [steps, B, T + 1] (step i: inputs tokens[i, :, :-1], targets tokens[i, :, 1:]), recording
-    each step's loss, MoE statistics and gradients. ``grad_accum``, ``pipeline`` (a schedule table) and
-    ``fsdp_gather`` go to the train step and the gradient function."""
+    each step's loss, MoE statistics and gradients. ``grad_accum``, ``pipeline`` (a schedule table),
+    ``fsdp_gather`` and ``grad_reduce`` go to the train step and the gradient function."""
     steps, batch, seq = tokens.shape[0], tokens.shape[1], tokens.shape[2] - 1
     layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=execution)
     make = lambda r: build_model(cfg, execution=execution, rngs=r)
     ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout)
-    kw = dict(grad_accum=grad_accum, pipeline=pipeline, fsdp_gather=fsdp_gather)
+    kw = dict(grad_accum=grad_accum, pipeline=pipeline, fsdp_gather=fsdp_gather, grad_reduce=grad_reduce)
     step, grad_fn = make_train_step(ts, layout, **kw), make_grad_fn(ts, layout, **kw)
     state, losses, grads, moe = ts.state, [], [], []
     for i in range(steps):

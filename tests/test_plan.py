@@ -12,6 +12,7 @@ from jaxpar.analysis.costmodel import Activations, activation_bytes, weight_byte
 from jaxpar.analysis.hardware import HARDWARE
 from jaxpar.analysis.plan import link_of, plan, predict
 from jaxpar.cli import main
+from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig
 from jaxpar.meshes import compose_rules
 
@@ -586,3 +587,16 @@ def test_plan_prices_a_pipeline_gathering_its_weights_once():
     assert section.memory_parts["gathered"] == 0 < step.memory_parts["gathered"]
     grown = step.per_device_memory_bytes - section.per_device_memory_bytes
     assert 0.75 * step.memory_parts["gathered"] <= grown <= step.memory_parts["gathered"], (grown, step.memory_parts)
+
+
+def test_grad_reduce_step_prices_one_reduction_a_step():
+    """``grad_reduce=step``: the measured bytes on fsdp and on data are the one-slice step's minimum (one
+    gather, one reduce-scatter, one all-reduce on the scattered part; none flagged), and the memory
+    estimate holds the weights and their float32 gradient sum whole over fsdp."""
+    args = dict(batch=32, seq=64, hardware="h100", grad_accum=4, execution=dict(remat="none", dtype="float32"))
+    p = plan("tiny", "data=2,fsdp=4", grad_reduce="step", **args)
+    for axis in ("fsdp", "data", "data+fsdp"):
+        assert p.ratio_by_axis[axis] <= 1.05 and axis not in p.flagged, (axis, p.ratio_by_axis)
+    assert p.memory_parts["gathered"] > 0
+    with pytest.raises(ConfigError, match="grad_reduce=step with a mixture of experts"):
+        plan("tiny-moe", "data=2,fsdp=4", grad_reduce="step", **args)

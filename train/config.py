@@ -30,6 +30,7 @@ from jaxpar.execution import ExecutionConfig, moved_field
 from jaxpar.layers.moe import check_execution
 from jaxpar.models import DenseConfig, get_execution_preset, get_model_preset
 from jaxpar.pipeline.ops import FsdpGather, Schedule
+from jaxpar.train.accumulate import GradReduce
 from jaxpar.train.guard import NonFinite
 from jaxpar.train.optim import OptimizerConfig
 
@@ -76,6 +77,8 @@ class TrainConfig:
     seed: int = 0  # parameter init and data order
     grad_accum: int = 1  # gradient accumulation: the batch is split into this many slices, one
     # optimizer update (pipeline microbatches are pipeline.microbatches)
+    grad_reduce: GradReduce = GradReduce.SLICE  # accumulated gradients reduced over the batch axes after
+    # every slice, or once a step (jaxpar.train.accumulate: dense models on data / fsdp / tensor)
     z_loss: float = 0.0  # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
     init_from: str | None = None  # a model checkpoint (jaxpar convert) or run folder: start from its weights
     nonfinite: NonFinite = NonFinite.STOP  # a step whose loss or gradient norm is NaN/inf: stop, or skip its update

@@ -13,6 +13,7 @@ from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.pipeline.executor import check_stack
 from jaxpar.pipeline.ops import check_pipeline
 from jaxpar.pipeline.schedules import build
+from jaxpar.train.accumulate import GradReduce, check_reduce_once
 from jaxpar.train.config import ConfigError, TrainConfig
 from jaxpar.train.step import batch_sharding
 
@@ -23,6 +24,8 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices, execution=cfg.execution)
     if layout.mesh.shape["stage"] > 1:
         _check_pipelined(cfg, layout.mesh.shape)
+    if cfg.grad_reduce == GradReduce.STEP:
+        check_reduce_once(cfg.model, layout)
     micro = cfg.batch // batch_slices(cfg, layout)
     sharded = math.prod(layout.mesh.shape[a] for a in layout.rules["batch"])
     if micro % sharded:

@@ -220,6 +220,7 @@ class _Run:
             self.ts,
             self.layout,
             grad_accum=self.cfg.grad_accum,
+            grad_reduce=self.cfg.grad_reduce,
             z_loss=self.cfg.z_loss,
             skip_nonfinite=self.cfg.nonfinite == NonFinite.SKIP,
             pipeline=pipeline_table(self.cfg, self.layout),

@@ -22,6 +22,7 @@ from jaxpar.layout import Layout
 from jaxpar.model_api import LanguageModel
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.rules import constrain, partly_manual
+from jaxpar.train.accumulate import GradReduce, batch_axes, check_reduce_once, reduced_once
 
 Batch = dict[str, jax.Array]  # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
 
@@ -138,9 +139,13 @@ def _split_slices(batch: Batch, k: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int):
+def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int, grad_reduce=GradReduce.SLICE, layout=None):
     """Mean loss parts and mean gradient over ``grad_accum`` equal slices of ``batch``, scanned so
-    only one slice's activations are alive at a time. Gradients accumulate in float32."""
+    only one slice's activations are alive at a time. Gradients accumulate in float32. ``grad_reduce``
+    step: reduced over the batch axes once, after the last slice (``jaxpar.train.accumulate``)."""
+    if grad_accum > 1 and GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP and batch_axes(layout):
+        check_reduce_once(model.cfg, layout)
+        return reduced_once(model, batch, loss_fn, grad_accum, layout, _split_slices)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # rest: non-trained state (router bias)
     rest, rest_def = jax.tree.flatten(rest)  # plain arrays: the Variables are rebuilt inside the
 
@@ -205,6 +210,7 @@ def make_train_step(
     skip_nonfinite: bool = False,
     pipeline=None,
     fsdp_gather: str = "section",
+    grad_reduce: str = "slice",
 ):
     """``step(state, batch) -> (state, StepMetrics)``, jitted with explicit shardings, state donated.
 
@@ -213,7 +219,8 @@ def make_train_step(
     ``pipeline``: a schedule table (``jaxpar.pipeline.build``) for a mesh with ``stage`` > 1: the gradient
     is the mean over its microbatches, computed by the pipeline executor (``loss_fn`` is then
     ``next_token_loss``'s objective, and ``grad_accum`` must be 1); ``fsdp_gather``: when it gathers the
-    FSDP-sharded weights (``jaxpar.pipeline.FsdpGather``: every section, or once a step).
+    FSDP-sharded weights (``jaxpar.pipeline.FsdpGather``: every section, or once a step). ``grad_reduce``:
+    when accumulated gradients are reduced over the batch axes (``jaxpar.train.accumulate.GradReduce``).
     ``skip_nonfinite``: a step whose loss or gradient norm is not finite returns the state unchanged
     (parameters, moments and the optimizer's step count), so the schedule does not advance either.
     """
@@ -237,7 +244,7 @@ def make_train_step(
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
             if pipeline is None:
-                parts, grads = _accumulated_grads(model, batch, objective, grad_accum)
+                parts, grads = _accumulated_grads(model, batch, objective, grad_accum, grad_reduce, layout)
             else:
                 parts, grads = _pipelined_grads(model, batch, pipeline, layout, z_loss, fsdp_gather)
             metrics = StepMetrics(
@@ -277,6 +284,7 @@ def make_grad_fn(
     grad_accum: int = 1,
     pipeline=None,
     fsdp_gather: str = "section",
+    grad_reduce: str = "slice",
 ):
     """``grads(state, batch) -> (loss, grads)`` with gradients in their parameters' shardings, computed as
     the train step computes them (``grad_accum``, ``pipeline``: see ``make_train_step``)."""
@@ -287,7 +295,7 @@ def make_grad_fn(
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
             if pipeline is None:
-                parts, g = _accumulated_grads(model, batch, loss_fn, grad_accum)
+                parts, g = _accumulated_grads(model, batch, loss_fn, grad_accum, grad_reduce, layout)
             else:
                 parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0, fsdp_gather)
             return parts.cross_entropy, g

@@ -97,6 +97,7 @@ class Activations:
     microbatches: int = 1  # pipeline microbatches per step
     grad_accum: int = 1  # gradient-accumulation slices per step (no pipeline): one slice's activations live
     fsdp_gather: str = "section"  # the pipeline executor's (``jaxpar.pipeline.FsdpGather``)
+    grad_reduce: str = "slice"  # accumulated gradients reduced per slice or once (``jaxpar.train.accumulate``)
     virtual_stages: int = 1  # model chunks per stage
 
 
@@ -231,7 +232,8 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
     microbatch's, the layers one chunk's, plus the executor's stage-input buffers (and with
     ``fsdp_gather`` step the stage's weights whole over fsdp, ``gathered``). With gradient
     accumulation (``grad_accum`` k) the tokens are one slice's, and the state holds a float32 gradient sum
-    beside the slice's gradient (4 more bytes per element)."""
+    beside the slice's gradient (4 more bytes per element); reduced once a step (``grad_reduce`` step), the
+    weights and that sum are whole over fsdp (``gathered``: both)."""
     local = sum(math.prod(p.shard_shape) for p in report.params)
     t, stages = mesh.get("tensor", 1), mesh.get("stage", 1)
     tokens = acts.batch * acts.seq / math.prod(mesh[a] for a in token_axes)
@@ -250,6 +252,8 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
     working = 16 * tokens * width * acts.act_bytes + scores + 8 * tokens * cfg.padded_vocab / t
     state = (16 + (4 if acts.grad_accum > 1 else 0)) * local  # accumulating: a float32 sum beside the slice's
     whole = gathered_weight_bytes(report, mesh) if stages > 1 and acts.fsdp_gather == "step" else 0.0
+    if acts.grad_accum > 1 and acts.grad_reduce == "step":  # whole over fsdp: the weights and the f32 sum
+        whole = 2 * gathered_weight_bytes(report, mesh)
     return dict(
         state=state, activations=buffers + kept + working + whole, kept=kept, stage_buffers=buffers, gathered=whole
     )

@@ -60,6 +60,7 @@ from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.pipeline.executor import check_stack
 from jaxpar.pipeline.ops import FsdpGather
 from jaxpar.shardings import param_shardings
+from jaxpar.train.accumulate import GradReduce, check_reduce_once
 from jaxpar.train.config import PipelineConfig
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
 from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
@@ -123,11 +124,12 @@ def compile_step(
     execution: ExecutionConfig | None = None,
     grad_accum: int = 1,
     fsdp_gather: str = "section",
+    grad_reduce: str = "slice",
 ):
     """The train step compiled for ``layout`` from abstract state and batch (nothing allocated), the model
     run as ``execution`` says (default ``ExecutionConfig()``; ``cpu_compilable``); ``pipeline``: the
     schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``) and ``fsdp_gather`` its executor's;
-    ``grad_accum``: slices per step."""
+    ``grad_accum``: slices per step, their gradients reduced as ``grad_reduce`` says."""
     run = cpu_compilable(ExecutionConfig() if execution is None else execution)
     program = init_program(
         lambda r: build_model(cfg, execution=run, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
@@ -138,7 +140,9 @@ def compile_step(
         program.shardings,
     )
     ts = TrainState(program.graphdef, state, program.shardings)
-    step = make_train_step(ts, layout, pipeline=pipeline, grad_accum=grad_accum, fsdp_gather=fsdp_gather)
+    step = make_train_step(
+        ts, layout, pipeline=pipeline, grad_accum=grad_accum, fsdp_gather=fsdp_gather, grad_reduce=grad_reduce
+    )
     data = {k: jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     return step.lower(state, data).compile()
 
@@ -152,6 +156,7 @@ def activations_of(
     execution: ExecutionConfig | None = None,
     grad_accum: int = 1,
     fsdp_gather: str = "section",
+    grad_reduce: str = "slice",
 ) -> Activations:
     """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1; ``execution``:
     how the model runs (default ``ExecutionConfig()``); ``grad_accum``: slices per step (no pipeline)."""
@@ -175,6 +180,7 @@ def activations_of(
         capacity_slots=slots,
         grad_accum=grad_accum,
         fsdp_gather=str(fsdp_gather),
+        grad_reduce=str(grad_reduce),
         **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}),
     )
 
@@ -265,14 +271,15 @@ def plan(
     execution: Mapping[str, Any] | None = None,
     grad_accum: int = 1,
     fsdp_gather: str = "section",
+    grad_reduce: str = "slice",
     **model_overrides,
 ) -> Plan:
     """Compile and analyse ``model`` (its preset with ``model_overrides``) under ``mesh`` on the simulated
     devices JAX has (or the first ``devices``) and predict it on ``hardware`` (see the module docstring),
     run as ``plan_execution(model, execution)`` says. With ``stage`` > 1 the step runs ``schedule`` over
     ``microbatches``, ``virtual_stages`` and ``fsdp_gather`` (defaults: ``PipelineConfig``'s); without,
-    ``grad_accum`` slices of the batch per step. ``efficiency``/``overlap``: force the roofline with these
-    (``step_times``)."""
+    ``grad_accum`` slices of the batch per step, reduced as ``grad_reduce`` says. ``efficiency``/``overlap``:
+    force the roofline with these (``step_times``)."""
     hw = get_hardware(hardware)
     cfg, run = get_model_preset(model, **model_overrides), plan_execution(model, execution)
     preset = resolve_mesh_arg(mesh)
@@ -285,6 +292,9 @@ def plan(
         cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2]
     )
     fsdp_gather = FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather")
+    grad_reduce = GradReduce.parse(grad_reduce, field="grad_reduce")
+    if grad_reduce == GradReduce.STEP and grad_accum > 1:
+        check_reduce_once(cfg, layout)
     acts = activations_of(
         cfg,
         batch=batch,
@@ -293,8 +303,9 @@ def plan(
         execution=run,
         grad_accum=grad_accum,
         fsdp_gather=fsdp_gather,
+        grad_reduce=grad_reduce,
     )
-    step = dict(pipeline=table, execution=run, grad_accum=grad_accum, fsdp_gather=fsdp_gather)
+    step = dict(pipeline=table, execution=run, grad_accum=grad_accum, fsdp_gather=fsdp_gather, grad_reduce=grad_reduce)
     compiled = compile_step(cfg, layout, batch=batch, seq=seq, **step)
     report = analyze_compiled(compiled, mesh=layout.mesh)
     costs = pipeline_costs(cfg, acts, shape, remat_full=run.remat == Remat.FULL) if table else None
@@ -360,6 +371,7 @@ def _price(
         stage_bytes=stage_path,
         pipeline=costs,
         grad_accum=acts.grad_accum,
+        grad_reduce=acts.grad_reduce,
     )
     assumptions["attention"] = "flash" if flash_attention(run) else "xla: every score in HBM"
     plan = _make_plan(

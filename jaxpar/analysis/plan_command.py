@@ -131,6 +131,12 @@ def _add_pipeline(parser: argparse.ArgumentParser) -> None:
         "(once, kept whole for the step), as pipeline.fsdp_gather",
     )
     parser.add_argument(
+        "--grad-reduce",
+        default="slice",
+        help="accumulated gradients reduced over the batch axes after every slice (slice) or once a step "
+        "(step), as grad_reduce in train",
+    )
+    parser.add_argument(
         "--grad-accum",
         type=int,
         default=1,
@@ -197,6 +203,7 @@ def run(args: argparse.Namespace, /) -> int:
         virtual_stages=args.virtual_stages,
         grad_accum=args.grad_accum,
         fsdp_gather=args.fsdp_gather,
+        grad_reduce=args.grad_reduce,
         **_overrides(args.overrides),
     )
     if args.json:

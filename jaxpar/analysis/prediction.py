@@ -103,12 +103,14 @@ def step_times(
     stage_bytes: float | None = None,
     pipeline: dict | None = None,
     grad_accum: int = 1,
+    grad_reduce: str = "slice",
 ) -> tuple[dict, dict]:
     """(times, assumptions): the mechanism model (``jaxpar.analysis.steptime``) where it describes the model
     and layout and neither ``efficiency`` nor ``overlap`` is given; otherwise the roofline ``predict`` with
     the calibrated matmul share of the chip's family (or ``efficiency``) and ``overlap`` (default 0.8).
     ``pipeline``: the executor's costs (``pipeline_costs``) where the mesh has ``stage`` > 1: its bubble
-    stretches the step. ``grad_accum``: gradient-accumulation slices per step (no pipeline)."""
+    stretches the step. ``grad_accum``: gradient-accumulation slices per step (no pipeline), their gradients
+    reduced per slice or once (``grad_reduce``)."""
     base = dict(compute_dtype=execution.dtype, remat=execution.remat.value)
     ici = {a: n // dcn.get(a, 1) for a, n in shape.items()}
     bubble = pipeline["executor_bubble_fraction"] if pipeline else 0.0
@@ -120,7 +122,17 @@ def step_times(
         fsdp_gather=pipeline.get("fsdp_gather", "section"),
     )
     work = (
-        workload_of(cfg, execution, ici, batch=batch, seq=seq, dcn=dcn, pipeline=pipe, grad_accum=grad_accum)
+        workload_of(
+            cfg,
+            execution,
+            ici,
+            batch=batch,
+            seq=seq,
+            dcn=dcn,
+            pipeline=pipe,
+            grad_accum=grad_accum,
+            grad_reduce=grad_reduce,
+        )
         if efficiency is None and overlap is None
         else None
     )

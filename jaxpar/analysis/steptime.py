@@ -199,7 +199,10 @@ def layer_seconds(w: Workload, chip, cal: Calibration, bw: dict, tokens: float, 
     tp = 2 * 2 * (t - 1) / t * tokens * w.embed_dim * w.act_bytes / bw["tensor"] if t > 1 else 0.0
     tp_bwd = np.maximum(0.0, tp - mm) if chip.tensor_overlap else tp  # beside the weight-gradient matmuls
     # a layer's gather behind the previous forward; the backward's gather, scatter and reduce behind it
-    # (gathered once a step and kept, ``Workload.gather_once``: one gather over the step's microbatches)
+    # (gathered once a step and kept, ``Workload.gather_once``: one gather over the step's microbatches;
+    # reduced once a step, ``Workload.reduce_once``: one reduction over them)
+    if w.reduce_once:
+        scatter, reduce = scatter / w.microbatches, reduce / w.microbatches
     if w.gather_once:
         fsdp = np.maximum(0.0, gather / w.microbatches - fwd) + np.maximum(0.0, scatter + reduce - recompute - bwd)
     else:

@@ -80,6 +80,7 @@ class Workload:
     executor: bool = False  # jaxpar's pipeline executor (stage recompute, the head in every chunk)
     stage_bytes: float | None = None  # stage sends on the step's critical path, where a program gives them
     gather_once: bool = False  # fsdp weights gathered once a step and kept (the executor's fsdp_gather=step)
+    reduce_once: bool = False  # gradients reduced once a step, not per microbatch (grad_reduce=step)
     # mixture of experts (``experts`` > 0): the last num_layers − dense_layers layers route each token to
     # top_k of ``experts`` gated MLPs of width expert_mlp_dim, beside an always-on one of shared_mlp_dim
     experts: int = 0
@@ -282,6 +283,7 @@ def workload_of(
     dcn: dict | None = None,
     pipeline: dict | None = None,
     grad_accum: int = 1,
+    grad_reduce: str = "slice",
 ) -> Workload | None:
     """The ``Workload`` of a jaxpar model config (any family: ``DenseConfig`` and the families that extend
     it) run as ``execution`` (a ``jaxpar.execution.ExecutionConfig``) says, under ``mesh`` (ICI axis
@@ -289,7 +291,8 @@ def workload_of(
     sequence without ring or Ulysses attention is GSPMD's: the full K/V gathered on every device
     (``allgather``). ``pipeline`` (with ``stage`` > 1): microbatches, virtual_stages, bubble and
     stage_bytes of the executor. ``grad_accum`` k (no pipeline): the batch runs as k microbatches, each
-    gathering and reducing the weights as jaxpar's accumulating step does."""
+    gathering and reducing the weights as jaxpar's accumulating step does, or with ``grad_reduce`` step
+    gathering and reducing them once for all k."""
     if cfg.moe is not None and cfg.moe.router == "expert_choice":
         return None
     dcn = {a: int(n) for a, n in (dcn or {}).items() if int(n) > 1}
@@ -307,7 +310,8 @@ def workload_of(
             **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")},
         )
     elif grad_accum > 1:
-        w = dataclasses.replace(w, microbatch=batch // (w.replicas * grad_accum))
+        once = grad_reduce == "step"
+        w = dataclasses.replace(w, microbatch=batch // (w.replicas * grad_accum), gather_once=once, reduce_once=once)
     return w
 
 

@@ -78,13 +78,16 @@ def _devices(mesh: str):
     return preset, jax.devices()[: int(np.prod([n for n in dataclasses.astuple(preset.mesh)[:6]]))]
 
 
-def check_case(name: str, schedule: str, p: int, m: int, v: int, mesh: str, fsdp_gather: str = "section") -> None:
+def check_case(
+    name: str, schedule: str, p: int, m: int, v: int, mesh: str, fsdp_gather: str = "section", grad_reduce="slice"
+) -> None:
     preset, devices = _devices(mesh)
     table = build(schedule, p, m, v)
     run = dict(devices=devices, pipeline=table, execution=execution(name), fsdp_gather=fsdp_gather)
+    run |= dict(grad_reduce=grad_reduce)
     got = train_steps(model(name), preset, tokens(name), **run)
     want, bound = reference(name, m)
-    label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}, fsdp gathered per {fsdp_gather}"
+    label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}, fsdp gathered per {fsdp_gather}, reduced per {grad_reduce}"
     check_run(got, want, bound, label)
     for g, w in zip(got.moe, want.moe):  # routing statistics pass through the pipeline
         np.testing.assert_allclose(g.expert_load, w.expert_load, atol=1e-6, err_msg=label)

@@ -17,6 +17,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
+from jaxpar.parallel import manual
 from jaxpar.train import accumulate
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
 from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
@@ -47,11 +48,11 @@ def test_a_dropped_reduction_term_is_caught(accumulated, monkeypatch):
 
     def without_sum(g, spec, axes):
         for dim, entry in enumerate(spec):
-            for axis in accumulate._axes_of(entry):
+            for axis in manual.axes_of(entry):
                 g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
         return g
 
-    monkeypatch.setattr(accumulate, "_reduced", without_sum)
+    monkeypatch.setattr(accumulate, "reduced", without_sum)
     mutant = train_steps(CFG, resolve_mesh_arg("data=2,fsdp=4"), TOKENS, grad_accum=K, grad_reduce="step")
     check_mutation_caught(mutant, ref, bound, "grad_reduce=step: the sum over data left out")
 

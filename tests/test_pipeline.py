@@ -56,6 +56,54 @@ def test_weights_gathered_once_a_step_give_the_one_device_run(name, schedule, p,
     check_case(name, schedule, p, m, v, mesh, fsdp_gather="step")
 
 
+@pytest.mark.parametrize(
+    "schedule,v,mesh",
+    [
+        ("1f1b", 1, "stage=2,data=2,fsdp=2"),
+        ("interleaved", 2, "stage=2,fsdp=2,tensor=2"),
+        ("zero_bubble", 1, "stage=2,fsdp=4"),
+    ],
+)
+def test_gradients_reduced_once_a_step_give_the_one_device_run(schedule, v, mesh):
+    """``grad_reduce=step``: the batch axes manual beside ``stage``, the same losses and per-parameter
+    gradients as one device."""
+    check_case("tiny", schedule, 2, 4, v, mesh, grad_reduce="step")
+
+
+def test_gradients_reduced_once_a_step_read_from_the_program():
+    """``grad_reduce=step``: no all-reduce or reduce-scatter over data or fsdp inside the schedule's loop,
+    each runs once a step (one per gradient, after the schedule); per section (the default, the mutation
+    here) the weight gradients are reduced in the ticks."""
+    once = [o for o in _compiled_ops("step", "stage=2,data=2,fsdp=2") if _batch_reduction(o)]
+    per_tick = [o for o in _compiled_ops("slice", "stage=2,data=2,fsdp=2") if _batch_reduction(o)]
+    assert once and all(o.executions == 1 for o in once), [(o.kind, o.axes, o.executions) for o in once]
+    assert any(o.executions > 1 for o in per_tick)
+
+
+def _batch_reduction(op) -> bool:
+    return op.kind in ("all-reduce", "reduce-scatter") and bool({"data", "fsdp"} & set(op.axes))
+
+
+def _compiled_ops(grad_reduce: str, mesh: str) -> list:
+    """The collectives of tiny's 1F1B step (p = 2, 4 microbatches of 4 rows) on ``mesh``."""
+    import functools
+
+    from jaxpar.analysis.hlo import analyze_compiled
+    from jaxpar.layout import make_layout
+    from jaxpar.models import build_model
+    from jaxpar.train.optim import OptimizerConfig, make_optimizer
+    from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
+
+    cfg, rows, seq = _model("tiny"), 16, 32
+    layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=rows, seq=seq)
+    ts = init_train_state(
+        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
+    )
+    batch = {k: jax.ShapeDtypeStruct((rows, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
+    step = make_train_step(ts, layout, pipeline=build("1f1b", 2, 4), grad_reduce=grad_reduce)
+    return list(analyze_compiled(step.lower(ts.state, batch).compile(), mesh=layout.mesh).ops)
+
+
 def _fsdp_gathers(fsdp_gather: str) -> tuple[list, set, int]:
     """The fsdp all-gathers of tiny's 1F1B step (stage=2, fsdp=4, 4 microbatches) with ``fsdp_gather``:
     (the ops, the shapes of every weight and of one layer of each stacked one, the compiled temp bytes)."""

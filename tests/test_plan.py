@@ -592,7 +592,8 @@ def test_plan_prices_a_pipeline_gathering_its_weights_once():
 def test_grad_reduce_step_prices_one_reduction_a_step():
     """``grad_reduce=step``: the measured bytes on fsdp and on data are the one-slice step's minimum (one
     gather, one reduce-scatter, one all-reduce on the scattered part; none flagged), and the memory
-    estimate holds the weights and their float32 gradient sum whole over fsdp."""
+    estimate holds the weights and their float32 gradient sum whole over fsdp; under a pipeline too, where
+    per section (the default) flags fsdp."""
     args = dict(batch=32, seq=64, hardware="h100", grad_accum=4, execution=dict(remat="none", dtype="float32"))
     p = plan("tiny", "data=2,fsdp=4", grad_reduce="step", **args)
     for axis in ("fsdp", "data", "data+fsdp"):
@@ -600,3 +601,6 @@ def test_grad_reduce_step_prices_one_reduction_a_step():
     assert p.memory_parts["gathered"] > 0
     with pytest.raises(ConfigError, match="grad_reduce=step with a mixture of experts"):
         plan("tiny-moe", "data=2,fsdp=4", grad_reduce="step", **args)
+    piped = dict(args, grad_accum=1, microbatches=4)  # a pipeline reduces its microbatches' gradients once too
+    staged, once = (plan("tiny", "stage=2,fsdp=4", grad_reduce=g, **piped) for g in ("slice", "step"))
+    assert "fsdp" in staged.flagged and once.ratio_by_axis["fsdp"] <= 1.05, once.ratio_by_axis

@@ -25,16 +25,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import Choice
 from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
-
-
-class GradReduce(Choice):
-    """When accumulated gradients are reduced over the batch axes: after every slice, or once a step."""
-
-    SLICE = "slice"
-    STEP = "step"
+from jaxpar.parallel.manual import GradReduce, gathered, manual_spec, reduced  # noqa: F401  (GradReduce: re-exported)
 
 
 def batch_axes(layout: Layout) -> tuple[str, ...]:
@@ -45,40 +38,13 @@ def batch_axes(layout: Layout) -> tuple[str, ...]:
 def check_reduce_once(cfg, layout: Layout) -> None:
     """Refuses, naming ``grad_reduce``, a model or layout the once-a-step reduction does not run (module
     docstring)."""
-    split = {a: layout.mesh.shape[a] for a in ("sequence", "expert", "stage") if layout.mesh.shape[a] > 1}
+    split = {a: layout.mesh.shape[a] for a in ("sequence", "expert") if layout.mesh.shape[a] > 1}
     if cfg.moe is not None or split:
         why = "a mixture of experts" if cfg.moe is not None else ", ".join(f"{a}={n}" for a, n in split.items())
         raise ConfigError(
             f"grad_reduce=step with {why}: the once-a-step reduction runs dense models whose layout splits "
-            "only data, fsdp and tensor; use grad_reduce=slice"
+            "only stage, data, fsdp and tensor; use grad_reduce=slice"
         )
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _manual_spec(names, rules, axes) -> P:
-    """A parameter's spec over the manual ``axes`` alone (the others stay automatic)."""
-    return P(*[tuple(a for a in (rules[n] if n else ()) if a in axes) or None for n in names])
-
-
-def _gathered(x, spec: P):
-    for dim, entry in enumerate(spec):
-        for axis in _axes_of(entry):
-            x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-    return x
-
-
-def _reduced(g, spec: P, axes: tuple[str, ...]):
-    """The step's gradient sum of one parameter: scattered over the axes that split it, then summed over
-    the batch axes that do not (on the scattered part: 1/fsdp of the bytes)."""
-    split = [a for entry in spec for a in _axes_of(entry)]
-    for dim, entry in enumerate(spec):
-        for axis in _axes_of(entry):
-            g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-    rest = tuple(a for a in axes if a not in split)
-    return jax.lax.psum(g, rest) if rest else g
 
 
 def reduced_once(model, batch, loss_fn, grad_accum: int, layout: Layout, slices):
@@ -87,7 +53,7 @@ def reduced_once(model, batch, loss_fn, grad_accum: int, layout: Layout, slices)
     axes = batch_axes(layout)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    specs = [_manual_spec(v.out_sharding, layout.rules, axes) for v in variables]
+    specs = [manual_spec(v.out_sharding, layout.rules, axes) for v in variables]
     leaves, treedef = jax.tree.flatten(params)
     rest_leaves, rest_def = jax.tree.flatten(rest)
     devices = int(np.prod([layout.mesh.shape[a] for a in axes]))
@@ -99,7 +65,7 @@ def reduced_once(model, batch, loss_fn, grad_accum: int, layout: Layout, slices)
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
     def local(leaves, rest_leaves, batch):
-        whole = [_gathered(x, s) for x, s in zip(leaves, specs)]  # once a step
+        whole = [gathered(x, s, axes) for x, s in zip(leaves, specs)]  # once a step
 
         def body(acc, micro):
             (_, parts), grads = grad_fn(whole, rest_leaves, micro)
@@ -110,7 +76,7 @@ def reduced_once(model, batch, loss_fn, grad_accum: int, layout: Layout, slices)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (shapes[1], shapes[0][1]))
         (grads, parts), _ = jax.lax.scan(body, zeros, micro)
         count = grad_accum * devices
-        grads = [_reduced(g, s, axes) / count for g, s in zip(grads, specs)]
+        grads = [reduced(g, s, axes) / count for g, s in zip(grads, specs)]
         return grads, jax.tree.map(lambda x: jax.lax.psum(x, axes) / count, parts)
 
     run = jax.shard_map(

@@ -78,7 +78,7 @@ class TrainConfig:
     grad_accum: int = 1  # gradient accumulation: the batch is split into this many slices, one
     # optimizer update (pipeline microbatches are pipeline.microbatches)
     grad_reduce: GradReduce = GradReduce.SLICE  # accumulated gradients reduced over the batch axes after
-    # every slice, or once a step (jaxpar.train.accumulate: dense models on data / fsdp / tensor)
+    # every slice (or pipeline section), or once a step (jaxpar.parallel.manual: dense models)
     z_loss: float = 0.0  # weight of the log-partition (z) loss, e.g. 1e-4; 0 = off
     init_from: str | None = None  # a model checkpoint (jaxpar convert) or run folder: start from its weights
     nonfinite: NonFinite = NonFinite.STOP  # a step whose loss or gradient norm is NaN/inf: stop, or skip its update

@@ -171,8 +171,10 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int, grad_reduc
     return jax.tree.map(lambda x: x / grad_accum, parts), grads
 
 
-def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, fsdp_gather):
+def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, fsdp_gather, grad_reduce):
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
+    if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP:
+        check_reduce_once(model.cfg, layout)
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
     out = pipeline_grads(
@@ -183,6 +185,7 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, 
         mesh=layout.mesh,
         losses=functools.partial(token_losses, z_loss=z_loss),
         fsdp_gather=fsdp_gather,
+        grad_reduce=grad_reduce,
     )
     return LossParts(out.cross_entropy, out.z_loss, out.moe), out.grads
 
@@ -246,7 +249,7 @@ def make_train_step(
             if pipeline is None:
                 parts, grads = _accumulated_grads(model, batch, objective, grad_accum, grad_reduce, layout)
             else:
-                parts, grads = _pipelined_grads(model, batch, pipeline, layout, z_loss, fsdp_gather)
+                parts, grads = _pipelined_grads(model, batch, pipeline, layout, z_loss, fsdp_gather, grad_reduce)
             metrics = StepMetrics(
                 loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss, moe=parts.moe
             )
@@ -297,7 +300,7 @@ def make_grad_fn(
             if pipeline is None:
                 parts, g = _accumulated_grads(model, batch, loss_fn, grad_accum, grad_reduce, layout)
             else:
-                parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0, fsdp_gather)
+                parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0, fsdp_gather, grad_reduce)
             return parts.cross_entropy, g
 
     return jax.jit(grads, in_shardings=(ts.shardings, batch_sharding(layout)))

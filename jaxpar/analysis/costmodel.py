@@ -252,7 +252,7 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
     working = 16 * tokens * width * acts.act_bytes + scores + 8 * tokens * cfg.padded_vocab / t
     state = (16 + (4 if acts.grad_accum > 1 else 0)) * local  # accumulating: a float32 sum beside the slice's
     whole = gathered_weight_bytes(report, mesh) if stages > 1 and acts.fsdp_gather == "step" else 0.0
-    if acts.grad_accum > 1 and acts.grad_reduce == "step":  # whole over fsdp: the weights and the f32 sum
+    if (acts.grad_accum > 1 or stages > 1) and acts.grad_reduce == "step":  # the weights and the f32 sum
         whole = 2 * gathered_weight_bytes(report, mesh)
     return dict(
         state=state, activations=buffers + kept + working + whole, kept=kept, stage_buffers=buffers, gathered=whole
@@ -335,6 +335,7 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
         send_ticks=int(fwd.any(axis=1).sum() + bwd.any(axis=1).sum()),
         flops_per_device=busy / p * chunk * a.batch * a.seq / m / (n / p),
         fsdp_gather=a.fsdp_gather,
+        grad_reduce=a.grad_reduce,
     )
 
 

@@ -293,7 +293,7 @@ def plan(
     )
     fsdp_gather = FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather")
     grad_reduce = GradReduce.parse(grad_reduce, field="grad_reduce")
-    if grad_reduce == GradReduce.STEP and grad_accum > 1:
+    if grad_reduce == GradReduce.STEP:
         check_reduce_once(cfg, layout)
     acts = activations_of(
         cfg,

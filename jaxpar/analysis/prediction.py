@@ -120,6 +120,7 @@ def step_times(
         bubble=bubble,
         stage_bytes=stage_bytes,
         fsdp_gather=pipeline.get("fsdp_gather", "section"),
+        grad_reduce=pipeline.get("grad_reduce", "slice"),
     )
     work = (
         workload_of(

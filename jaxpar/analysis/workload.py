@@ -306,7 +306,8 @@ def workload_of(
             w,
             microbatch=batch // (w.replicas * pipeline["microbatches"]),
             executor=True,
-            gather_once=pipeline.get("fsdp_gather") == "step",
+            gather_once="step" in (pipeline.get("fsdp_gather"), pipeline.get("grad_reduce")),
+            reduce_once=pipeline.get("grad_reduce") == "step",
             **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")},
         )
     elif grad_accum > 1:

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
 from jaxpar.model_api import LanguageModel
+from jaxpar.parallel.manual import GradReduce, gathered, manual_spec, reduced
 from jaxpar.pipeline.ops import FsdpGather
 from jaxpar.pipeline.stage import AXIS, here, send_patterns, stage_body  # noqa: F401  (send_patterns: re-exported)
 from jaxpar.pipeline.timing import executor_bubble_fraction, tick_sections  # noqa: F401  (re-exported)
@@ -104,13 +105,16 @@ def pipeline_grads(
     mesh,
     losses: Callable,
     fsdp_gather: FsdpGather = FsdpGather.SECTION,
+    grad_reduce: GradReduce = GradReduce.SLICE,
 ) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
     ``table``; the same as accumulating over the m microbatches on one device.
 
     ``losses(logits, targets) -> (cross_entropy, z_loss)`` (float32 scalars, means over the microbatch).
     ``mesh``: the layout's mesh, with ``stage`` = ``table.stages``. ``fsdp_gather``: ``step`` gathers
-    the weights over ``fsdp`` once, before the schedule (``FsdpGather``)."""
+    the weights over ``fsdp`` once, before the schedule (``FsdpGather``). ``grad_reduce``: ``step``
+    makes the batch axes manual too, so the weight gradients stay unreduced over them through the whole
+    schedule and are reduced once after it (``_reduced_once``; the weights are then gathered once)."""
     p, v, m = table.stages, table.virtual_stages, table.microbatches
     in_stack = nnx.PathContains(model.pipeline_stack)
     graphdef, sp, op, sr, orest = nnx.split(model, nnx.All(nnx.Param, in_stack), nnx.Param, in_stack, ...)
@@ -138,6 +142,8 @@ def pipeline_grads(
     )
     if FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather") == FsdpGather.STEP:
         sp, op = _whole_over("fsdp", sp), _whole_over("fsdp", op)
+    if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP and not prefixed:
+        run = _reduced_once(body, mesh, sp, op)
     if prefixed:  # the embedding and the dense prefix, before the schedule
         start, prologue_vjp = jax.vjp(lambda o: _prologue(graphdef, sp, o, sr, orest, ids, mesh=mesh), op)
         dsp, dop, ce, z, stats, dstart = run(sp, op, sr, orest, ids, targets, start)
@@ -151,6 +157,38 @@ def pipeline_grads(
     grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, nnx.merge_state(sp, op))  # seeded with 1/m
     stats = None if stats is None else jax.tree.map(lambda a: a / m, stats)
     return PipelineResult(ce / m, z / m, stats, grads)
+
+
+def _reduced_once(body, mesh, sp, op):
+    """``body`` (the stage program) run with the batch axes manual beside ``stage``: each device gathers
+    the weights over them once, runs the schedule on its own rows with the weight gradients unreduced
+    (a partial sum over its rows), and reduces each gradient once at the end (``jaxpar.parallel.manual``);
+    the losses are each device's mean over its rows, averaged."""
+    _, rules = active_layout()
+    axes = tuple(a for a in rules["batch"] if mesh.shape[a] > 1)
+    manual = {AXIS, *axes}
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    sp_specs, op_specs = (
+        jax.tree.map(lambda v: manual_spec(v.out_sharding, rules, manual), t, is_leaf=is_var) for t in (sp, op)
+    )
+    devices = int(np.prod([mesh.shape[a] for a in axes]))
+    whole = lambda specs, t: jax.tree.map(lambda s, v: v.replace(gathered(v[...], s, axes)), specs, t)
+    summed = lambda specs, t: jax.tree.map(lambda s, g: g.replace(reduced(g[...], s, axes) / devices), specs, t)
+
+    def local(sp, op, sr, orest, ids, targets):
+        dsp, dop, ce, z, stats = body(whole(sp_specs, sp), whole(op_specs, op), sr, orest, ids, targets)
+        ce, z = (jax.lax.psum(x, axes) / devices for x in (ce, z))
+        return summed(sp_specs, dsp), summed(op_specs, dop), ce, z, stats
+
+    rows = P(None, axes)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        axis_names=manual,
+        check_vma=False,  # as the stage program's (pipeline_grads); the reductions are written out here
+        in_specs=(sp_specs, op_specs, P(AXIS), P(), rows, rows),
+        out_specs=(sp_specs, op_specs, P(), P(), P(AXIS)),
+    )
 
 
 def _whole_over(axis: str, params):

@@ -205,10 +205,20 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         raise LayoutError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
     spec = rules.spec(names)
     if partly_manual():
-        manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-        kept = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual) for e in spec]
-        spec = PartitionSpec(*[None if not k else k[0] if len(k) == 1 else k for k in kept])
+        spec = without_axes(spec, jax.sharding.get_abstract_mesh().manual_axes)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def without_axes(spec: PartitionSpec, axes: Iterable[str]) -> PartitionSpec:
+    """``spec`` with the mesh ``axes`` left out of every entry."""
+    axes = set(axes)
+    kept = [tuple(a for a in axes_of(e) if a not in axes) for e in spec]
+    return PartitionSpec(*[None if not k else k[0] if len(k) == 1 else k for k in kept])
 
 
 # ------------------------------------------------------------------------------------------ check

@@ -12,7 +12,18 @@ from test_invariance import BF16_GAP
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = json.loads((ROOT / "benchmarks" / "results" / "numerics_cpu.json").read_text())
-FAMILIES = ("invariance", "bf16", "pipeline", "context", "experts", "5d", "resume", "generation", "paged", "grad_reduce")
+FAMILIES = (
+    "invariance",
+    "bf16",
+    "pipeline",
+    "context",
+    "experts",
+    "5d",
+    "resume",
+    "generation",
+    "paged",
+    "grad_reduce",
+)
 
 
 def _files_that_check_noise() -> set[str]:

@@ -27,12 +27,23 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
-from jaxpar.parallel.manual import GradReduce, gathered, manual_spec, reduced  # noqa: F401  (GradReduce: re-exported)
+from jaxpar.parallel.manual import GradReduce, batch_axes, gathered, manual_spec, reduced  # noqa: F401  (re-exported)
+from jaxpar.rules import constrain
 
 
-def batch_axes(layout: Layout) -> tuple[str, ...]:
-    """The mesh axes (of size > 1) the layout splits the batch over."""
-    return tuple(a for a in layout.rules["batch"] if layout.mesh.shape[a] > 1)
+def slice_sums(grad_fn, params, rest, micro):
+    """(Σ gradients, Σ loss parts) over the slices of ``micro`` (its leading axis), float32, scanned so
+    only one slice's activations are alive at a time; ``grad_fn(params, rest, slice)`` is
+    ``value_and_grad`` of the loss with its parts."""
+
+    def body(acc, m):
+        m = {k: constrain(v, ("batch", "length")) for k, v in m.items()}
+        (_, parts), grads = grad_fn(params, rest, m)
+        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (grads, parts)), None
+
+    (_, parts_shape), grads_shape = jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (grads_shape, parts_shape))
+    return jax.lax.scan(body, zeros, micro)[0]
 
 
 def check_reduce_once(cfg, layout: Layout) -> None:
@@ -50,7 +61,7 @@ def check_reduce_once(cfg, layout: Layout) -> None:
 def reduced_once(model, batch, loss_fn, grad_accum: int, layout: Layout, slices):
     """(mean loss parts, mean gradient) of ``model`` over ``batch`` in ``grad_accum`` slices per device
     (``slices(batch, k)``: [k, rows/k, ...]), the gradients reduced once (module docstring)."""
-    axes = batch_axes(layout)
+    axes = batch_axes(layout.mesh, layout.rules)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     specs = [manual_spec(v.out_sharding, layout.rules, axes) for v in variables]
@@ -66,15 +77,7 @@ def reduced_once(model, batch, loss_fn, grad_accum: int, layout: Layout, slices)
 
     def local(leaves, rest_leaves, batch):
         whole = [gathered(x, s, axes) for x, s in zip(leaves, specs)]  # once a step
-
-        def body(acc, micro):
-            (_, parts), grads = grad_fn(whole, rest_leaves, micro)
-            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (grads, parts)), None
-
-        micro = slices(batch, grad_accum)
-        shapes = jax.eval_shape(grad_fn, whole, rest_leaves, jax.tree.map(lambda x: x[0], micro))
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (shapes[1], shapes[0][1]))
-        (grads, parts), _ = jax.lax.scan(body, zeros, micro)
+        grads, parts = slice_sums(grad_fn, whole, rest_leaves, slices(batch, grad_accum))
         count = grad_accum * devices
         grads = [reduced(g, s, axes) / count for g, s in zip(grads, specs)]
         return grads, jax.tree.map(lambda x: jax.lax.psum(x, axes) / count, parts)

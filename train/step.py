@@ -22,7 +22,7 @@ from jaxpar.layout import Layout
 from jaxpar.model_api import LanguageModel
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.rules import constrain, partly_manual
-from jaxpar.train.accumulate import GradReduce, batch_axes, check_reduce_once, reduced_once
+from jaxpar.train.accumulate import GradReduce, batch_axes, check_reduce_once, reduced_once, slice_sums
 
 Batch = dict[str, jax.Array]  # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
 
@@ -143,7 +143,8 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int, grad_reduc
     """Mean loss parts and mean gradient over ``grad_accum`` equal slices of ``batch``, scanned so
     only one slice's activations are alive at a time. Gradients accumulate in float32. ``grad_reduce``
     step: reduced over the batch axes once, after the last slice (``jaxpar.train.accumulate``)."""
-    if grad_accum > 1 and GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP and batch_axes(layout):
+    once = GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP
+    if grad_accum > 1 and once and batch_axes(layout.mesh, layout.rules):
         check_reduce_once(model.cfg, layout)
         return reduced_once(model, batch, loss_fn, grad_accum, layout, _split_slices)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # rest: non-trained state (router bias)
@@ -158,15 +159,7 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int, grad_reduc
         (_, parts), grads = grad_fn(params, rest, batch)
         return parts, grads
 
-    def body(acc, micro):
-        micro = {k: constrain(v, ("batch", "length")) for k, v in micro.items()}
-        (_, parts), grads = grad_fn(params, rest, micro)
-        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (grads, parts)), None
-
-    micro = _split_slices(batch, grad_accum)
-    (_, parts_shape), grads_shape = jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], micro))
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (grads_shape, parts_shape))
-    (grads, parts), _ = jax.lax.scan(body, zeros, micro)
+    grads, parts = slice_sums(grad_fn, params, rest, _split_slices(batch, grad_accum))
     grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, params)
     return jax.tree.map(lambda x: x / grad_accum, parts), grads
 

@@ -44,14 +44,11 @@ import numpy as np
 from jaxpar.mesh import AXES  # the physical order: outermost (slowest links) to innermost
 from jaxpar.pipeline.schedules import build
 from jaxpar.pipeline.timing import executor_bubble_fraction
+from jaxpar.rules import axes_of
 
 
 def group_key(axes) -> str:
     return "+".join(a for a in AXES if a in set(axes))
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def weight_bytes(report, mesh: dict, token_axes: set[str], *, grad_bytes: int = 4) -> dict[str, float]:
@@ -61,8 +58,8 @@ def weight_bytes(report, mesh: dict, token_axes: set[str], *, grad_bytes: int = 
     size = lambda axes: math.prod(mesh[a] for a in axes)
     stages = mesh.get("stage", 1)
     for p in report.params:
-        held_by = {a for e in p.spec for a in _axes(e) if mesh[a] > 1}
-        experts = {a for e, name in zip(p.spec, p.names) if name == "experts" for a in _axes(e)}
+        held_by = {a for e in p.spec for a in axes_of(e) if mesh[a] > 1}
+        experts = {a for e, name in zip(p.spec, p.names) if name == "experts" for a in axes_of(e)}
         gather = (held_by & token_axes) - experts
         reduce = token_axes - held_by - experts
         b_w = np.dtype(p.dtype).itemsize
@@ -161,7 +158,7 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
     size = lambda axes: math.prod(mesh[x] for x in axes)
     used = local = 0.0
     for p in report.params:
-        held_by = {x for e in p.spec for x in _axes(e) if mesh[x] > 1}
+        held_by = {x for e in p.spec for x in axes_of(e) if mesh[x] > 1}
         used += p.size / size(held_by - token_axes) * np.dtype(p.dtype).itemsize
         local += math.prod(p.shard_shape)
     tokens = a.batch * a.seq / size(token_axes)
@@ -262,7 +259,7 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
 def gathered_weight_bytes(report, mesh: dict) -> float:
     """Bytes per device of the weights a pipeline gathers over ``fsdp`` once a step and keeps whole."""
     f = mesh.get("fsdp", 1)
-    split = [p for p in report.params if any("fsdp" in _axes(e) for e in p.spec)]
+    split = [p for p in report.params if any("fsdp" in axes_of(e) for e in p.spec)]
     return float(sum(math.prod(p.shard_shape) * f * np.dtype(p.dtype).itemsize for p in split)) if f > 1 else 0.0
 
 

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Choice
+from jaxpar.rules import axes_of
 
 
 class GradReduce(Choice):
@@ -25,9 +26,9 @@ class GradReduce(Choice):
     STEP = "step"
 
 
-def axes_of(entry) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def batch_axes(mesh, rules) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) the ``batch`` rule splits the batch over."""
+    return tuple(a for a in rules["batch"] if mesh.shape[a] > 1)
 
 
 def manual_spec(names, rules, manual: Iterable[str]) -> P:

@@ -50,11 +50,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
 from jaxpar.model_api import LanguageModel
-from jaxpar.parallel.manual import GradReduce, gathered, manual_spec, reduced
+from jaxpar.parallel.manual import GradReduce, batch_axes, gathered, manual_spec, reduced
 from jaxpar.pipeline.ops import FsdpGather
 from jaxpar.pipeline.stage import AXIS, here, send_patterns, stage_body  # noqa: F401  (send_patterns: re-exported)
 from jaxpar.pipeline.timing import executor_bubble_fraction, tick_sections  # noqa: F401  (re-exported)
-from jaxpar.rules import active_layout
+from jaxpar.rules import active_layout, without_axes
 
 
 @jax.tree_util.register_dataclass
@@ -140,10 +140,10 @@ def pipeline_grads(
         in_specs=specs + (P(),) * prefixed,
         out_specs=(P(AXIS), P(), P(), P(), P(AXIS)) + (P(AXIS),) * prefixed,
     )
-    if FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather") == FsdpGather.STEP:
-        sp, op = _whole_over("fsdp", sp), _whole_over("fsdp", op)
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP and not prefixed:
-        run = _reduced_once(body, mesh, sp, op)
+        run = _reduced_once(body, mesh, sp, op)  # gathers the weights once itself
+    elif FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather") == FsdpGather.STEP:
+        sp, op = _whole_over("fsdp", sp), _whole_over("fsdp", op)
     if prefixed:  # the embedding and the dense prefix, before the schedule
         start, prologue_vjp = jax.vjp(lambda o: _prologue(graphdef, sp, o, sr, orest, ids, mesh=mesh), op)
         dsp, dop, ce, z, stats, dstart = run(sp, op, sr, orest, ids, targets, start)
@@ -165,7 +165,7 @@ def _reduced_once(body, mesh, sp, op):
     (a partial sum over its rows), and reduces each gradient once at the end (``jaxpar.parallel.manual``);
     the losses are each device's mean over its rows, averaged."""
     _, rules = active_layout()
-    axes = tuple(a for a in rules["batch"] if mesh.shape[a] > 1)
+    axes = batch_axes(mesh, rules)
     manual = {AXIS, *axes}
     is_var = lambda x: isinstance(x, nnx.Variable)
     sp_specs, op_specs = (
@@ -196,12 +196,9 @@ def _whole_over(axis: str, params):
     parameter gathered over ``axis`` here, once, and whole over it wherever it is used after."""
     mesh, rules = active_layout()
 
-    def spec(names):
-        kept = [tuple(a for a in (rules[n] if n else ()) if a != axis) for n in names]
-        return P(*[None if not a else a[0] if len(a) == 1 else a for a in kept])
-
     def one(var):
-        return var.replace(jax.lax.with_sharding_constraint(var[...], NamedSharding(mesh, spec(var.out_sharding))))
+        spec = without_axes(rules.spec(var.out_sharding), (axis,))
+        return var.replace(jax.lax.with_sharding_constraint(var[...], NamedSharding(mesh, spec)))
 
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -95,63 +95,109 @@ def _pipeline(model: str) -> tuple[dict, dict]:
     return data, data["models"][model]
 
 
+EXECUTORS = ["one section a tick", "own actions"]
+
+
 @table("pipeline-bubbles")
 def pipeline_bubbles() -> str:
-    """The four schedules at the benchmark's p and m: ideal, lockstep and executor bubble, inputs in flight."""
+    """The four schedules at the benchmark's p and m: ideal, lockstep and both executors' bubbles, inputs
+    in flight."""
     data, m = _pipeline("tiny")
     rows = []
     for s in SCHEDULES:
-        r = m["step"][s]
+        runs = [m["step"][f"{s} / {e}"] for e in EXECUTORS]
         rows.append(
             [
                 f"`{s}`",
-                pct(r["bubble"]),
-                pct(r["lockstep_bubble"]),
-                pct(r["executor_bubble"]),
-                " ".join(str(n) for n in r["peak_in_flight"]),
+                pct(runs[0]["bubble"]),
+                pct(runs[0]["lockstep_bubble"]),
+                *(pct(r["executor_bubble"]) for r in runs),
+                " ".join(str(n) for n in runs[0]["peak_in_flight"]),
             ]
         )
     header = [
         f"p = {data['stages']}, m = {data['microbatches']}",
         "ideal bubble",
         "lockstep",
-        "executor",
+        *(f"executor: {e}" for e in EXECUTORS),
         "stage inputs in flight, per stage",
     ]
-    return markdown(header, rows, "lrrrl")
+    return markdown(header, rows, "lrrrrl")
 
 
-def _pipeline_steps(model: str, bubbles: bool) -> str:
+def _pipeline_steps(model: str) -> str:
     _, m = _pipeline(model)
     step = m["step"]
-    cols = ["fsdp", *SCHEDULES]
-    head = [f"`{step['fsdp']['mesh']}`", *(f"{s} ({step[s]['mesh']})" for s in SCHEDULES)]
     rows = [
-        ["step time (s)", *(f"{step[c]['step_s']:.3g}" for c in cols)],
-        ["compile (s)", *(f"{step[c]['compile_s']:.1f}" for c in cols)],
+        [
+            "`fsdp`",
+            f"`{step['fsdp']['mesh']}`",
+            "–",
+            f"{step['fsdp']['step_s']:.3g}",
+            "1",
+            f"{step['fsdp']['cpu_s']:.3g}",
+            f"{step['fsdp']['compile_s']:.1f}",
+        ]
     ]
-    if bubbles:
-        rows.append(
-            [
-                "bubble ideal / lockstep / executor",
-                "–",
-                *(
-                    " / ".join(pct(step[s][k]) for k in ("bubble", "lockstep_bubble", "executor_bubble"))
-                    for s in SCHEDULES
-                ),
-            ]
-        )
-    return markdown(["", *head], rows, "l" + "r" * len(cols))
+    for s in SCHEDULES:
+        for e in EXECUTORS:
+            r = step[f"{s} / {e}"]
+            rows.append(
+                [
+                    f"`{s}`",
+                    f"`{r['mesh']}`",
+                    e,
+                    f"{r['step_s']:.3g}",
+                    f"{r['vs_fsdp']:.2f}",
+                    f"{r['cpu_s']:.3g}",
+                    f"{r['compile_s']:.1f}",
+                ]
+            )
+    head = ["schedule", "mesh", "executor", "step (s)", "× fsdp", "CPU (s)", "compile (s)"]
+    return markdown(head, rows, "lllrrrr")
 
 
 @table("pipeline-tiny")
 def pipeline_tiny() -> str:
-    return _pipeline_steps("tiny", bubbles=True)
+    return _pipeline_steps("tiny")
 
 
 @table("pipeline-llama-100m")
 def pipeline_llama() -> str:
-    return _pipeline_steps("llama-100m", bubbles=False)
+    return _pipeline_steps("llama-100m")
+
+
+@table("pipeline-plan-70b")
+def pipeline_plan_70b() -> str:
+    """The lab's step breakdown of one pipeline layout under both executors."""
+    data = load("pipeline_plan_70b.json")
+    names = list(data["runs"])
+    runs = [data["runs"][n] for n in names]
+    durations = lambda d: ", ".join(f"{k} {v:.2f}" for k, v in d.items())
+    parts = sorted({k for r in runs for k, v in r["parts_s"].items() if v and k != "step_s"})
+    rows = [
+        ["executor", *(r["pipeline"]["executor"] for r in runs)],
+        ["durations (chunk forwards)", *(durations(r["pipeline"]["durations"]) for r in runs)],
+        ["bubble: executor", *(pct(r["pipeline"]["executor_bubble_fraction"]) for r in runs)],
+        [
+            "bubble: lockstep / ideal",
+            *(
+                f"{pct(r['pipeline']['lockstep_bubble_fraction'])} / {pct(r['pipeline']['bubble_fraction'])}"
+                for r in runs
+            ),
+        ],
+        [
+            "FLOPs per device (× model FLOPs)",
+            *(f"{r['flops_per_device']:.3g} ({r['flops_per_device'] / r['model_flops_per_device']:.2f})" for r in runs),
+        ],
+        *([f"{k.removesuffix('_s')} (s)", *(f"{r['parts_s'].get(k, 0.0):.2f}" for r in runs)] for k in parts),
+        ["data-axis bytes per device (GB)", *(f"{r['bytes_by_axis_gb'].get('data', 0.0):.1f}" for r in runs)],
+        ["activations per device (GB)", *(f"{r['memory_gb']['activations']:.1f}" for r in runs)],
+        ["step (s)", *(f"{r['step_s']:.1f}" for r in runs)],
+        ["tokens/s (MFU)", *(f"{r['tokens_per_s']:,} ({pct(r['mfu'])})" for r in runs)],
+    ]
+    head = [f"{n.split(' / ')[0]}, `--grad-reduce {n.split(' / ')[1]}`" for n in names]
+    return markdown(["", *head], rows, "l" + "r" * len(names))
 
 
 @table("pipeline-microbatches")

@@ -16,6 +16,7 @@ import pytest
 from invariance import reference as noisy_reference
 from invariance import replace_rows, train_steps
 from noise import check_mutation_caught, check_run
+from test_invariance import BF16_MULTIPLE
 
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import get_execution_preset, get_model_preset
@@ -26,6 +27,7 @@ MODELS = {  # name: (preset, model fields, execution fields)
     "tiny": ("tiny", dict(num_layers=8), {}),
     "tiny-ring": ("tiny", dict(num_layers=8), dict(context_parallel="ring")),  # zig-zag token order
     "tiny-ulysses": ("tiny", dict(num_layers=8), dict(context_parallel="ulysses")),
+    "tiny-bf16-keep": ("tiny", dict(num_layers=8), dict(dtype="bfloat16", remat="none")),
     "tiny-moe": ("tiny-moe", dict(num_layers=4), {}),
     "tiny-moe-dropless": ("tiny-moe", dict(num_layers=4), dict(capacity_factor=None)),
     "tiny-deepseek": ("tiny-deepseek", dict(num_layers=5, first_dense_layers=1), {}),  # 1 dense + 4 MoE
@@ -54,10 +56,14 @@ def tokens(name: str) -> np.ndarray:
 
 def reference(name: str, m: int):
     """One device, gradient accumulated over the same m microbatches, and its noise bound (built once
-    per model and m)."""
+    per model and m). A bfloat16 case's noise is its distance from the same run in float32, at the bf16
+    family's multiple (``tests/test_invariance.py``: rows in another order measure almost nothing there)."""
     if (name, m) not in _REFERENCES:
+        run = execution(name)
+        bf16 = str(run.dtype) == "bfloat16"
+        extra = dict(multiple=BF16_MULTIPLE, exact=dataclasses.replace(run, dtype="float32")) if bf16 else {}
         _REFERENCES[name, m] = noisy_reference(
-            model(name), tokens(name), "pipeline", grad_accum=m, execution=execution(name)
+            model(name), tokens(name), "bf16" if bf16 else "pipeline", grad_accum=m, execution=run, **extra
         )
     return _REFERENCES[name, m]
 
@@ -78,14 +84,21 @@ def _devices(mesh: str):
     return preset, jax.devices()[: int(np.prod([n for n in dataclasses.astuple(preset.mesh)[:6]]))]
 
 
-def check_case(
+def run_case(
     name: str, schedule: str, p: int, m: int, v: int, mesh: str, fsdp_gather: str = "section", grad_reduce="slice"
-) -> None:
+):
+    """The recorded run (``invariance.Run``) of case ``name`` by ``schedule`` on ``mesh``."""
     preset, devices = _devices(mesh)
     table = build(schedule, p, m, v)
     run = dict(devices=devices, pipeline=table, execution=execution(name), fsdp_gather=fsdp_gather)
     run |= dict(grad_reduce=grad_reduce)
-    got = train_steps(model(name), preset, tokens(name), **run)
+    return train_steps(model(name), preset, tokens(name), **run)
+
+
+def check_case(
+    name: str, schedule: str, p: int, m: int, v: int, mesh: str, fsdp_gather: str = "section", grad_reduce="slice"
+) -> None:
+    got = run_case(name, schedule, p, m, v, mesh, fsdp_gather, grad_reduce)
     want, bound = reference(name, m)
     label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}, fsdp gathered per {fsdp_gather}, reduced per {grad_reduce}"
     check_run(got, want, bound, label)
@@ -95,15 +108,16 @@ def check_case(
     assert len(got.moe) == len(want.moe) == (STEPS if "moe" in name or "deepseek" in name else 0)
 
 
-def check_dropped_microbatch(name: str, schedule: str, p: int, m: int, mesh: str) -> float:
+def check_dropped_microbatch(name: str, schedule: str, p: int, m: int, mesh: str, grad_reduce="slice") -> float:
     """The pipeline fed microbatch 1 in place of microbatch 0 (rows 0, m, 2m, ... replaced by rows 1,
     m+1, ...): what a schedule that loses one microbatch's gradient and counts another twice computes.
     Returns the factor by which it misses the bound."""
     preset, devices = _devices(mesh)
     rows = np.arange(0, BATCH, m)
     mutant = replace_rows(tokens(name), rows, rows + 1)
+    table = build(schedule, p, m)
     got = train_steps(
-        model(name), preset, mutant, devices=devices, pipeline=build(schedule, p, m), execution=execution(name)
+        model(name), preset, mutant, devices=devices, pipeline=table, execution=execution(name), grad_reduce=grad_reduce
     )
     want, bound = reference(name, m)
     return check_mutation_caught(got, want, bound, f"{name} {schedule} p={p} m={m} on {mesh}: microbatch 0 lost")

@@ -92,4 +92,4 @@ def test_reduced_once_read_from_the_program():
 def test_layouts_it_does_not_run_are_refused(preset, mesh, why):
     cfg = get_model_preset(preset)
     with pytest.raises(ConfigError, match=f"grad_reduce=step with {why}"):
-        accumulate.check_reduce_once(cfg, make_layout(cfg, resolve_mesh_arg(mesh), batch=BATCH, seq=SEQ))
+        accumulate.check_reduce_once(cfg, make_layout(cfg, resolve_mesh_arg(mesh), batch=BATCH, seq=SEQ).mesh.shape)

@@ -604,3 +604,46 @@ def test_grad_reduce_step_prices_one_reduction_a_step():
     piped = dict(args, grad_accum=1, microbatches=4)  # a pipeline reduces its microbatches' gradients once too
     staged, once = (plan("tiny", "stage=2,fsdp=4", grad_reduce=g, **piped) for g in ("slice", "step"))
     assert "fsdp" in staged.flagged and once.ratio_by_axis["fsdp"] <= 1.05, once.ratio_by_axis
+
+
+def test_own_actions_priced_from_the_table():
+    """``grad_reduce=step`` on stage=2 × fsdp=4 (tiny, bf16, full remat, 1F1B over m=4): each stage runs
+    its own action (``jaxpar.pipeline.actions``). Durations in chunk forwards: F 1; B 2 + 1 (full remat
+    recomputes each layer once); the head's forward and backward, 3h = 3 · 4/9 (h as in
+    ``test_stage_sends_and_bubble_of_a_compiled_pipeline``), with the last chunk's F only. The bubble is
+    the paired-rendezvous one, which for 1F1B is the table's ideal bubble with those op times, below the
+    one-section executor's; the work per device drops by the recomputed forward and the masked heads."""
+    from jaxpar.pipeline import build
+    from jaxpar.pipeline.timing import own_action_bubble_fraction
+
+    args = dict(batch=16, seq=32, hardware="h100", schedule="1f1b", microbatches=4)
+    lockstep, own = (plan("tiny", "stage=2,fsdp=4", grad_reduce=g, **args).pipeline for g in ("slice", "step"))
+    assert own["executor"] == "own actions" and lockstep["executor"] == "one section a tick"
+    head = 3 * 4 / 9
+    assert own["durations"] == pytest.approx({"F": 1.0, "B": 3.0, "head": head})
+    table = build("1f1b", 2, 4)
+    assert own["executor_bubble_fraction"] == pytest.approx(own_action_bubble_fraction(table, 1.0, 3.0, None, head))
+    assert own["executor_bubble_fraction"] < lockstep["executor_bubble_fraction"]
+    work = 2 * 4 * (1 + 3) + 4 * head  # per stage pair: every microbatch's F and B on both, the head once each
+    assert own["flops_per_device"] / lockstep["flops_per_device"] == pytest.approx(
+        work / table.busy_time(1.0, 3 + 1 + 3 * 4 / 9), rel=1e-9
+    )
+
+
+def test_search_prices_gradients_reduced_once():
+    """``--search --grad-reduce step``: every pipeline candidate is priced with each stage running its own
+    action, at a bubble no larger than the one-section executor's; a sequence split and a mixture of
+    experts are refused by name."""
+    from jaxpar.analysis.search import search
+
+    args = dict(batch=16, seq=32, hardware="h100", num_layers=4, schedule="1f1b")
+    slice_, _ = search("tiny", 8, **args)
+    step, _ = search("tiny", 8, grad_reduce="step", **args)
+    piped = lambda ranked: {tuple(sorted(c.mesh.items())): c.pipeline for c in ranked if c.pipeline}
+    one, own = piped(slice_), piped(step)
+    assert own and own.keys() == {m for m in one if "sequence" not in dict(m)}  # a sequence split: refused
+    for mesh, pipe in own.items():
+        assert pipe["executor"] == "own actions" and one[mesh]["executor"] == "one section a tick"
+        assert pipe["executor_bubble_fraction"] <= one[mesh]["executor_bubble_fraction"] + 1e-12, mesh
+    ranked, refused = search("tiny-moe", 8, grad_reduce="step", batch=16, seq=32, hardware="h100")
+    assert not ranked and any("grad_reduce=step with a mixture of experts" in r for _, r in refused)

@@ -19,6 +19,8 @@ load over the whole batch); others are refused, naming the setting.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,10 +48,10 @@ def slice_sums(grad_fn, params, rest, micro):
     return jax.lax.scan(body, zeros, micro)[0]
 
 
-def check_reduce_once(cfg, layout: Layout) -> None:
-    """Refuses, naming ``grad_reduce``, a model or layout the once-a-step reduction does not run (module
-    docstring)."""
-    split = {a: layout.mesh.shape[a] for a in ("sequence", "expert") if layout.mesh.shape[a] > 1}
+def check_reduce_once(cfg, shape: Mapping[str, int]) -> None:
+    """Refuses, naming ``grad_reduce``, a model or a mesh (``shape``: its axis sizes) the once-a-step
+    reduction does not run (module docstring)."""
+    split = {a: shape[a] for a in ("sequence", "expert") if shape.get(a, 1) > 1}
     if cfg.moe is not None or split:
         why = "a mixture of experts" if cfg.moe is not None else ", ".join(f"{a}={n}" for a, n in split.items())
         raise ConfigError(

@@ -25,7 +25,7 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     if layout.mesh.shape["stage"] > 1:
         _check_pipelined(cfg, layout.mesh.shape)
     if cfg.grad_reduce == GradReduce.STEP:
-        check_reduce_once(cfg.model, layout)
+        check_reduce_once(cfg.model, layout.mesh.shape)
     micro = cfg.batch // batch_slices(cfg, layout)
     sharded = math.prod(layout.mesh.shape[a] for a in layout.rules["batch"])
     if micro % sharded:

@@ -145,7 +145,7 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int, grad_reduc
     step: reduced over the batch axes once, after the last slice (``jaxpar.train.accumulate``)."""
     once = GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP
     if grad_accum > 1 and once and batch_axes(layout.mesh, layout.rules):
-        check_reduce_once(model.cfg, layout)
+        check_reduce_once(model.cfg, layout.mesh.shape)
         return reduced_once(model, batch, loss_fn, grad_accum, layout, _split_slices)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # rest: non-trained state (router bias)
     rest, rest_def = jax.tree.flatten(rest)  # plain arrays: the Variables are rebuilt inside the
@@ -167,7 +167,7 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int, grad_reduc
 def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, fsdp_gather, grad_reduce):
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP:
-        check_reduce_once(model.cfg, layout)
+        check_reduce_once(model.cfg, layout.mesh.shape)
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
     out = pipeline_grads(

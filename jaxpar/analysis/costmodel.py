@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxpar.mesh import AXES  # the physical order: outermost (slowest links) to innermost
 from jaxpar.pipeline.schedules import build
-from jaxpar.pipeline.timing import executor_bubble_fraction
+from jaxpar.pipeline.timing import executor_bubble_fraction, own_action_bubble_fraction, own_action_times
 from jaxpar.rules import axes_of
 
 
@@ -226,7 +226,8 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
     dtype where it differs from theirs), one layer's working set
     (16 × tokens × max(D, F/t) × b_a, and the scores without a flash kernel), and float32 logits with
     their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are one
-    microbatch's, the layers one chunk's, plus the executor's stage-input buffers (and with
+    microbatch's, the layers one chunk's (when every stage runs its own action, ``runs_own_actions``:
+    times the act slots, each holding a microbatch's residuals), plus the executor's stage-input buffers (and with
     ``fsdp_gather`` step the stage's weights whole over fsdp, ``gathered``). With gradient
     accumulation (``grad_accum`` k) the tokens are one slice's, and the state holds a float32 gradient sum
     beside the slice's gradient (4 more bytes per element); reduced once a step (``grad_reduce`` step), the
@@ -241,6 +242,10 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
     width = max(cfg.embed_dim, cfg.mlp_dim / t)
     kept_scores, scores = score_bytes(cfg, execution, acts, tokens, t)
     kept = layers * (tokens * kept_bytes(cfg, execution, acts.act_bytes, t) + kept_scores)
+    if stages > 1 and runs_own_actions(cfg, acts, mesh):  # residuals kept per microbatch in flight
+        table = schedule_table(acts.schedule, stages, acts.microbatches, acts.virtual_stages)
+        kept *= table.act_slots
+        buffers += table.act_slots * tokens * cfg.embed_dim * acts.act_bytes / t  # the last chunk's output grads
     cast = str(execution.dtype) != str(cfg.param_dtype)
     if str(execution.remat) == "none" and cast:  # the layers' weights, cast
         kept += acts.act_bytes * sum(
@@ -299,6 +304,25 @@ def executor_durations(split: bool, head: float, remat_full: bool) -> tuple[floa
     return 1.0, 3 + r + 3 * head, None
 
 
+def own_action_durations(split: bool, head: float, remat_full: bool) -> tuple[float, float, float | None, float]:
+    """(F, B, W, head) when every stage runs its own action (``jaxpar.pipeline.actions``), in forwards
+    of one model chunk. F runs the chunk once and keeps its residuals; B runs the backward from them
+    (2; under full remat each layer's forward once more: r = 1); split, B is the input gradient (1 + r)
+    and W the weight gradient, which still runs the input gradient's chain inside the chunk (2 + r). The
+    LM head's forward and backward (3h) run with the last chunk's F only."""
+    r = 1.0 if remat_full else 0.0
+    if split:
+        return 1.0, 1 + r, 2 + r, 3 * head
+    return 1.0, 2 + r, None, 3 * head
+
+
+def runs_own_actions(cfg, a: Activations, mesh: dict) -> bool:
+    """Whether the executor runs each stage's own action for this layout (``jaxpar.pipeline.executor.
+    own_actions``): gradients reduced once a step, no sequence or expert split, no dense prefix."""
+    inside = ("sequence", "expert")
+    return a.grad_reduce == "step" and all(mesh.get(x, 1) == 1 for x in inside) and not cfg.first_dense_layers
+
+
 def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict:
     """The schedule's measures for ``Plan.pipeline``, in jaxpar's executor's durations. Bubbles (idle
     share of stage time): ``bubble_fraction`` as the schedule's papers draw it (every op starts when its
@@ -311,8 +335,15 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
     table = schedule_table(a.schedule, p, m, v)
     head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # forward FLOPs per token
     chunk = (cfg.flops_per_token(a.seq) / 3 - head) / (p * v)
-    t_f, t_b, t_w = executor_durations(table.split_backward, head / chunk, remat_full)
-    busy = table.busy_time(t_f, t_b, t_w)
+    own, t_h = runs_own_actions(cfg, a, mesh), 0.0
+    if own:
+        t_f, t_b, t_w, t_h = own_action_durations(table.split_backward, head / chunk, remat_full)
+        busy = float(own_action_times(table, t_f, t_b, t_w, t_h).sum())
+        executor = own_action_bubble_fraction(table, t_f, t_b, t_w, t_h)
+    else:
+        t_f, t_b, t_w = executor_durations(table.split_backward, head / chunk, remat_full)
+        busy = table.busy_time(t_f, t_b, t_w)
+        executor = executor_bubble_fraction(table, t_f, t_b, t_w)
     fwd, bwd = table.fwd_recv_slot >= 0, table.bwd_recv_slot >= 0
     return dict(
         schedule=str(table.schedule),
@@ -320,11 +351,12 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
         microbatches=m,
         virtual_stages=v,
         ticks=table.ticks,
-        durations=dict(F=t_f, B=t_b) | ({} if t_w is None else dict(W=t_w)),
+        durations=dict(F=t_f, B=t_b) | ({} if t_w is None else dict(W=t_w)) | (dict(head=t_h) if own else {}),
         bubble_fraction=table.bubble_fraction(t_f, t_b, t_w),
         lockstep_bubble_fraction=table.lockstep_bubble_fraction(t_f, t_b, t_w),
-        executor_bubble_fraction=executor_bubble_fraction(table, t_f, t_b, t_w),
+        executor_bubble_fraction=executor,
         bubble_used="executor_bubble_fraction",
+        executor="own actions" if own else "one section a tick",
         peak_in_flight=int(table.peak_in_flight.max()),
         act_slots=table.act_slots,
         grad_slots=table.grad_slots,

@@ -294,7 +294,7 @@ def plan(
     fsdp_gather = FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather")
     grad_reduce = GradReduce.parse(grad_reduce, field="grad_reduce")
     if grad_reduce == GradReduce.STEP:
-        check_reduce_once(cfg, layout)
+        check_reduce_once(cfg, layout.mesh.shape)
     acts = activations_of(
         cfg,
         batch=batch,

@@ -292,6 +292,7 @@ def _search(args) -> int:
         microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
         grad_accum=args.grad_accum,
+        grad_reduce=args.grad_reduce,
         **_overrides(args.overrides),
     )
     if args.json:

@@ -54,7 +54,9 @@ def _pipeline_lines(pipe, t) -> list[str]:
     return [
         f"pipeline {pipe['schedule']}: {pipe['stages']} stages × {pipe['microbatches']} microbatches"
         f"{f' × {v} virtual stages' if (v := pipe['virtual_stages']) > 1 else ''}, {pipe['ticks']} ticks "
-        f"(F {d['F']:.2f}, B {d['B']:.2f}{f', W {w:.2f}' if (w := d.get('W')) else ''} chunk forwards)",
+        f"(F {d['F']:.2f}, B {d['B']:.2f}{f', W {w:.2f}' if (w := d.get('W')) else ''}"
+        f"{f', head {h:.2f} with the last F' if (h := d.get('head')) else ''} chunk forwards; "
+        f"{pipe['executor']})",
         f"  bubble: executor {pipe['executor_bubble_fraction']:.1%} (used: stretches compute to "
         f"{t['pipelined_s'] * 1e3:.1f} ms), lockstep {pipe['lockstep_bubble_fraction']:.1%}, ideal "
         f"{pipe['bubble_fraction']:.1%}; peak in flight {pipe['peak_in_flight']}",

@@ -121,6 +121,7 @@ def step_times(
         stage_bytes=stage_bytes,
         fsdp_gather=pipeline.get("fsdp_gather", "section"),
         grad_reduce=pipeline.get("grad_reduce", "slice"),
+        executor=pipeline.get("executor", "one section a tick"),
     )
     work = (
         workload_of(

@@ -54,6 +54,7 @@ from jaxpar.models import get_model_preset
 from jaxpar.pipeline.ops import Schedule
 from jaxpar.rules import Dim
 from jaxpar.shardings import normalize_spec, param_shardings
+from jaxpar.train.accumulate import GradReduce, check_reduce_once
 
 SEARCH_AXES = AXES
 # what a pipelined candidate reports of its ``pipeline_costs``
@@ -66,6 +67,7 @@ PIPELINE_SUMMARY = (
     "lockstep_bubble_fraction",
     "bubble_fraction",
     "peak_in_flight",
+    "executor",
 )
 
 
@@ -113,15 +115,20 @@ def estimate(
     base=None,
     execution: ExecutionConfig | None = None,
     grad_accum: int = 1,
+    grad_reduce: str = "slice",
 ):
     """One candidate's ``Candidate`` (raises ``LayoutError``/``ConfigError`` when the layout cannot divide
     the model, or the pipeline or ``grad_accum``'s slices the batch), the model run as ``execution`` says
     (default ``ExecutionConfig()``). ``base``: ``base_report(cfg)``, built once for many candidates.
-    ``grad_accum`` applies to candidates without a pipeline (a pipeline's microbatches play its part)."""
+    ``grad_accum`` applies to candidates without a pipeline (a pipeline's microbatches play its part);
+    ``grad_reduce`` to both (``jaxpar.train.accumulate.GradReduce``)."""
     execution = ExecutionConfig() if execution is None else execution
     hw = get_hardware(hardware)
     full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
     rules = _checked_rules(cfg, execution, mesh, full, batch=batch, seq=seq)
+    grad_reduce = str(GradReduce.parse(grad_reduce, field="grad_reduce"))
+    if grad_reduce == GradReduce.STEP:
+        check_reduce_once(cfg, full)
     acts, costs = _pipeline(
         cfg,
         execution,
@@ -132,10 +139,11 @@ def estimate(
         schedule=schedule,
         microbatches=microbatches,
         virtual_stages=virtual_stages,
+        grad_reduce=grad_reduce,
     )
     if costs is None and grad_accum > 1:
         check_grad_accum(full, rules, batch=batch, grad_accum=grad_accum)
-        acts = dataclasses.replace(acts, grad_accum=grad_accum)
+        acts = dataclasses.replace(acts, grad_accum=grad_accum, grad_reduce=grad_reduce)
     report = resharded(base or base_report(cfg), rules, full)
     return _predicted(
         cfg,
@@ -182,6 +190,7 @@ def _predicted(
         stage_bytes=stage_path,
         pipeline=costs,
         grad_accum=acts.grad_accum,
+        grad_reduce=acts.grad_reduce,
     )
     memory = memory_estimate(cfg, execution, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
@@ -214,7 +223,9 @@ def _stage_path(acts, costs: dict, mesh: dict, rules, traffic: dict) -> float:
     return traffic["stage"] - mean + costs["send_ticks"] * send
 
 
-def _pipeline(cfg, execution, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages):
+def _pipeline(
+    cfg, execution, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages, grad_reduce
+):
     """(Activations, ``pipeline_costs``) of a candidate; costs None without stage."""
     p = mesh["stage"]
     if p == 1:
@@ -223,7 +234,9 @@ def _pipeline(cfg, execution, mesh: dict, rules, *, batch: int, seq: int, schedu
     ways = math.prod(mesh[a] for a in rules["batch"])
     m = microbatches or default_microbatches(p, batch // ways if batch % ways == 0 else 0, schedule)
     pipeline_for(cfg, mesh, rules, batch=batch, schedule=schedule, microbatches=m, virtual_stages=v)
-    acts = activations_of(cfg, batch=batch, seq=seq, pipeline=(schedule, m, v), execution=execution)
+    acts = activations_of(
+        cfg, batch=batch, seq=seq, pipeline=(schedule, m, v), execution=execution, grad_reduce=grad_reduce
+    )
     return acts, pipeline_costs(cfg, acts, mesh, remat_full=execution.remat == Remat.FULL)
 
 
@@ -273,6 +286,7 @@ def search(
     virtual_stages: int | None = None,
     execution: Mapping[str, Any] | None = None,
     grad_accum: int = 1,
+    grad_reduce: str = "slice",
     **overrides,
 ) -> tuple[list, list]:
     """(ranked candidates: fitting ones by predicted step time, then the rest by memory; refused
@@ -280,7 +294,7 @@ def search(
     ``plan_execution(model, execution)`` says. ``schedule``, ``microbatches``, ``virtual_stages``: the
     pipeline of candidates with ``stage`` > 1 (defaults: every schedule, each a candidate of its own,
     ``default_microbatches``, 1 chunk a device, 2 interleaved); ``grad_accum``: the slices of candidates
-    without one."""
+    without one; ``grad_reduce``: when every candidate reduces its accumulated gradients."""
     cfg, run = get_model_preset(model, **overrides), plan_execution(model, execution)
     schedules = [Schedule.parse(schedule, field="--schedule")] if schedule else list(Schedule)
     axes = SEARCH_AXES if cfg.moe is not None else tuple(a for a in SEARCH_AXES if a != "expert")
@@ -304,6 +318,7 @@ def search(
                         base=base,
                         execution=run,
                         grad_accum=grad_accum,
+                        grad_reduce=grad_reduce,
                     )
                 )
             except JaxparError as err:

@@ -77,7 +77,7 @@ class Workload:
     flash: bool = True  # attention in a flash kernel (False: scores materialized in HBM)
     attention_kernel: str = ""  # "fa2": FlashAttention-2 (a GPU's own profile prices FA3/cuDNN's kernel)
     dcn_overlap: bool = False  # DCN gradient reduction behind the backward (torch DDP's buckets)
-    executor: bool = False  # jaxpar's pipeline executor (stage recompute, the head in every chunk)
+    executor: bool = False  # jaxpar's one-section-a-tick executor (stage recompute, the head in every chunk)
     stage_bytes: float | None = None  # stage sends on the step's critical path, where a program gives them
     gather_once: bool = False  # fsdp weights gathered once a step and kept (the executor's fsdp_gather=step)
     reduce_once: bool = False  # gradients reduced once a step, not per microbatch (grad_reduce=step)
@@ -305,7 +305,7 @@ def workload_of(
         w = dataclasses.replace(
             w,
             microbatch=batch // (w.replicas * pipeline["microbatches"]),
-            executor=True,
+            executor=pipeline.get("executor") != "own actions",  # own actions: no recompute, one head
             gather_once="step" in (pipeline.get("fsdp_gather"), pipeline.get("grad_reduce")),
             reduce_once=pipeline.get("grad_reduce") == "step",
             **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")},

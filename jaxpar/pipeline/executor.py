@@ -1,39 +1,32 @@
 """The pipeline executor: any schedule table (``jaxpar.pipeline.schedules``) run inside the jitted step.
 
-The step is one program on every device. ``shard_map`` makes ``stage`` manual and leaves every other
-mesh axis automatic, so data, fsdp, tensor, expert and sequence work inside a stage as they do without
-pipelining. The model's pipelined stack (its stacked ``layers`` axis, split over ``stage`` by the rules)
-arrives as each stage's own layers; everything else (embedding, final norm, LM head, a router's
-non-trained state) is replicated over ``stage``.
+The step is one program on every device. ``shard_map`` makes ``stage`` manual, so each stage holds its
+own rows of the model's pipelined stack (its stacked ``layers`` axis, split over ``stage`` by the
+rules); everything else (embedding, final norm, LM head, a router's non-trained state) is replicated
+over ``stage``. A ``lax.scan`` runs the table's ticks, so compile time does not grow with the number of
+microbatches. After each tick's work every stage sends its forward output to the next stage and its
+input gradient to the previous one (``ppermute``) and files what arrives in the buffer slot the table
+names; only the pairs whose message is used at that tick send, so the bytes are exactly one activation
+forward and one gradient back per microbatch and chunk boundary.
 
-A ``lax.scan`` runs the table's ticks, so compile time does not grow with the number of microbatches.
-A tick runs one section on *every* stage, chosen by the tick alone (``tick_sections``): forward only
-when the tick has F actions and no backward one; otherwise one ``vjp`` of each stage's chunk from its
-own input, from which an F stage keeps the output, a B stage the input gradient (and the weight gradient
-unless the schedule splits it off) and a W stage the weight gradient; the rest is masked away. (Split
-schedules run the input-gradient-only vjp in ticks without W.) So a tick costs its most expensive action,
-never the sum of F and B. The reason for one section everywhere: an automatic axis's collective (an FSDP
-gather, a tensor all-reduce) is one operation over all stages' groups, so a branch that some stages skip
-would leave the others waiting for ever (XLA:CPU hangs in its rendezvous).
-After the sections each stage sends its forward output to the next stage and its input gradient to the
-previous one (``ppermute``) and files what arrives in the buffer slot the table names. Only the pairs
-whose message is used at that tick send (one ``ppermute`` per distinct pair list, chosen by a switch on
-the tick), so the bytes are exactly one activation forward and one gradient back per microbatch and
-chunk boundary.
+Two stage programs run the ticks:
 
-What a stage keeps per microbatch in flight is its chunk's *input* (``Carry.chunk_inputs``, as many slots
-as the table needs: O(p) for 1F1B-like schedules, m for GPipe) and the cotangent that came back
-(``Carry.cotangents``). B and W
-recompute the chunk's forward from the input (remat at stage granularity; the model's remat policy still
-applies inside), so no residuals outlive a tick; that recomputed forward is also the F stages' forward in
-a mixed tick. The embedding runs with model chunk 0 and the final norm, LM head and loss with the last
-chunk: in every vjp section on every stage (masked), since they hold collectives of the automatic axes.
+- **Each stage its own action** (``jaxpar.pipeline.actions``), with ``grad_reduce=step``: the batch
+  axes are manual too (``_reduced_once``: weights gathered once, gradients reduced once after the
+  schedule), and what XLA still partitions inside a stage is ``tensor`` at most, whose collectives run
+  among one stage's devices. A forward tick runs the forward once and keeps its residuals, a backward
+  tick the pullback from them; the embedding runs with chunk 0 only, the head and loss with the last
+  chunk's forward only.
+- **One section a tick** (``jaxpar.pipeline.stage``) for the rest (gradients reduced per section,
+  sequence or expert parallelism, a dense prefix): every stage runs the same section, chosen by the tick
+  alone (a forward, or one ``vjp`` of each stage's chunk from its own input, masked to each stage's
+  action), so that the collectives XLA places inside a section for the automatic axes are reached by
+  every stage. B and W recompute the chunk's forward, and the head runs, masked, in every vjp section.
+
 Weight gradients accumulate in float32. Layers before the pipelined stack (DeepSeek's dense prefix) run
 before the schedule with the embedding, each stage taking m/p of the microbatches (``_prologue``); model
-chunk 0 starts from their output, and its input gradients flow back through them after the schedule.
-
-This module splits the model and runs the schedule; ``jaxpar.pipeline.stage`` is the per-stage program:
-the scan's ``Carry``, each tick's ``TickRow`` and each stage's ``Action`` in it, and the ``Sections``.
+chunk 0 starts from their output, and its input gradients flow back through them after the schedule
+(one section a tick only).
 """
 
 from __future__ import annotations
@@ -51,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import ConfigError
 from jaxpar.model_api import LanguageModel
 from jaxpar.parallel.manual import GradReduce, batch_axes, gathered, manual_spec, reduced
+from jaxpar.pipeline.actions import own_action_body
 from jaxpar.pipeline.ops import FsdpGather
 from jaxpar.pipeline.stage import AXIS, here, send_patterns, stage_body  # noqa: F401  (send_patterns: re-exported)
 from jaxpar.pipeline.timing import executor_bubble_fraction, tick_sections  # noqa: F401  (re-exported)
@@ -141,6 +135,8 @@ def pipeline_grads(
         out_specs=(P(AXIS), P(), P(), P(), P(AXIS)) + (P(AXIS),) * prefixed,
     )
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP and not prefixed:
+        if own_actions(mesh, active_layout()[1]):
+            body = own_action_body(graphdef, model.pipeline_stack, table, num_layers // (p * v), losses)
         run = _reduced_once(body, mesh, sp, op)  # gathers the weights once itself
     elif FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather") == FsdpGather.STEP:
         sp, op = _whole_over("fsdp", sp), _whole_over("fsdp", op)
@@ -157,6 +153,14 @@ def pipeline_grads(
     grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, nnx.merge_state(sp, op))  # seeded with 1/m
     stats = None if stats is None else jax.tree.map(lambda a: a / m, stats)
     return PipelineResult(ce / m, z / m, stats, grads)
+
+
+def own_actions(mesh, rules) -> bool:
+    """True where each stage can run its own action (``jaxpar.pipeline.actions``): the batch axes are
+    manual, and what XLA still partitions inside a stage is ``tensor`` at most, whose collectives run
+    among the stage's own devices (sequence and expert parallelism are not run this way)."""
+    inside = {AXIS, "tensor", *batch_axes(mesh, rules)}
+    return all(n == 1 for axis, n in mesh.shape.items() if axis not in inside)
 
 
 def _reduced_once(body, mesh, sp, op):

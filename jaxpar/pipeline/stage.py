@@ -136,14 +136,17 @@ def here(tree):
 
 
 def rows_of(tree, j, n: int):
-    """Rows [j·n, (j+1)·n) of every leaf (local chunk j of a stage's layers)."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=0), tree)
+    """Rows [j·n, (j+1)·n) of every leaf (local chunk j of a stage's layers); the leaf itself where it
+    has n rows (one chunk per stage: a dynamic slice would copy the stage's weights every tick)."""
+    return jax.tree.map(lambda a: a if a.shape[0] == n else jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=0), tree)
 
 
-def _add_rows(acc, tree, j, n: int, keep):
+def add_rows(acc, tree, j, n: int, keep):
     """acc[j·n:(j+1)·n] += tree where ``keep`` (float32 accumulators)."""
 
     def add(a, g):
+        if a.shape[0] == n:
+            return a + jnp.where(keep, g.astype(a.dtype), 0)
         part = jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=0) + jnp.where(keep, g.astype(a.dtype), 0)
         return jax.lax.dynamic_update_slice_in_dim(a, part, j * n, axis=0)
 
@@ -154,7 +157,7 @@ def _add(acc, tree, keep):
     return jax.tree.map(lambda a, g: a + jnp.where(keep, g.astype(a.dtype), 0), acc, tree)
 
 
-def _zeros_f32(tree):
+def zeros_f32(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
@@ -234,7 +237,7 @@ class Sections:
             (x, _), vjp, (ce, z, stats) = jax.vjp(objective, w, self.op, x_in, has_aux=True)
             dw, do, dx = vjp(seed)
             keep = a.op == (Op.W if self.split_backward else Op.B)
-            stack_grads = _add_rows(c.stack_grads, dw, a.local_chunk, self.chunk.per_chunk, keep)
+            stack_grads = add_rows(c.stack_grads, dw, a.local_chunk, self.chunk.per_chunk, keep)
             c = dataclasses.replace(c, stack_grads=stack_grads, other_grads=_add(c.other_grads, do, keep))
         else:  # input gradients only: the weights are constants here
             (x, _), vjp, (ce, z, stats) = jax.vjp(lambda x: self.chunk.objective(w, self.op, x, a), x_in, has_aux=True)
@@ -258,7 +261,7 @@ class Sections:
     def _kept_stats(self, c: Carry, a: Action, stats) -> Carry:  # MoE statistics count at the forward
         if stats is None:
             return c
-        moe_stats = _add_rows(c.moe_stats, stats, a.local_chunk, self.chunk.per_chunk, a.op == Op.F)
+        moe_stats = add_rows(c.moe_stats, stats, a.local_chunk, self.chunk.per_chunk, a.op == Op.F)
         return dataclasses.replace(c, moe_stats=moe_stats)
 
 
@@ -283,8 +286,8 @@ def initial_carry(chunk: ChunkPrograms, sp, op, table, start) -> Carry:
     return Carry(
         chunk_inputs=buffer(table.act_slots),
         cotangents=buffer(table.grad_slots),
-        stack_grads=_zeros_f32(sp),
-        other_grads=_zeros_f32(op),
+        stack_grads=zeros_f32(sp),
+        other_grads=zeros_f32(op),
         cross_entropy=jnp.zeros((), jnp.float32),
         z_loss=jnp.zeros((), jnp.float32),
         moe_stats=stats,

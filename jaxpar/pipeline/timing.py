@@ -117,3 +117,42 @@ def executor_bubble_fraction(table, t_f: float, t_b: float, t_w: float | None = 
     one, and ``t_w`` the full one, which W actions need). Each action's own time is its useful work."""
     cost = np.array([0.0, t_f, t_b] + ([t_w] if table.split_backward else []))[tick_sections(table)]
     return float(1 - table.busy_time(t_f, t_b, t_w) / (table.stages * cost.sum()))
+
+
+# ------------------------------------------------------------------ the executor with its own actions
+def own_action_times(table, t_f: float, t_b: float, t_w: float | None = None, head: float = 0.0) -> np.ndarray:
+    """[ticks, stages]: how long each stage's op lasts in each tick when every stage runs its own action
+    (``jaxpar.pipeline.actions``): F, B, W by ``durations``, and the last model chunk's F ``head`` more
+    (the final norm, LM head and loss run there, forward and backward)."""
+    cell = durations(table.split_backward, t_f, t_b, t_w)[table.op]
+    model_chunk = table.chunk * table.stages + np.arange(table.stages)
+    last = (table.op == Op.F) & (model_chunk == table.stages * table.virtual_stages - 1)
+    return cell + np.where(last, head, 0.0)
+
+
+def paired_makespan(table, cell: np.ndarray) -> float:
+    """The step's time when each stage runs its ticks at its own pace (``cell``: [ticks, stages] op
+    times) and a tick's send is a rendezvous of its sender and receiver alone: both go on once both have
+    ended that tick (``ppermute``, XLA's collective-permute). No global barrier, no communication time."""
+    p = table.stages
+    end = np.zeros(p)
+    for t in range(table.ticks):
+        end = end + cell[t]
+        ready = end.copy()
+        for recv, source in ((table.fwd_recv_slot[t], -1), (table.bwd_recv_slot[t], +1)):
+            for r in np.nonzero(recv >= 0)[0]:
+                s = (r + source) % p
+                both = max(end[s], end[r])
+                ready[s], ready[r] = max(ready[s], both), max(ready[r], both)
+        end = ready
+    return float(end.max(initial=0.0))
+
+
+def own_action_bubble_fraction(table, t_f: float, t_b: float, t_w: float | None = None, head: float = 0.0) -> float:
+    """The idle share of stage time when every stage runs its own action (``own_action_times``) and
+    waits only for the stages it exchanges with (``paired_makespan``). For gpipe, 1f1b and zero_bubble
+    this is the table's ideal (``Table.bubble_fraction``) at head = 0; interleaved stays above it, since
+    its sends close a ring (stage p-1 sends chunk boundaries on to stage 0) whose rendezvous pace the ring
+    as one."""
+    cell = own_action_times(table, t_f, t_b, t_w, head)
+    return float(1 - cell.sum() / (table.stages * paired_makespan(table, cell)))

@@ -37,11 +37,13 @@ from jaxpar.pipeline.stage import (
     Action,
     ChunkPrograms,
     TickRow,
+    act_buffer,
     action_of,
     add_rows,
     here,
     rows_of,
     send,
+    stats_zeros,
     tick_rows,
     zeros_f32,
 )
@@ -131,15 +133,18 @@ class OwnActions:
         return rows_of(self.sp, a.local_chunk, self.per_chunk)
 
     def _input(self, c: Carry, a):
+        """The chunk's input: from its act slot; on chunk 0 in the forward, the embedding (filed there)."""
         x = c.chunk_inputs[a.act_slot]
-        return jax.lax.cond(a.first, lambda: self.embed(self.op, a).astype(x.dtype), lambda: x)
+        return jax.lax.cond(a.first & (a.op == Op.F), lambda: self.embed(self.op, a).astype(x.dtype), lambda: x)
 
     def _seed(self):
         return jnp.float32(1 / self.microbatches)
 
     def run_forward(self, c: Carry, a) -> Carry:
         """The chunk's forward; its residuals filed; on the last chunk the head and loss, both ways."""
-        (y, _), kept, stats = kept_vjp(self.forward, self._weights(a), self._input(c, a), a, self.weight_only)
+        x = self._input(c, a)
+        (y, _), kept, stats = kept_vjp(self.forward, self._weights(a), x, a, self.weight_only)
+        c = dataclasses.replace(c, chunk_inputs=c.chunk_inputs.at[a.act_slot].set(x))  # chunk 0: the embedding
         residuals = tuple(r.at[a.act_slot].set(new) for r, new in zip(c.residuals, kept)) + c.residuals[len(kept) :]
         moe_stats = c.moe_stats
         if stats is not None:
@@ -248,21 +253,16 @@ def initial_carry(parts: ModelParts, table, weight_only: list[bool]) -> Carry:
     x, w = parts.chunk_input(), parts._any_rows()
     kept = lambda w, x, a: kept_vjp(parts.forward, w, x, a, weight_only)
     _, shapes, stats = jax.eval_shape(kept, w, x, ABSTRACT_ACTION)
-    slots = table.act_slots + 1
-    buffer = lambda s: jnp.zeros((slots, *s.shape), s.dtype)
-    acts = lambda k: constrain(jnp.zeros((k + 1, *x.shape), x.dtype), (None, "batch", "length", "act_embed"))
-    if stats is not None:
-        rows = table.virtual_stages * parts.chunk.per_chunk
-        stats = jax.tree.map(lambda s: jnp.zeros((rows, *s.shape[1:]), jnp.float32), stats)
+    buffer = lambda s: jnp.zeros((table.act_slots + 1, *s.shape), s.dtype)
     return Carry(
-        chunk_inputs=acts(table.act_slots),
-        cotangents=acts(table.grad_slots),
-        residuals=(*map(buffer, shapes), acts(table.act_slots)),
+        chunk_inputs=act_buffer(table.act_slots, x),
+        cotangents=act_buffer(table.grad_slots, x),
+        residuals=(*map(buffer, shapes), act_buffer(table.act_slots, x)),
         stack_grads=zeros_f32(parts.sp),
         other_grads=zeros_f32(parts.op),
         cross_entropy=jnp.zeros((), jnp.float32),
         z_loss=jnp.zeros((), jnp.float32),
-        moe_stats=stats,
+        moe_stats=stats_zeros(stats, table.virtual_stages * parts.chunk.per_chunk),
         outbox=(jnp.zeros(x.shape, x.dtype), jnp.zeros(x.shape, x.dtype)),
     )
 

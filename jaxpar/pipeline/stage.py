@@ -161,6 +161,16 @@ def zeros_f32(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
+def act_buffer(slots: int, x) -> jax.Array:
+    """A zeroed buffer of ``slots`` microbatch activations shaped as ``x`` [b, T, D], plus a trash slot."""
+    return constrain(jnp.zeros((slots + 1, *x.shape), x.dtype), (None, "batch", "length", "act_embed"))
+
+
+def stats_zeros(stats, rows: int):
+    """Float32 accumulators for one chunk's MoE statistics ``stats`` (shapes), over a stage's ``rows``."""
+    return None if stats is None else jax.tree.map(lambda a: jnp.zeros((rows, *a.shape[1:]), jnp.float32), stats)
+
+
 # ------------------------------------------------------------------------------------ chunk programs
 @dataclasses.dataclass(frozen=True)
 class ChunkPrograms:
@@ -279,13 +289,10 @@ def initial_carry(chunk: ChunkPrograms, sp, op, table, start) -> Carry:
         index = jnp.zeros((b, t), jnp.int32)
         return model.run_stack(getattr(model, name), jnp.zeros(x.shape, x.dtype), index, index)[2]
 
-    stats = jax.eval_shape(stack_stats, parts)
-    if stats is not None:
-        stats = jax.tree.map(lambda a: jnp.zeros((table.virtual_stages * n, *a.shape[1:]), jnp.float32), stats)
-    buffer = lambda k: constrain(jnp.zeros((k + 1, *x.shape), x.dtype), (None, "batch", "length", "act_embed"))
+    stats = stats_zeros(jax.eval_shape(stack_stats, parts), table.virtual_stages * n)
     return Carry(
-        chunk_inputs=buffer(table.act_slots),
-        cotangents=buffer(table.grad_slots),
+        chunk_inputs=act_buffer(table.act_slots, x),
+        cotangents=act_buffer(table.grad_slots, x),
         stack_grads=zeros_f32(sp),
         other_grads=zeros_f32(op),
         cross_entropy=jnp.zeros((), jnp.float32),

@@ -56,15 +56,16 @@ def _setup(name, layers, mesh, batch, seq, table, devices, remat="full", grad_re
     from jaxpar.layout import make_layout
     from jaxpar.meshes import resolve_mesh_arg
     from jaxpar.models import build_model, get_model_preset
+    from jaxpar.pipeline.executor import check_stack
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
 
     cfg = dataclasses.replace(get_model_preset(name), num_layers=layers)
     run = ExecutionConfig(remat=remat)
     layout = make_layout(cfg, resolve_mesh_arg(mesh), batch=batch, seq=seq, devices=jax.devices()[:devices])
-    ts = init_train_state(
-        lambda r: build_model(cfg, rngs=r, execution=run), functools.partial(make_optimizer, OptimizerConfig()), layout
-    )
+    split = None if table is None else check_stack(cfg, table.stages, table.virtual_stages)
+    make = lambda r: build_model(cfg, rngs=r, execution=run)
+    ts = init_train_state(make, functools.partial(make_optimizer, OptimizerConfig()), layout, stack=split)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq), dtype=np.int32)
     data = {k: jax.device_put(tokens, s) for k, s in batch_sharding(layout).items()}
     t0 = time.perf_counter()

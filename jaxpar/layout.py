@@ -35,10 +35,19 @@ class Layout:
 
 
 def make_layout(
-    model_cfg, preset, /, *, batch: int, seq: int, devices=None, execution: ExecutionConfig | None = None
+    model_cfg,
+    preset,
+    /,
+    *,
+    batch: int,
+    seq: int,
+    devices=None,
+    execution: ExecutionConfig | None = None,
+    extra_dims: Mapping[str, Dim] | None = None,
 ) -> Layout:
     """Build the mesh of ``preset`` (a ``jaxpar.meshes.MeshPreset``) and check the model, run as
-    ``execution`` says (default ``ExecutionConfig()``), against it.
+    ``execution`` says (default ``ExecutionConfig()``), against it (``extra_dims``: dimensions that
+    replace or add to the model's, such as a pipeline's storage rows of the stack).
 
     Raises ``LayoutError``/``MeshError`` naming the field, the mesh axis and the numbers.
     """
@@ -52,7 +61,7 @@ def make_layout(
             f"{preset.rules.name!r}; every device on it would repeat the same work"
         )
     rules = check_model_layout(
-        model_cfg, execution, preset.rules, shape, batch=Dim(batch, "batch"), seq=Dim(seq, "seq")
+        model_cfg, execution, preset.rules, shape, batch=Dim(batch, "batch"), seq=Dim(seq, "seq"), extra_dims=extra_dims
     )
     return Layout(mesh, rules)
 

@@ -81,8 +81,10 @@ class LanguageModel(Protocol):
         """The layers before the pipelined stack over x [B, T, D] (the identity when there are none)."""
         ...
 
-    def run_stack(self, blocks, x: jax.Array, positions: jax.Array, index: jax.Array) -> tuple:
-        """``blocks`` (the pipelined stack or a chunk of its layers) over x: (x, aux loss, statistics)."""
+    def run_stack(self, blocks, x: jax.Array, positions: jax.Array, index: jax.Array, active=None) -> tuple:
+        """``blocks`` (the pipelined stack or a chunk of its layers) over x: (x, aux loss, statistics).
+        ``active``: None, or ``(rows, skip)`` for a chunk with padding rows: ``rows`` [n] bool says which
+        rows hold a layer, the others pass x through (``skip``: as a branch that does no work)."""
         ...
 
     def head(self, x: jax.Array) -> jax.Array:

@@ -206,9 +206,12 @@ def stacked(n: int, make, rngs: nnx.Rngs, axis: str = "layers"):
     return make_blocks(rngs)
 
 
-def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs: bool = False):
+def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs: bool = False, active=None):
     """Runs stacked ``blocks`` over x. A block returns x, or with ``per_layer_outputs`` (x, outputs),
-    and the outputs come back stacked over the layers."""
+    and the outputs come back stacked over the layers. ``active`` (a pipeline's padded chunk: ``(rows
+    [n] bool, skip)``): a row that is off passes x through with zero outputs, and zero gradients for its
+    weights; ``skip`` runs it as a branch (no work), otherwise it is computed and dropped (for programs
+    where a branch that differs between devices must not hold a collective)."""
 
     def body(x, block, positions, index):
         return block(x, positions, index)
@@ -216,7 +219,26 @@ def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs:
     if remat != Remat.NONE:
         body = nnx.remat(body, policy=remat.policy(), prevent_cse=False)
     out_axes = (nnx.Carry, 0) if per_layer_outputs else nnx.Carry
-    return nnx.scan(body, in_axes=(nnx.Carry, 0, None, None), out_axes=out_axes)(x, blocks, positions, index)
+    if active is None:
+        return nnx.scan(body, in_axes=(nnx.Carry, 0, None, None), out_axes=out_axes)(x, blocks, positions, index)
+    rows, skip = active
+
+    def masked(x, block, on, positions, index):
+        off = lambda block, x: _passed_through(nnx.eval_shape(body, x, block, positions, index), x)
+        if skip:
+            return nnx.cond(on, lambda block, x: body(x, block, positions, index), off, block, x)
+        out = body(x, block, positions, index)
+        return jax.tree.map(lambda a, b: jnp.where(on, a, b), out, off(block, x))
+
+    scan = nnx.scan(masked, in_axes=(nnx.Carry, 0, 0, None, None), out_axes=out_axes)
+    return scan(x, blocks, rows, positions, index)
+
+
+def _passed_through(shapes, x):
+    """What an inactive layer returns, shaped as ``shapes`` (x, or (x, outputs)): x and zero outputs."""
+    if isinstance(shapes, tuple):
+        return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1])
+    return x
 
 
 def stack_axis(blocks) -> str:
@@ -263,10 +285,11 @@ class DenseLM(nnx.Module):
     pipeline_stack = "blocks"
     prefix_stack = None  # the stacked layers ``prefix`` runs, by attribute name (or None)
 
-    def run_stack(self, blocks, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
+    def run_stack(self, blocks, x, positions, index, active=None) -> tuple[jax.Array, jax.Array, object]:
         """``blocks`` (this model's pipelined stack, or a chunk of its layers) over x:
-        (x, weighted auxiliary loss, statistics stacked over the layers)."""
-        return scan_blocks(blocks, x, positions, index, self.execution.remat), jnp.zeros((), jnp.float32), None
+        (x, weighted auxiliary loss, statistics stacked over the layers); ``active``: see ``scan_blocks``."""
+        x = scan_blocks(blocks, x, positions, index, self.execution.remat, active=active)
+        return x, jnp.zeros((), jnp.float32), None
 
     def prefix(self, x, positions, index) -> jax.Array:
         """The layers before the pipelined stack (none here; see ``MoELM``)."""

@@ -136,8 +136,9 @@ class MoELM(DenseLM):
     def prefix_stack(self):
         return "dense_blocks" if self.cfg.first_dense_layers else None
 
-    def run_stack(self, blocks, x, positions, index):
-        x, stats = scan_blocks(blocks, x, positions, index, self.execution.remat, per_layer_outputs=True)
+    def run_stack(self, blocks, x, positions, index, active=None):
+        remat = self.execution.remat
+        x, stats = scan_blocks(blocks, x, positions, index, remat, per_layer_outputs=True, active=active)
         return x, jnp.sum(stats.aux_loss) + jnp.sum(stats.router_z_loss), stats
 
     def prefix(self, x, positions, index):

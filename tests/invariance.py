@@ -27,6 +27,8 @@ from jaxpar.layout import make_layout
 from jaxpar.mesh import MeshConfig
 from jaxpar.meshes import get_mesh_preset
 from jaxpar.models import build_model
+from jaxpar.pipeline.executor import check_stack
+from jaxpar.rules import Dim
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
 from jaxpar.train.step import init_train_state, make_grad_fn, make_train_step
 
@@ -59,15 +61,19 @@ def train_steps(
     execution=None,
     fsdp_gather: str = "section",
     grad_reduce: str = "slice",
+    ends: tuple = (None, None),
 ) -> Run:
     """Trains ``cfg``, run as ``execution`` says (default ``ExecutionConfig()``), under ``preset`` on
     ``tokens`` [steps, B, T + 1] (step i: inputs tokens[i, :, :-1], targets tokens[i, :, 1:]), recording
     each step's loss, MoE statistics and gradients. ``grad_accum``, ``pipeline`` (a schedule table),
-    ``fsdp_gather`` and ``grad_reduce`` go to the train step and the gradient function."""
+    ``fsdp_gather`` and ``grad_reduce`` go to the train step and the gradient function; ``ends``: the
+    pipeline's first and last stage layers (``jaxpar.pipeline.stack``; None: an even split)."""
     steps, batch, seq = tokens.shape[0], tokens.shape[1], tokens.shape[2] - 1
-    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=execution)
+    split = None if pipeline is None else check_stack(cfg, pipeline.stages, pipeline.virtual_stages, None, *ends)
+    rows = None if split is None else {"layers": Dim(split.order.size, "storage rows")}
+    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=execution, extra_dims=rows)
     make = lambda r: build_model(cfg, execution=execution, rngs=r)
-    ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout)
+    ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout, stack=split)
     kw = dict(grad_accum=grad_accum, pipeline=pipeline, fsdp_gather=fsdp_gather, grad_reduce=grad_reduce)
     step, grad_fn = make_train_step(ts, layout, **kw), make_grad_fn(ts, layout, **kw)
     state, losses, grads, moe = ts.state, [], [], []

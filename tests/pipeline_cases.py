@@ -27,6 +27,8 @@ MODELS = {  # name: (preset, model fields, execution fields)
     "tiny": ("tiny", dict(num_layers=8), {}),
     "tiny-ring": ("tiny", dict(num_layers=8), dict(context_parallel="ring")),  # zig-zag token order
     "tiny-ulysses": ("tiny", dict(num_layers=8), dict(context_parallel="ulysses")),
+    "tiny-6": ("tiny", dict(num_layers=6), {}),  # an uneven split over 4 stages (first 1, last 1)
+    "tiny-deepseek-uneven": ("tiny-deepseek", dict(num_layers=7, first_dense_layers=1), {}),  # 1 dense + 6 MoE
     "tiny-bf16-keep": ("tiny", dict(num_layers=8), dict(dtype="bfloat16", remat="none")),
     "tiny-moe": ("tiny-moe", dict(num_layers=4), {}),
     "tiny-moe-dropless": ("tiny-moe", dict(num_layers=4), dict(capacity_factor=None)),
@@ -85,22 +87,40 @@ def _devices(mesh: str):
 
 
 def run_case(
-    name: str, schedule: str, p: int, m: int, v: int, mesh: str, fsdp_gather: str = "section", grad_reduce="slice"
+    name: str,
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    mesh: str,
+    fsdp_gather: str = "section",
+    grad_reduce="slice",
+    ends=(None, None),
 ):
-    """The recorded run (``invariance.Run``) of case ``name`` by ``schedule`` on ``mesh``."""
+    """The recorded run (``invariance.Run``) of case ``name`` by ``schedule`` on ``mesh``; ``ends``: the
+    first and last stage's layers (an uneven split)."""
     preset, devices = _devices(mesh)
     table = build(schedule, p, m, v)
     run = dict(devices=devices, pipeline=table, execution=execution(name), fsdp_gather=fsdp_gather)
-    run |= dict(grad_reduce=grad_reduce)
+    run |= dict(grad_reduce=grad_reduce, ends=ends)
     return train_steps(model(name), preset, tokens(name), **run)
 
 
 def check_case(
-    name: str, schedule: str, p: int, m: int, v: int, mesh: str, fsdp_gather: str = "section", grad_reduce="slice"
+    name: str,
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    mesh: str,
+    fsdp_gather: str = "section",
+    grad_reduce="slice",
+    ends=(None, None),
 ) -> None:
-    got = run_case(name, schedule, p, m, v, mesh, fsdp_gather, grad_reduce)
+    got = run_case(name, schedule, p, m, v, mesh, fsdp_gather, grad_reduce, ends)
     want, bound = reference(name, m)
     label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}, fsdp gathered per {fsdp_gather}, reduced per {grad_reduce}"
+    label += "" if ends == (None, None) else f", first/last stage layers {ends}"
     check_run(got, want, bound, label)
     for g, w in zip(got.moe, want.moe):  # routing statistics pass through the pipeline
         np.testing.assert_allclose(g.expert_load, w.expert_load, atol=1e-6, err_msg=label)

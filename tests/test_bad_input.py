@@ -290,6 +290,14 @@ CASES = {
         train("--mesh", "stage=2,data=4", "--set", "pipeline.microbatches=2", "--set", "pipeline.virtual_stages=2"),
         r"pipeline\.virtual_stages=2 needs pipeline\.schedule=interleaved",
     ),
+    "pipeline-uneven-split-does-not-exist": Case(
+        train("--mesh", "stage=4,data=2", "--set", "model.num_layers=7", "--set", "pipeline.first_stage_layers=2"),
+        r"model\.num_layers=7 \(the pipelined stack\) - 2 = 5 layers do not split evenly over the other 3 stages",
+    ),
+    "pipeline-uneven-split-without-stages": Case(
+        train("--set", "pipeline.last_stage_layers=1"),
+        r"pipeline\.last_stage_layers is set, but the mesh has no stage axis",
+    ),
     "pipeline-unknown-schedule": Case(
         train("--set", "pipeline.schedule=dualpipe"),
         r"--set pipeline\.schedule='dualpipe': choose one of gpipe, 1f1b, interleaved, zero_bubble",

@@ -313,15 +313,16 @@ def test_stage_sends_one_activation_and_one_gradient_per_microbatch_and_boundary
     from jaxpar.layout import make_layout
     from jaxpar.models import build_model
     from jaxpar.pipeline.executor import send_patterns
+    from jaxpar.pipeline.stack import StackSplit
     from jaxpar.train.optim import OptimizerConfig, make_optimizer
     from jaxpar.train.step import batch_sharding, init_train_state, make_train_step
 
     rows, seq, cfg = 2, 16, _model("tiny")
     table = build(schedule, p, m, v)
     layout = make_layout(cfg, resolve_mesh_arg(f"stage={p}"), batch=rows * m, seq=seq, devices=jax.devices()[:p])
-    ts = init_train_state(
-        lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
-    )
+    split = StackSplit(cfg.num_layers, p, v)  # stage s's chunks side by side in its rows
+    make = lambda r: build_model(cfg, rngs=r)
+    ts = init_train_state(make, functools.partial(make_optimizer, OptimizerConfig()), layout, stack=split)
     batch = {k: jax.ShapeDtypeStruct((rows * m, seq), np.int32, sharding=s) for k, s in batch_sharding(layout).items()}
     hlo = make_train_step(ts, layout, pipeline=table).lower(ts.state, batch).compile().as_text()
     sends = re.findall(

@@ -60,6 +60,10 @@ class PipelineConfig:
     microbatches: int = 8  # the batch is fed through the stages in this many pieces
     virtual_stages: int = 1  # model chunks per stage (interleaved only)
     fsdp_gather: FsdpGather = FsdpGather.SECTION  # FSDP weights gathered per tick section, or once a step
+    # Megatron's uneven split: the first / last stage's layers (None: an even share); the other stages
+    # split the rest evenly (e.g. 58 layers on 8 stages: first 4, last 6, 8 each between)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self):
         check_choices(self, "pipeline")

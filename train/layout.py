@@ -13,6 +13,8 @@ from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.pipeline.executor import check_stack
 from jaxpar.pipeline.ops import check_pipeline
 from jaxpar.pipeline.schedules import build
+from jaxpar.pipeline.stack import StackSplit
+from jaxpar.rules import Dim
 from jaxpar.train.accumulate import GradReduce, check_reduce_once
 from jaxpar.train.config import ConfigError, TrainConfig
 from jaxpar.train.step import batch_sharding
@@ -21,7 +23,13 @@ from jaxpar.train.step import batch_sharding
 def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     """The checked layout of ``cfg`` (mesh, rules, divisibility of the batch and of every dimension)."""
     preset = resolve_mesh_arg(cfg.mesh)
-    layout = make_layout(cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices, execution=cfg.execution)
+    stages = preset.mesh.resolve(len(jax.devices() if devices is None else devices)).shape()["stage"]
+    uneven = (cfg.pipeline.first_stage_layers, cfg.pipeline.last_stage_layers) != (None, None)
+    split = stack_split(cfg, stages) if uneven else None  # the layout holds its padded rows
+    extra = None if split is None else {"layers": Dim(split.order.size, "the pipeline's storage rows of the stack")}
+    layout = make_layout(
+        cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices, execution=cfg.execution, extra_dims=extra
+    )
     if layout.mesh.shape["stage"] > 1:
         _check_pipelined(cfg, layout.mesh.shape)
     if cfg.grad_reduce == GradReduce.STEP:
@@ -44,11 +52,24 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     return layout
 
 
+def stack_split(cfg: TrainConfig, stages: int) -> StackSplit | None:
+    """How the pipeline splits and stores the model's stack on ``stages`` stages (None: no pipeline);
+    refuses, naming the fields, a split that does not exist."""
+    if stages == 1:
+        for field in ("first_stage_layers", "last_stage_layers"):
+            if getattr(cfg.pipeline, field) is not None:
+                raise ConfigError(f"pipeline.{field} is set, but the mesh has no stage axis (stage=1)")
+        return None
+    p = cfg.pipeline
+    return check_stack(cfg.model, stages, p.virtual_stages, None, p.first_stage_layers, p.last_stage_layers)
+
+
 def _check_pipelined(cfg: TrainConfig, shape) -> None:
     """A mesh with ``stage`` > 1: the schedule, the model's stack and the batch fit the pipeline."""
     stages = shape["stage"]
     check_pipeline(cfg.pipeline.schedule, stages, cfg.pipeline.microbatches, cfg.pipeline.virtual_stages)
-    check_stack(cfg.model, stages, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches)
+    p = cfg.pipeline
+    check_stack(cfg.model, stages, p.virtual_stages, p.microbatches, p.first_stage_layers, p.last_stage_layers)
     if cfg.grad_accum != 1:
         raise ConfigError(
             f"grad_accum={cfg.grad_accum} with mesh stage={stages}: the pipeline's microbatches "

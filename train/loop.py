@@ -40,7 +40,7 @@ from jaxpar.layout import Layout
 from jaxpar.models import build_model
 from jaxpar.train.config import ConfigError, TrainConfig, to_dict
 from jaxpar.train.guard import NonFinite, NonFiniteError, NonFiniteGuard, Preemption
-from jaxpar.train.layout import batch_slices, pipeline_table, plan_layout
+from jaxpar.train.layout import batch_slices, pipeline_table, plan_layout, stack_split
 from jaxpar.train.layout import check_process_rows as check_process_rows  # imported from here by callers
 from jaxpar.train.metrics import MetricsLog, throughput
 from jaxpar.train.optim import make_optimizer, make_schedule
@@ -127,8 +127,9 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
         lambda model: make_optimizer(cfg.optimizer, model, total_steps=cfg.steps),
         layout,
         seed=cfg.seed,
+        stack=stack_split(cfg, layout.mesh.shape["stage"]),
     )
-    saved = check_out_dir(out, config, program.abstract)
+    saved = check_out_dir(out, config, program.checkpoint_abstract)
     if cfg.init_from and saved is None:
         check_init_from(cfg)
     loaders = _make_loaders(cfg)
@@ -177,7 +178,8 @@ class _Run:
             raise
         if jax.process_index() == 0:  # the run's config, once its state exists
             write_json(out / "config.json", config)
-        self.ts = TrainState(program.graphdef, state, program.shardings)
+        self.ts = TrainState(program.graphdef, state, program.shardings, program.stack)
+        self.saved_form = program.saved
         self.metrics = MetricsLog(
             out,
             enabled=jax.process_index() == 0,
@@ -200,15 +202,19 @@ class _Run:
     def _initial_state(self, program: InitProgram, saved: SavedRun | None):
         """The state to start from: created (with ``init_from``'s weights), or restored and resharded."""
         with self.layout.activate():
+            form = program.saved  # the layer order of checkpoints, where the state is stored otherwise
             if saved is None:
                 self.start = 0
                 state = program.create()
-                return with_weights_of(self.cfg, state, self.layout) if self.cfg.init_from else state
-            abstract = abstract_like(program.abstract, program.shardings)
+                if not self.cfg.init_from:
+                    return state
+                state = with_weights_of(self.cfg, state if form is None else form.unstored(state), self.layout)
+                return state if form is None else form.stored(state)
+            abstract = abstract_like(program.checkpoint_abstract, program.checkpoint_shardings)
             state, position = self.checkpoints.restore(saved.step, abstract)
             self.loader.set_state(position)
             self.start = saved.step
-            return state
+            return state if form is None else form.stored(state)
 
     def _batch(self, loader=None):
         return to_global(next(loader or self.loader), self.shardings)
@@ -280,7 +286,8 @@ class _Run:
                 )
                 pending = None  # eval and save time is kept out of the next step's time
                 if save:
-                    self.checkpoints.save(s, state=state, data=position, config=self.config, force=final)
+                    kept = state if self.saved_form is None else self.saved_form.unstored(state)
+                    self.checkpoints.save(s, state=kept, data=position, config=self.config, force=final)
                 clock += time.perf_counter() - paused
             if preempted:
                 self.checkpoints.wait()

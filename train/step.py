@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
 from jaxpar.model_api import LanguageModel
 from jaxpar.pipeline.executor import pipeline_grads
-from jaxpar.rules import constrain, partly_manual
+from jaxpar.pipeline.stack import StackSplit
+from jaxpar.rules import constrain, partly_manual, without_axes
 from jaxpar.train.accumulate import GradReduce, batch_axes, check_reduce_once, reduced_once, slice_sums
 
 Batch = dict[str, jax.Array]  # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
@@ -38,11 +40,14 @@ class StepMetrics:
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """What a training run holds: the graph (static), the state arrays and their shardings."""
+    """What a training run holds: the graph (static), the state arrays and their shardings. ``stack``:
+    the pipeline's split of the pipelined stack when the state holds it in storage order
+    (``jaxpar.pipeline.stack``), else None (layer order)."""
 
     graphdef: Any
     state: Any
     shardings: Any
+    stack: StackSplit | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -82,12 +87,37 @@ def token_losses(logits: jax.Array, targets: jax.Array, /, *, z_loss: float = 0.
 @dataclasses.dataclass(frozen=True)
 class InitProgram:
     """The sharded initialisation, not yet run: ``create()`` returns the state arrays; ``abstract`` is
-    that state's shapes and dtypes (``nnx.eval_shape``), e.g. to check a checkpoint against."""
+    that state's shapes and dtypes (``nnx.eval_shape``), e.g. to check a checkpoint against. With a
+    ``stack`` split that stores the pipelined stack in another order, ``create``, ``abstract`` and
+    ``shardings`` are in storage order, and ``saved`` (``SavedForm``) converts to and from the layer order
+    checkpoints hold."""
 
     graphdef: Any
     shardings: Any
     create: Callable[[], Any]
     abstract: Any
+    stack: StackSplit | None = None
+    saved: SavedForm | None = None
+
+    @property
+    def checkpoint_abstract(self):
+        return self.abstract if self.saved is None else self.saved.abstract
+
+    @property
+    def checkpoint_shardings(self):
+        return self.shardings if self.saved is None else self.saved.shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedForm:
+    """The state in layer order (what checkpoints hold) beside a storage-ordered one: its ``abstract`` and
+    ``shardings`` (the stack unsplit over ``stage`` where its layers do not divide it), and the jitted
+    conversions ``stored(layer-order state)`` and ``unstored(storage-order state)``."""
+
+    abstract: Any
+    shardings: Any
+    stored: Callable[[Any], Any]
+    unstored: Callable[[Any], Any]
 
 
 def init_program(
@@ -97,12 +127,15 @@ def init_program(
     /,
     *,
     seed: int = 0,
+    stack: StackSplit | None = None,
 ) -> InitProgram:
     """``InitProgram``: ``create()`` is jitted with ``out_shardings`` from the
     parameters' logical names, so XLA computes each shard on its own device (partitionable RNG) and no
     device ever holds the whole model. Nothing is allocated until ``create()`` is called.
 
     ``make_tx(model)`` builds the optimizer (it may read parameter metadata, e.g. for a decay mask).
+    ``stack``: the pipeline's split of the pipelined stack (``jaxpar.pipeline.stack``); the state is made
+    in its storage order (the executor's: no step moves a weight between stages).
     """
 
     def create():
@@ -110,9 +143,28 @@ def init_program(
         return model, nnx.Optimizer(model, make_tx(model), wrt=nnx.Param)
 
     with layout.activate():
-        graphdef, abstract = nnx.split(nnx.eval_shape(create))
+        abstract_model = nnx.eval_shape(create)
+        graphdef, abstract = nnx.split(abstract_model)
         shardings = nnx.get_named_sharding(abstract, layout.mesh)
-    return InitProgram(graphdef, shardings, jax.jit(lambda: nnx.state(create()), out_shardings=shardings), abstract)
+    make = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)
+    if stack is None or stack.identity:
+        return InitProgram(graphdef, shardings, make, abstract, None if stack is None else stack)
+    name = abstract_model[0].pipeline_stack
+    stored = jax.eval_shape(lambda s: stack.stored(s, name), abstract)
+    layer_order = stack.stack_leaves(shardings, name, lambda s: _unsplit_over_stage(s, stack.layers))
+    to_storage = jax.jit(lambda s: stack.stored(s, name), out_shardings=shardings)
+    to_layers = jax.jit(lambda s: stack.unstored(s, name), out_shardings=layer_order)
+    saved = SavedForm(abstract, layer_order, to_storage, to_layers)
+    create_stored = jax.jit(lambda: stack.stored(nnx.state(create()), name), out_shardings=shardings)
+    return InitProgram(graphdef, shardings, create_stored, stored, stack, saved)
+
+
+def _unsplit_over_stage(sharding, layers: int):
+    """``sharding`` of a stack leaf, with ``stage`` dropped from its layer axis where ``layers`` does
+    not divide it (an uneven split's layer-order form)."""
+    if not isinstance(sharding, NamedSharding) or layers % sharding.mesh.shape["stage"] == 0:
+        return sharding
+    return NamedSharding(sharding.mesh, without_axes(sharding.spec, ("stage",)))
 
 
 def init_train_state(
@@ -122,11 +174,13 @@ def init_train_state(
     /,
     *,
     seed: int = 0,
+    stack: StackSplit | None = None,
 ) -> TrainState:
-    """Model and optimizer state, born sharded on ``layout`` (see ``init_program``)."""
-    program = init_program(make_model, make_tx, layout, seed=seed)
+    """Model and optimizer state, born sharded on ``layout`` (see ``init_program``; ``stack``: the
+    pipeline's split, for a pipelined layout whose executor stores the stack in another order)."""
+    program = init_program(make_model, make_tx, layout, seed=seed, stack=stack)
     with layout.activate():
-        return TrainState(program.graphdef, program.create(), program.shardings)
+        return TrainState(program.graphdef, program.create(), program.shardings, program.stack)
 
 
 def batch_sharding(layout: Layout):
@@ -164,7 +218,7 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int, grad_reduc
     return jax.tree.map(lambda x: x / grad_accum, parts), grads
 
 
-def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, fsdp_gather, grad_reduce):
+def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, fsdp_gather, grad_reduce, split):
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP:
         check_reduce_once(model.cfg, layout.mesh.shape)
@@ -179,13 +233,15 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, 
         losses=functools.partial(token_losses, z_loss=z_loss),
         fsdp_gather=fsdp_gather,
         grad_reduce=grad_reduce,
+        split=split,
     )
     return LossParts(out.cross_entropy, out.z_loss, out.moe), out.grads
 
 
-def _check_pipeline_given(layout: Layout, pipeline) -> None:
+def _check_pipeline_given(ts: TrainState, layout: Layout, pipeline) -> None:
     """A mesh with ``stage`` > 1 trains through a schedule table, never by GSPMD alone (which would gather
-    every stage's layers onto every device: correct, but no pipeline)."""
+    every stage's layers onto every device: correct, but no pipeline); a table whose executor stores the
+    stack in another order than the layers' (interleaved, or an uneven split) needs a state made so."""
     stages = layout.mesh.shape["stage"]
     if (pipeline is None) != (stages == 1) or (pipeline is not None and pipeline.stages != stages):
         got = "none" if pipeline is None else f"a table for {pipeline.stages} stages"
@@ -193,6 +249,26 @@ def _check_pipeline_given(layout: Layout, pipeline) -> None:
             f"mesh stage={stages} with {got}: give the train step the schedule table for the mesh's "
             "stages (jaxpar.pipeline.build; the train loop builds it from pipeline.*)"
         )
+    split = ts.stack
+    if pipeline is not None and pipeline.virtual_stages > 1 and split is None:
+        raise ConfigError(
+            f"pipeline.virtual_stages={pipeline.virtual_stages}: the executor keeps each stage's chunks side "
+            "by side; create the state with init_train_state(..., stack=jaxpar.pipeline.stack.StackSplit(...))"
+        )
+    if split is not None and (pipeline is None or (split.stages, split.virtual) != (stages, pipeline.virtual_stages)):
+        want = "no pipeline" if pipeline is None else f"{stages} stages × {pipeline.virtual_stages} chunks"
+        raise ConfigError(
+            f"the state stores its stack for {split.stages} stages × {split.virtual} chunks, the step runs {want}"
+        )
+
+
+def _layer_order(ts: TrainState, name: str, tree=None, stats=None):
+    """``tree`` (a state or gradients) and MoE ``stats`` in the model's layer order, from the storage
+    order of ``ts.stack`` (``name``: the model's pipelined stack)."""
+    if ts.stack is None or ts.stack.identity:
+        return tree, stats
+    stats = None if stats is None else jax.tree.map(ts.stack.to_model, stats)
+    return (None if tree is None else ts.stack.unstored(tree, name)), stats
 
 
 def make_train_step(
@@ -222,7 +298,7 @@ def make_train_step(
     """
     graphdef = ts.graphdef
     objective = functools.partial(loss_fn, z_loss=z_loss)
-    _check_pipeline_given(layout, pipeline)
+    _check_pipeline_given(ts, layout, pipeline)
     if pipeline is not None and (grad_accum != 1 or loss_fn is not next_token_loss):
         raise ConfigError(
             f"grad_accum={grad_accum} with a pipeline: its microbatches already accumulate the "
@@ -242,9 +318,12 @@ def make_train_step(
             if pipeline is None:
                 parts, grads = _accumulated_grads(model, batch, objective, grad_accum, grad_reduce, layout)
             else:
-                parts, grads = _pipelined_grads(model, batch, pipeline, layout, z_loss, fsdp_gather, grad_reduce)
+                run = (pipeline, layout, z_loss, fsdp_gather, grad_reduce, ts.stack)
+                parts, grads = _pipelined_grads(model, batch, *run)
+            # the metrics' statistics in layer order; the state's own order stays for the router bias
+            moe = _layer_order(ts, model.pipeline_stack, stats=parts.moe)[1]
             metrics = StepMetrics(
-                loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss, moe=parts.moe
+                loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss, moe=moe
             )
             if not skip_nonfinite:
                 return apply(state, grads, parts), metrics
@@ -266,6 +345,7 @@ def make_eval_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss
     def evaluate(state, batch):
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
+            model, _ = nnx.merge(graphdef, _layer_order(ts, model.pipeline_stack, state)[0])
             return loss_fn(model, batch)[1].cross_entropy
 
     return jax.jit(evaluate, in_shardings=(ts.shardings, batch_sharding(layout)), out_shardings=layout.sharding(()))
@@ -282,10 +362,10 @@ def make_grad_fn(
     fsdp_gather: str = "section",
     grad_reduce: str = "slice",
 ):
-    """``grads(state, batch) -> (loss, grads)`` with gradients in their parameters' shardings, computed as
+    """``grads(state, batch) -> (loss, grads)`` with gradients in the model's layer order, computed as
     the train step computes them (``grad_accum``, ``pipeline``: see ``make_train_step``)."""
     graphdef = ts.graphdef
-    _check_pipeline_given(layout, pipeline)
+    _check_pipeline_given(ts, layout, pipeline)
 
     def grads(state, batch):
         with layout.activate_trace():
@@ -293,7 +373,7 @@ def make_grad_fn(
             if pipeline is None:
                 parts, g = _accumulated_grads(model, batch, loss_fn, grad_accum, grad_reduce, layout)
             else:
-                parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0, fsdp_gather, grad_reduce)
-            return parts.cross_entropy, g
+                parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0, fsdp_gather, grad_reduce, ts.stack)
+            return parts.cross_entropy, _layer_order(ts, model.pipeline_stack, g)[0]
 
     return jax.jit(grads, in_shardings=(ts.shardings, batch_sharding(layout)))

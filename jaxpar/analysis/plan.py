@@ -131,15 +131,15 @@ def compile_step(
     schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``) and ``fsdp_gather`` its executor's;
     ``grad_accum``: slices per step, their gradients reduced as ``grad_reduce`` says."""
     run = cpu_compilable(ExecutionConfig() if execution is None else execution)
-    program = init_program(
-        lambda r: build_model(cfg, execution=run, rngs=r), functools.partial(make_optimizer, OptimizerConfig()), layout
-    )
+    split = None if pipeline is None else check_stack(cfg, pipeline.stages, pipeline.virtual_stages)
+    make = lambda r: build_model(cfg, execution=run, rngs=r)
+    program = init_program(make, functools.partial(make_optimizer, OptimizerConfig()), layout, stack=split)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(program.create),
         program.shardings,
     )
-    ts = TrainState(program.graphdef, state, program.shardings)
+    ts = TrainState(program.graphdef, state, program.shardings, program.stack)
     step = make_train_step(
         ts, layout, pipeline=pipeline, grad_accum=grad_accum, fsdp_gather=fsdp_gather, grad_reduce=grad_reduce
     )

@@ -43,6 +43,7 @@ from jaxpar.pipeline.stage import (
     here,
     rows_of,
     send,
+    stage_active,
     stats_zeros,
     tick_rows,
     zeros_f32,
@@ -233,7 +234,8 @@ class ModelParts:
         model = self._model(w, self.op, a.local_chunk)
         _, positions, index, _ = model.inputs(self.chunk.ids[a.microbatch], stored=True)
         x = constrain(x, ("batch", "length", "act_embed"))
-        x, aux, stats = model.run_stack(getattr(model, self.chunk.stack_name), x, positions, index)
+        stack = getattr(model, self.chunk.stack_name)
+        x, aux, stats = model.run_stack(stack, x, positions, index, self.chunk.rows_active(a.local_chunk))
         return (x, aux), stats
 
     def embed(self, o, a):
@@ -273,15 +275,17 @@ ABSTRACT_ACTION = Action(
 )
 
 
-def own_action_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callable):
+def own_action_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callable, active=None):
     """The per-stage program (inside ``shard_map``; ``stage`` and the batch axes manual) where each stage
-    runs its own action; the same outputs as ``jaxpar.pipeline.stage.stage_body`` (no dense prefix)."""
+    runs its own action; the same outputs as ``jaxpar.pipeline.stage.stage_body`` (no dense prefix).
+    ``active``: the storage rows that hold a layer (None: all); padding rows are skipped, doing no work."""
     rows, fwd_pairs, bwd_pairs = tick_rows(table)
     last_chunk = table.stages * table.virtual_stages - 1
 
     def body(sp, op, sr, orest, ids, targets):
         stage = jax.lax.axis_index(AXIS)
-        chunk = ChunkPrograms(graphdef, stack_name, sr, orest, ids, targets, losses, per_chunk, prefixed=False)
+        rows_on = stage_active(active, stage, table.stages)
+        chunk = ChunkPrograms(graphdef, stack_name, sr, orest, ids, targets, losses, per_chunk, False, rows_on, True)
         parts = ModelParts(chunk, sp, op)
         weight_only = parts.residual_split()
         split, m = table.split_backward, table.microbatches

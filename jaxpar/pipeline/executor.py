@@ -46,6 +46,7 @@ from jaxpar.model_api import LanguageModel
 from jaxpar.parallel.manual import GradReduce, batch_axes, gathered, manual_spec, reduced
 from jaxpar.pipeline.actions import own_action_body
 from jaxpar.pipeline.ops import FsdpGather
+from jaxpar.pipeline.stack import StackSplit
 from jaxpar.pipeline.stage import AXIS, here, send_patterns, stage_body  # noqa: F401  (send_patterns: re-exported)
 from jaxpar.pipeline.timing import executor_bubble_fraction, tick_sections  # noqa: F401  (re-exported)
 from jaxpar.rules import active_layout, without_axes
@@ -60,33 +61,30 @@ class PipelineResult:
     grads: nnx.State  # mean over microbatches, in the parameters' dtypes
 
 
-def check_stack(model_cfg, stages: int, virtual: int, microbatches: int | None = None) -> None:
-    """Refuses, naming the fields, a model whose pipelined stack does not split into stages × virtual
-    stages equal chunks, or (with a dense prefix) whose microbatches do not split over the stages."""
+def check_stack(
+    model_cfg, stages: int, virtual: int, microbatches: int | None = None, first=None, last=None
+) -> StackSplit:
+    """The split of the model's pipelined stack over stages × virtual stages (``first``/``last``: the
+    first and last stage's layers, ``pipeline.first_stage_layers`` / ``last_stage_layers``; None: equal
+    chunks). Refuses, naming the fields, a stack that does not split so, or (with a dense prefix)
+    microbatches that do not split over the stages."""
     prefix = model_cfg.first_dense_layers
     layers = model_cfg.num_layers - prefix
-    if layers % (stages * virtual):
+    if first is None and last is None and layers % (stages * virtual):
         field = "model.num_layers - first_dense_layers" if prefix else "model.num_layers"
         raise ConfigError(
             f"{field}={layers} is not divisible by mesh stage={stages} × "
             f"pipeline.virtual_stages={virtual} = {stages * virtual}: every model chunk needs the "
-            "same number of layers"
+            "same number of layers (or set pipeline.first_stage_layers / last_stage_layers)"
         )
+    split = StackSplit(layers, stages, virtual, first, last)
     if prefix and microbatches is not None and microbatches % stages:
         raise ConfigError(
             f"model.first_dense_layers={prefix}: the dense prefix runs before the schedule with the "
             f"microbatches split over the stages, so pipeline.microbatches={microbatches} must be "
             f"divisible by mesh stage={stages}"
         )
-
-
-def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
-    """Storage order of the stack's layers for the executor: stage s holds model chunks s, s+p, ... as its
-    local chunks 0, 1, ... (``order[k]`` = the model layer at stored row k). The identity when v = 1."""
-    per_chunk = num_layers // (stages * virtual)
-    return np.array(
-        [(j * stages + s) * per_chunk + l for s in range(stages) for j in range(virtual) for l in range(per_chunk)]
-    )
+    return split
 
 
 def pipeline_grads(
@@ -100,6 +98,7 @@ def pipeline_grads(
     losses: Callable,
     fsdp_gather: FsdpGather = FsdpGather.SECTION,
     grad_reduce: GradReduce = GradReduce.SLICE,
+    split: StackSplit | None = None,
 ) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
     ``table``; the same as accumulating over the m microbatches on one device.
@@ -108,19 +107,25 @@ def pipeline_grads(
     ``mesh``: the layout's mesh, with ``stage`` = ``table.stages``. ``fsdp_gather``: ``step`` gathers
     the weights over ``fsdp`` once, before the schedule (``FsdpGather``). ``grad_reduce``: ``step``
     makes the batch axes manual too, so the weight gradients stay unreduced over them through the whole
-    schedule and are reduced once after it (``_reduced_once``; the weights are then gathered once)."""
+    schedule and are reduced once after it (``_reduced_once``; the weights are then gathered once).
+    ``split``: how the stack's layers are split over the chunks (``jaxpar.pipeline.stack``; default an even
+    split): ``model``'s stack is in its storage order, and so are the stack's gradients and statistics."""
     p, v, m = table.stages, table.virtual_stages, table.microbatches
     in_stack = nnx.PathContains(model.pipeline_stack)
     graphdef, sp, op, sr, orest = nnx.split(model, nnx.All(nnx.Param, in_stack), nnx.Param, in_stack, ...)
-    num_layers = jax.tree.leaves(sp)[0].shape[0]
-    order = layer_order(num_layers, p, v)
-    if v > 1:  # interleaved: stage s's chunks side by side
-        sp, sr = jax.tree.map(lambda a: jnp.take(a, order, axis=0), (sp, sr))
+    rows = jax.tree.leaves(sp)[0].shape[0]
+    split = StackSplit(rows, p, v) if split is None else split
+    if (split.stages, split.virtual, split.order.size) != (p, v, rows):
+        raise ConfigError(
+            f"the state's pipelined stack has {rows} rows; the table's split ({p} stages × {v} chunks × "
+            f"{split.rows} rows) stores {split.order.size}: create the state with the same split"
+        )
+    active = None if split.active.all() else split.active
     stored = model.storage_order(ids.shape[-1])
     if stored is not None:  # zig-zag: tokens and targets in storage order, once, outside the stages
         ids, targets = ids[..., stored], targets[..., stored]
     prefixed = model.prefix_stack is not None
-    body = stage_body(graphdef, model.pipeline_stack, table, num_layers // (p * v), losses, prefixed)
+    body = stage_body(graphdef, model.pipeline_stack, table, split.rows, losses, prefixed, active)
     specs = (P(AXIS), P(), P(AXIS), P(), P(), P())
     run = jax.shard_map(
         body,
@@ -136,7 +141,7 @@ def pipeline_grads(
     )
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP and not prefixed:
         if own_actions(mesh, active_layout()[1]):
-            body = own_action_body(graphdef, model.pipeline_stack, table, num_layers // (p * v), losses)
+            body = own_action_body(graphdef, model.pipeline_stack, table, split.rows, losses, active)
         run = _reduced_once(body, mesh, sp, op)  # gathers the weights once itself
     elif FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather") == FsdpGather.STEP:
         sp, op = _whole_over("fsdp", sp), _whole_over("fsdp", op)
@@ -146,9 +151,6 @@ def pipeline_grads(
         dop = jax.tree.map(jnp.add, dop, prologue_vjp(dstart[0])[0])
     else:
         dsp, dop, ce, z, stats = run(sp, op, sr, orest, ids, targets)
-    if v > 1:
-        inverse = np.argsort(order)
-        dsp, stats = jax.tree.map(lambda a: jnp.take(a, inverse, axis=0), (dsp, stats))
     grads = nnx.merge_state(dsp, dop)
     grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, nnx.merge_state(sp, op))  # seeded with 1/m
     stats = None if stats is None else jax.tree.map(lambda a: a / m, stats)

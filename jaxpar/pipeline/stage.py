@@ -188,6 +188,12 @@ class ChunkPrograms:
     losses: Callable
     per_chunk: int
     prefixed: bool
+    active: object = None  # this stage's storage rows that hold a layer [v · per_chunk] (None: all)
+    skip: bool = False  # padding rows are skipped by a branch (else computed and dropped)
+
+    def rows_active(self, j):
+        """``run_stack``'s ``active`` for local chunk j (None when every row holds a layer)."""
+        return None if self.active is None else (rows_of(self.active, j, self.per_chunk), self.skip)
 
     def forward(self, stack_params, other_params, x_in, a: Action):
         """Chunk ``a.local_chunk`` from x_in (or microbatch ``a.microbatch``'s embedding on model chunk 0):
@@ -197,7 +203,8 @@ class ChunkPrograms:
         ids, positions, index, _ = model.inputs(self.ids[a.microbatch], stored=True)
         x = x_in if self.prefixed else jnp.where(a.first, model.embed(ids), x_in)
         x = constrain(x, ("batch", "length", "act_embed"))
-        x, aux, stats = model.run_stack(getattr(model, self.stack_name), x, positions, index)
+        stack = getattr(model, self.stack_name)
+        x, aux, stats = model.run_stack(stack, x, positions, index, self.rows_active(a.local_chunk))
         return model, x, aux, stats
 
     def objective(self, stack_params, other_params, x_in, a: Action):
@@ -302,15 +309,23 @@ def initial_carry(chunk: ChunkPrograms, sp, op, table, start) -> Carry:
     )
 
 
-def stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callable, prefixed: bool):
+def stage_active(active: np.ndarray | None, stage, stages: int):
+    """This stage's rows of the storage's ``active`` mask (``jaxpar.pipeline.stack``; None: no padding)."""
+    return None if active is None else jnp.asarray(active.reshape(stages, -1))[stage]
+
+
+def stage_body(graphdef, stack_name: str, table, per_chunk: int, losses: Callable, prefixed: bool, active=None):
     """The per-stage program (inside ``shard_map``, manual over ``stage``). ``prefixed``: model chunk 0
-    starts from ``start`` [m, b, T, D] (the executor's prologue), and the program also returns its gradient."""
+    starts from ``start`` [m, b, T, D] (the executor's prologue), and the program also returns its gradient.
+    ``active``: the storage rows that hold a layer (None: all; padding rows are computed and dropped, as
+    a branch that differs between stages must not hold the collectives XLA places in a section)."""
     rows, fwd_pairs, bwd_pairs = tick_rows(table)
     last_chunk = table.stages * table.virtual_stages - 1
 
     def body(sp, op, sr, orest, ids, targets, start=None):
         stage = jax.lax.axis_index(AXIS)
-        chunk = ChunkPrograms(graphdef, stack_name, sr, orest, ids, targets, losses, per_chunk, prefixed)
+        rows_on = stage_active(active, stage, table.stages)
+        chunk = ChunkPrograms(graphdef, stack_name, sr, orest, ids, targets, losses, per_chunk, prefixed, rows_on)
         sections = Sections(chunk, sp, op, start, table.microbatches, table.split_backward).programs
 
         def tick(c: Carry, row: TickRow):

@@ -106,18 +106,11 @@ def run_case(
     return train_steps(model(name), preset, tokens(name), **run)
 
 
-def check_case(
-    name: str,
-    schedule: str,
-    p: int,
-    m: int,
-    v: int,
-    mesh: str,
-    fsdp_gather: str = "section",
-    grad_reduce="slice",
-    ends=(None, None),
-) -> None:
-    got = run_case(name, schedule, p, m, v, mesh, fsdp_gather, grad_reduce, ends)
+def check_case(name: str, schedule: str, p: int, m: int, v: int, mesh: str, **run) -> None:
+    """``run_case`` (``run``: its fsdp_gather, grad_reduce and ends) against one device."""
+    got = run_case(name, schedule, p, m, v, mesh, **run)
+    fsdp_gather, grad_reduce = run.get("fsdp_gather", "section"), run.get("grad_reduce", "slice")
+    ends = run.get("ends", (None, None))
     want, bound = reference(name, m)
     label = f"{name} {schedule} p={p} m={m} v={v} on {mesh}, fsdp gathered per {fsdp_gather}, reduced per {grad_reduce}"
     label += "" if ends == (None, None) else f", first/last stage layers {ends}"

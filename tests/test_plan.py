@@ -647,3 +647,18 @@ def test_search_prices_gradients_reduced_once():
         assert pipe["executor_bubble_fraction"] <= one[mesh]["executor_bubble_fraction"] + 1e-12, mesh
     ranked, refused = search("tiny-moe", 8, grad_reduce="step", batch=16, seq=32, hardware="h100")
     assert not ranked and any("grad_reduce=step with a mixture of experts" in r for _, r in refused)
+
+
+def test_plan_prices_megatron_uneven_split():
+    """``--first-stage-layers 1 --last-stage-layers 1`` on stage=4 (tiny with 6 layers: 1, 2, 2, 1): the
+    step compiles with the stack in storage order (each stage holds 2 rows, the end stages one of them
+    padding), the JSON names the split, and the step time is paced by a middle stage's 2 layers or the
+    last one's layer and the head, whichever is slower. A split that does not exist is refused by name."""
+    args = dict(batch=16, seq=32, hardware="h100", schedule="1f1b", microbatches=4, num_layers=6)
+    p = plan("tiny", "stage=4,data=2", first_stage_layers=1, last_stage_layers=1, **args)
+    assert p.pipeline["stage_layers"] == [1, 2, 2, 1]
+    even = plan("tiny", "stage=4,data=2", **(args | dict(num_layers=8)))  # 2 layers on every stage
+    assert p.memory_parts["state"] == even.memory_parts["state"]  # 8 storage rows over 4 stages, as 8 layers
+    assert p.predicted_step_s <= even.predicted_step_s
+    with pytest.raises(ConfigError, match=r"- 2 = 4 layers do not split evenly over the other 3 stages"):
+        plan("tiny", "stage=4,data=2", first_stage_layers=2, **args)

@@ -431,6 +431,29 @@ def test_flash_attention_2_and_uneven_stages_by_hand():
     assert a["matmul_s"] == pytest.approx(b["matmul_s"]) and a["bubble_s"] == pytest.approx(b["bubble_s"])
 
 
+NOT_LAYERS = {"head_s", "stage_exposed_s", "bubble_s", "optimizer_s", "dcn_exposed_s", "step_s"}
+
+
+def test_megatron_split_paces_the_pipeline_by_its_slowest_stage():
+    """Megatron's split (``stage_split``): the pace is the slowest stage's, the last one's with the LM
+    head. On 4 stages, (8, 8, 8, 6), (8, 8, 8, 8) and (6, 8, 8, 2) price as the last stage's layers plus
+    the head, or as 8 layers without it where those take longer; the head is priced only where the
+    last stage sets the pace."""
+    staged = dict(mesh=dict(stage=4), batch=64, microbatch=8, remat="full")
+    even = dataclasses.replace(SMALL, num_layers=32, **staged)
+    base = step_seconds(even, H100, CAL)
+    per_layer = sum(base[k] for k in base if k.endswith("_s") and k not in NOT_LAYERS) / 8
+    for split in ((8, 8, 8, 6), (8, 8, 8, 8), (6, 8, 8, 2)):
+        w = dataclasses.replace(SMALL, num_layers=sum(split), stage_split=split, **staged)
+        got = step_seconds(w, H100, CAL)
+        last = split[-1] * per_layer + base["head_s"]
+        want = max(last, 8 * per_layer)
+        layers = sum(got[k] for k in got if k.endswith("_s") and k not in NOT_LAYERS)
+        assert layers + got["head_s"] == pytest.approx(want), split
+        assert (got["head_s"] > 0) == (last >= 8 * per_layer), split
+    assert dataclasses.replace(even, stage_split=(8, 8, 8, 8)).stage_layers == 8
+
+
 def test_bad_workloads_are_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"num_layers=4: fewer than stage × virtual_stages = 8 chunks"):
         dataclasses.replace(SMALL, mesh=dict(stage=4), virtual_stages=2).check()

@@ -96,6 +96,7 @@ class Activations:
     fsdp_gather: str = "section"  # the pipeline executor's (``jaxpar.pipeline.FsdpGather``)
     grad_reduce: str = "slice"  # accumulated gradients reduced per slice or once (``jaxpar.train.accumulate``)
     virtual_stages: int = 1  # model chunks per stage
+    stage_split: tuple = ()  # the stack's layers on each stage, where the split is uneven (Megatron's)
 
 
 def activation_bytes(a: Activations, mesh: dict, rules) -> dict[str, float]:
@@ -284,11 +285,13 @@ def schedule_table(schedule: str, stages: int, microbatches: int, virtual_stages
 def pipeline_memory(a: Activations, stages: int, tokens: float, t: int) -> tuple[float, float, float]:
     """(layers of one chunk, bytes of the executor's stage-input buffers, tokens of one microbatch) per
     device: the executor keeps ``act_slots`` + ``grad_slots`` microbatch inputs and cotangents [b, T, D]
-    (each with one spare slot), at least the table's peak in flight; it runs one chunk at a time."""
+    (each with one spare slot), at least the table's peak in flight; it runs one chunk at a time (the
+    largest, where the split is uneven)."""
     table = schedule_table(a.schedule, stages, a.microbatches, a.virtual_stages)
     micro = tokens / a.microbatches
     slots = table.act_slots + table.grad_slots + 2
-    return a.num_layers / (stages * a.virtual_stages), slots * micro * a.embed_dim * a.act_bytes / t, micro
+    chunk = max(a.stage_split) / a.virtual_stages if a.stage_split else a.num_layers / (stages * a.virtual_stages)
+    return chunk, slots * micro * a.embed_dim * a.act_bytes / t, micro
 
 
 def executor_durations(split: bool, head: float, remat_full: bool) -> tuple[float, float, float | None]:
@@ -365,7 +368,7 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
         flops_per_device=busy / p * chunk * a.batch * a.seq / m / (n / p),
         fsdp_gather=a.fsdp_gather,
         grad_reduce=a.grad_reduce,
-    )
+    ) | (dict(stage_layers=list(a.stage_split)) if a.stage_split else {})
 
 
 ACTIVATION_AXES = {"tensor", "sequence", "expert"}

@@ -59,6 +59,7 @@ from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.pipeline.executor import check_stack
 from jaxpar.pipeline.ops import FsdpGather
+from jaxpar.rules import Dim
 from jaxpar.shardings import param_shardings
 from jaxpar.train.accumulate import GradReduce, check_reduce_once
 from jaxpar.train.config import PipelineConfig
@@ -125,13 +126,16 @@ def compile_step(
     grad_accum: int = 1,
     fsdp_gather: str = "section",
     grad_reduce: str = "slice",
+    split=None,
 ):
     """The train step compiled for ``layout`` from abstract state and batch (nothing allocated), the model
     run as ``execution`` says (default ``ExecutionConfig()``; ``cpu_compilable``); ``pipeline``: the
-    schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``) and ``fsdp_gather`` its executor's;
+    schedule table a mesh with ``stage`` > 1 runs (``pipeline_for``) and ``fsdp_gather`` its executor's,
+    ``split`` its split of the stack (``jaxpar.pipeline.stack``; default even);
     ``grad_accum``: slices per step, their gradients reduced as ``grad_reduce`` says."""
     run = cpu_compilable(ExecutionConfig() if execution is None else execution)
-    split = None if pipeline is None else check_stack(cfg, pipeline.stages, pipeline.virtual_stages)
+    if pipeline is not None and split is None:
+        split = check_stack(cfg, pipeline.stages, pipeline.virtual_stages)
     make = lambda r: build_model(cfg, execution=run, rngs=r)
     program = init_program(make, functools.partial(make_optimizer, OptimizerConfig()), layout, stack=split)
     state = jax.tree.map(
@@ -157,9 +161,11 @@ def activations_of(
     grad_accum: int = 1,
     fsdp_gather: str = "section",
     grad_reduce: str = "slice",
+    stage_split: tuple = (),
 ) -> Activations:
-    """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1; ``execution``:
-    how the model runs (default ``ExecutionConfig()``); ``grad_accum``: slices per step (no pipeline)."""
+    """``pipeline``: (schedule, microbatches, virtual stages) when the mesh has ``stage`` > 1, and
+    ``stage_split`` the layers of each stage where they are uneven; ``execution``: how the model runs
+    (default ``ExecutionConfig()``); ``grad_accum``: slices per step (no pipeline)."""
     execution = ExecutionConfig() if execution is None else execution
     moe, mla, cf = cfg.moe, cfg.mla, execution.capacity_factor
     slots = None
@@ -181,6 +187,7 @@ def activations_of(
         grad_accum=grad_accum,
         fsdp_gather=str(fsdp_gather),
         grad_reduce=str(grad_reduce),
+        stage_split=tuple(stage_split),
         **(dict(zip(("schedule", "microbatches", "virtual_stages"), pipeline)) if pipeline else {}),
     )
 
@@ -211,13 +218,18 @@ def check_grad_accum(mesh: dict, rules, *, batch: int, grad_accum: int) -> None:
     check_microbatches(batch, grad_accum, math.prod(mesh[a] for a in axes), split, field="grad_accum")
 
 
-def pipeline_for(cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatches: int, virtual_stages: int):
-    """The table a mesh with ``stage`` > 1 runs (None without), refused as the train loop refuses it."""
+def pipeline_for(
+    cfg, mesh: dict, rules, *, batch: int, schedule: str, microbatches: int, virtual_stages: int, ends=(None, None)
+):
+    """The table a mesh with ``stage`` > 1 runs (None without), refused as the train loop refuses it;
+    ``ends``: the first and last stage's layers (``pipeline.first_stage_layers`` / ``last_stage_layers``)."""
     p = mesh.get("stage", 1)
     if p == 1:
+        if ends != (None, None):
+            raise ConfigError("--first-stage-layers / --last-stage-layers need a mesh with stage > 1")
         return None
     table = schedule_table(str(schedule), p, microbatches, virtual_stages)
-    check_stack(cfg, p, virtual_stages, microbatches)
+    check_stack(cfg, p, virtual_stages, microbatches, *ends)
     axes = [a for a in rules["batch"] if mesh[a] > 1]
     check_microbatches(
         batch, microbatches, math.prod(mesh[a] for a in axes), " × ".join(f"{a}={mesh[a]}" for a in axes)
@@ -272,24 +284,30 @@ def plan(
     grad_accum: int = 1,
     fsdp_gather: str = "section",
     grad_reduce: str = "slice",
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     **model_overrides,
 ) -> Plan:
     """Compile and analyse ``model`` (its preset with ``model_overrides``) under ``mesh`` on the simulated
     devices JAX has (or the first ``devices``) and predict it on ``hardware`` (see the module docstring),
     run as ``plan_execution(model, execution)`` says. With ``stage`` > 1 the step runs ``schedule`` over
-    ``microbatches``, ``virtual_stages`` and ``fsdp_gather`` (defaults: ``PipelineConfig``'s); without,
+    ``microbatches``, ``virtual_stages`` and ``fsdp_gather`` (defaults: ``PipelineConfig``'s), its stack
+    split evenly or as ``first_stage_layers`` / ``last_stage_layers`` say (Megatron's); without,
     ``grad_accum`` slices of the batch per step, reduced as ``grad_reduce`` says. ``efficiency``/``overlap``:
     force the roofline with these (``step_times``)."""
     hw = get_hardware(hardware)
     cfg, run = get_model_preset(model, **model_overrides), plan_execution(model, execution)
     preset = resolve_mesh_arg(mesh)
     devices = None if devices is None else jax.devices()[:devices]
-    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=run)
+    pipe = _pipeline_settings(schedule, microbatches, virtual_stages)
+    ends = (first_stage_layers, last_stage_layers)
+    split = _uneven_split(cfg, preset, devices, pipe[2], ends)
+    extra = None if split is None else {"layers": Dim(split.order.size, "the pipeline's storage rows of the stack")}
+    layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=run, extra_dims=extra)
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
     check_grad_accum(shape, layout.rules, batch=batch, grad_accum=grad_accum)
-    pipe = _pipeline_settings(schedule, microbatches, virtual_stages)
     table = pipeline_for(
-        cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2]
+        cfg, shape, layout.rules, batch=batch, schedule=pipe[0], microbatches=pipe[1], virtual_stages=pipe[2], ends=ends
     )
     fsdp_gather = FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather")
     grad_reduce = GradReduce.parse(grad_reduce, field="grad_reduce")
@@ -304,8 +322,10 @@ def plan(
         grad_accum=grad_accum,
         fsdp_gather=fsdp_gather,
         grad_reduce=grad_reduce,
+        stage_split=() if split is None else split.stage_layers,
     )
     step = dict(pipeline=table, execution=run, grad_accum=grad_accum, fsdp_gather=fsdp_gather, grad_reduce=grad_reduce)
+    step |= dict(split=split)
     compiled = compile_step(cfg, layout, batch=batch, seq=seq, **step)
     report = analyze_compiled(compiled, mesh=layout.mesh)
     costs = pipeline_costs(cfg, acts, shape, remat_full=run.remat == Remat.FULL) if table else None
@@ -329,6 +349,17 @@ def plan(
     )
 
 
+def _uneven_split(cfg, preset, devices, virtual: int, ends: tuple):
+    """The pipeline's uneven split of the stack (``jaxpar.pipeline.stack``) where ``ends`` sets one (the
+    layout then checks its padded storage rows), else None."""
+    if ends == (None, None):
+        return None
+    stages = preset.mesh.resolve(len(jax.devices() if devices is None else devices)).shape()["stage"]
+    if stages == 1:
+        raise ConfigError("--first-stage-layers / --last-stage-layers need a mesh with stage > 1")
+    return check_stack(cfg, stages, virtual, None, *ends)
+
+
 def _pipeline_settings(schedule: str | None, microbatches: int | None, virtual_stages: int | None) -> tuple:
     """(schedule, microbatches, virtual stages), ``PipelineConfig``'s default for each one not given."""
     default = PipelineConfig()
@@ -346,7 +377,12 @@ def _price(
     each axis group, and the step predicted on ``hw`` (``step_times``)."""
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
     remat_full = run.remat == Remat.FULL
-    shardings = param_shardings(cfg, layout)
+    stored = cfg
+    if acts.stage_split:  # an uneven split: the stages hold their chunks padded to equal rows
+        stored = dataclasses.replace(
+            cfg, num_layers=cfg.num_layers + shape["stage"] * max(acts.stage_split) - sum(acts.stage_split)
+        )
+    shardings = param_shardings(stored, layout)
     minimum = minimum_bytes(shardings, acts, shape, layout.rules)
     token_axes = {x for x in (*layout.rules["batch"], *layout.rules["inner_length"]) if shape[x] > 1}
     model_flops = cfg.flops_per_token(seq) * batch * seq / layout.mesh.size

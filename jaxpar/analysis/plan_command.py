@@ -150,6 +150,14 @@ def _add_pipeline(parser: argparse.ArgumentParser) -> None:
         help="model chunks per stage (interleaved; "
         "default 1, as pipeline.virtual_stages; --search with interleaved: 2)",
     )
+    for end in ("first", "last"):
+        parser.add_argument(
+            f"--{end}-stage-layers",
+            type=int,
+            default=None,
+            help=f"layers on the {end} stage, the other stages splitting the rest evenly (Megatron's uneven "
+            f"split, as pipeline.{end}_stage_layers; default: an even split)",
+        )
 
 
 def _overrides(items: list[str]) -> dict:
@@ -204,6 +212,8 @@ def run(args: argparse.Namespace, /) -> int:
         grad_accum=args.grad_accum,
         fsdp_gather=args.fsdp_gather,
         grad_reduce=args.grad_reduce,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
         **_overrides(args.overrides),
     )
     if args.json:
@@ -279,6 +289,9 @@ def _inference(args) -> int:
 
 def _search(args) -> int:
     from jaxpar.analysis.search import search  # deferred: imports jax, flax and the model zoo
+
+    if (args.first_stage_layers, args.last_stage_layers) != (None, None):
+        raise ConfigError("--first-stage-layers / --last-stage-layers price one layout: give --mesh, not --search")
 
     ranked, refused = search(
         args.model,

@@ -36,7 +36,9 @@ attention, Ulysses' all-to-alls, or GSPMD's gathered K/V, and the gradients' all
 
 Pipelines (``stage`` p > 1, m microbatches a step, v layer chunks a device): a device runs L/p layers
 (an uneven split: its largest chunk, ``Workload.stage_layers``) on every microbatch, the last stage the LM
-head as well (it sets the pace: the stages' busy time is the last one's); each chunk boundary sends a
+head as well (it sets the pace: the stages' busy time is the last one's; with Megatron's split,
+``Workload.stage_split``, the last stage's fewer layers and the head, or the busiest stage's layers,
+whichever is longer); each chunk boundary sends a
 microbatch's [T, D] activations forward and their gradient back over the stage link, split over tensor
 (Megatron's scatter/gather), exposed. The schedule idles (p − 1)/(v·m + p − 1) of the step (1F1B,
 interleaved when v > 1; ``Workload.bubble`` where a schedule table gives its own), so the bubble adds
@@ -312,6 +314,8 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
     )
     if w.executor and p > 1:  # and runs the head (masked) on every stage
         head = head * v
+    if w.stage_split and p > 1:  # Megatron's split: the last stage's layers and head, or the busiest's layers
+        layers, head = _paced_by(layers, head, w.stage_layers, w.last_stage_layers)
     parts = {k: m * x for k, x in dict(layers, head_s=head, stage_exposed_s=send).items()}
     busy = sum(parts.values())
     bubble = bubble_of(w)
@@ -324,6 +328,16 @@ def step_seconds(w: Workload, chip, cal: Calibration) -> dict:
         parts["stage_exposed_s"] = w.stage_bytes / stage_bw
     parts |= dict(bubble_s=busy * bubble / (1 - bubble), optimizer_s=28 * local / chip.hbm_bandwidth, dcn_exposed_s=dcn)
     return parts | dict(step_s=sum(parts.values()))
+
+
+def _paced_by(layers: dict, head, busiest: int, last: int) -> tuple[dict, object]:
+    """A stage's ``layers`` parts (for the ``busiest`` stage's layers) and the ``head``, for the stage that
+    sets the pace: the last one (its ``last`` layers and the head) where that takes longer, else the
+    busiest one without the head."""
+    per_layer = sum(x for k, x in layers.items() if k != "hides_s") / busiest
+    last_paces = last * per_layer + head >= busiest * per_layer
+    scale = np.where(last_paces, last / busiest, 1.0)
+    return {k: x * scale for k, x in layers.items()}, np.where(last_paces, head, 0.0)
 
 
 def model_flops(

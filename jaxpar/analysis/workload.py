@@ -73,6 +73,7 @@ class Workload:
     tied: bool = True  # logits through the input embedding
     microbatch: int = 0  # sequences a microbatch holds (0: a replica's whole batch at once)
     virtual_stages: int = 1  # layer chunks per stage device (v > 1: the interleaved schedule)
+    stage_split: tuple = ()  # the pipelined stack's layers on each stage where uneven (Megatron's first/last)
     bubble: float | None = None  # the schedule's idle share where a table gives it (default 1F1B's)
     flash: bool = True  # attention in a flash kernel (False: scores materialized in HBM)
     attention_kernel: str = ""  # "fa2": FlashAttention-2 (a GPU's own profile prices FA3/cuDNN's kernel)
@@ -150,9 +151,24 @@ class Workload:
     @property
     def stage_layers(self) -> int:
         """Layers on the busiest stage device: v chunks of ⌈L/(p·v)⌉ (an uneven split, as torchtitan's
-        generate_split_points makes one, priced at its largest chunk)."""
-        v = self.virtual_stages
-        return -(-self.num_layers // (self.size("stage") * v)) * v
+        generate_split_points makes one, priced at its largest chunk), or with ``stage_split`` its
+        largest stage and an even share of the layers before the stack (``dense_layers``)."""
+        v, p = self.virtual_stages, self.size("stage")
+        if self.stage_split:
+            return max(self.stage_split) + -(-self.prefix_layers // p)
+        return -(-self.num_layers // (p * v)) * v
+
+    @property
+    def last_stage_layers(self) -> int:
+        """Layers on the last stage, which also runs the LM head."""
+        if self.stage_split:
+            return self.stage_split[-1] + -(-self.prefix_layers // self.size("stage"))
+        return self.stage_layers
+
+    @property
+    def prefix_layers(self) -> int:
+        """Dense layers before a MoE stack (DeepSeek's), which a pipeline runs outside its stack."""
+        return self.dense_layers if self.experts else 0
 
     @property
     def moe_layers(self) -> int:
@@ -308,6 +324,7 @@ def workload_of(
             executor=pipeline.get("executor") != "own actions",  # own actions: no recompute, one head
             gather_once="step" in (pipeline.get("fsdp_gather"), pipeline.get("grad_reduce")),
             reduce_once=pipeline.get("grad_reduce") == "step",
+            stage_split=tuple(pipeline.get("stage_layers", ())),
             **{k: pipeline[k] for k in ("virtual_stages", "bubble", "stage_bytes")},
         )
     elif grad_accum > 1:

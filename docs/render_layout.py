@@ -222,6 +222,42 @@ def pipeline_microbatches() -> str:
     return markdown(["model", "schedule", "m", "compile s", "temp MB per device"], rows, "llrrr")
 
 
+def _groups(collectives: dict, where: str) -> str:
+    """The collectives of one ``where`` ("in the loop", "once a step") as "kind over axes ×count"."""
+    found = [(k.split(": ", 1)[1], v["count"]) for k, v in collectives.items() if k.startswith(where)]
+    return "; ".join(f"{name} ×{count}" for name, count in found) or "none"
+
+
+@table("pipeline-collectives")
+def pipeline_collectives() -> str:
+    """The compiled step's collectives inside the schedule's loop and once a step, per layout and schedule."""
+    data = load("pipeline_program_cpu8.json")
+    rows = []
+    for schedules in data["collectives"].values():
+        for s, r in schedules.items():
+            params = f"{r['params']} ({r['params_split_over_fsdp']} split over fsdp)"
+            loop, once = (_groups(r["collectives"], w) for w in ("in the loop", "once a step"))
+            rows.append([f"`{r['mesh']}`", f"`{s}`", loop, once, params])
+    header = ["mesh", "schedule", "inside the schedule's loop (a step's executions)", "once a step", "parameters"]
+    return markdown(header, rows, "llllr")
+
+
+@table("pipeline-memory-formula")
+def pipeline_memory_formula() -> str:
+    """Compiled temp memory against m beside the stage program's carry, as the formula counts it."""
+    data = load("pipeline_program_cpu8.json")
+    rows = []
+    for s, by_m in data["memory"].items():
+        for m, r in by_m.items():
+            mb = lambda x: f"{x / 1e6:.3f}"
+            slots = f"{r['act_slots']} × {mb(r['residual_bytes_per_microbatch'])}"
+            rows.append(
+                [f"`{s}`", m.split("=")[1], mb(r["temp_bytes"]), slots, mb(r["formula_bytes"]), mb(r["rest_bytes"])]
+            )
+    header = ["schedule", "m", "temp MB", "act slots × residuals MB", "carry MB (formula)", "rest MB"]
+    return markdown(header, rows, "lrrrrr")
+
+
 # --- Context parallelism ------------------------------------------------------------------------------------
 
 

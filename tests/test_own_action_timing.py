@@ -43,3 +43,15 @@ def test_the_head_runs_with_the_last_chunk_forward_only():
     assert last.sum() == 4 and np.all(cell[last] == 1.5)
     assert np.all(cell[~last] == np.array([0.0, 1.0, 2.0])[table.op[~last]])
     assert paired_makespan(table, cell) >= cell.sum(axis=0).max()
+
+
+def test_uneven_stages_last_their_share():
+    """Megatron's split (1, 2, 2, 1 layers on 4 stages, chunks of the largest padded and skipped): each
+    stage's ops last its share of the largest chunk, so the lighter end stages idle more."""
+    table, scale = build("1f1b", 4, 8), [0.5, 1.0, 1.0, 0.5]
+    np.testing.assert_allclose(
+        own_action_times(table, 1.0, 2.0, scale=scale), own_action_times(table, 1.0, 2.0) * scale
+    )
+    even = own_action_bubble_fraction(table, 1.0, 2.0)
+    assert own_action_bubble_fraction(table, 1.0, 2.0, scale=scale) > even
+    assert own_action_bubble_fraction(table, 1.0, 2.0, scale=[1.0] * 4) == pytest.approx(even)

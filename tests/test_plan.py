@@ -653,12 +653,21 @@ def test_plan_prices_megatron_uneven_split():
     """``--first-stage-layers 1 --last-stage-layers 1`` on stage=4 (tiny with 6 layers: 1, 2, 2, 1): the
     step compiles with the stack in storage order (each stage holds 2 rows, the end stages one of them
     padding), the JSON names the split, and the step time is paced by a middle stage's 2 layers or the
-    last one's layer and the head, whichever is slower. A split that does not exist is refused by name."""
+    last one's layer and the head, whichever is slower. Each stage running its own action, the end
+    stages' ops last half a chunk in the executor's bubble. A split that does not exist is refused by
+    name."""
+    from jaxpar.pipeline import build
+    from jaxpar.pipeline.timing import own_action_bubble_fraction
+
     args = dict(batch=16, seq=32, hardware="h100", schedule="1f1b", microbatches=4, num_layers=6)
     p = plan("tiny", "stage=4,data=2", first_stage_layers=1, last_stage_layers=1, **args)
     assert p.pipeline["stage_layers"] == [1, 2, 2, 1]
     even = plan("tiny", "stage=4,data=2", **(args | dict(num_layers=8)))  # 2 layers on every stage
     assert p.memory_parts["state"] == even.memory_parts["state"]  # 8 storage rows over 4 stages, as 8 layers
     assert p.predicted_step_s <= even.predicted_step_s
+    own = plan("tiny", "stage=4,data=2", first_stage_layers=1, last_stage_layers=1, grad_reduce="step", **args)
+    d, table = own.pipeline["durations"], build("1f1b", 4, 4)  # in the largest chunk's forwards
+    scaled = own_action_bubble_fraction(table, d["F"], d["B"], None, d["head"], [0.5, 1, 1, 0.5])
+    assert own.pipeline["executor_bubble_fraction"] == pytest.approx(scaled)
     with pytest.raises(ConfigError, match=r"- 2 = 4 layers do not split evenly over the other 3 stages"):
         plan("tiny", "stage=4,data=2", first_stage_layers=2, **args)

@@ -338,11 +338,14 @@ def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict
     table = schedule_table(a.schedule, p, m, v)
     head = 2.0 * cfg.padded_vocab * cfg.embed_dim  # forward FLOPs per token
     chunk = (cfg.flops_per_token(a.seq) / 3 - head) / (p * v)
-    own, t_h = runs_own_actions(cfg, a, mesh), 0.0
+    own, t_h, scale = runs_own_actions(cfg, a, mesh), 0.0, None
+    if a.stage_split:  # uneven: the unit is the largest chunk; where each stage runs its own action, a
+        rows = max(a.stage_split) / v  # stage's ops last its own chunks' share of it (padding skipped)
+        chunk, scale = chunk * p * v / a.num_layers * rows, [n / v / rows for n in a.stage_split]
     if own:
         t_f, t_b, t_w, t_h = own_action_durations(table.split_backward, head / chunk, remat_full)
-        busy = float(own_action_times(table, t_f, t_b, t_w, t_h).sum())
-        executor = own_action_bubble_fraction(table, t_f, t_b, t_w, t_h)
+        busy = float(own_action_times(table, t_f, t_b, t_w, t_h, scale).sum())
+        executor = own_action_bubble_fraction(table, t_f, t_b, t_w, t_h, scale)
     else:
         t_f, t_b, t_w = executor_durations(table.split_backward, head / chunk, remat_full)
         busy = table.busy_time(t_f, t_b, t_w)

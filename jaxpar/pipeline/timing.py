@@ -120,11 +120,16 @@ def executor_bubble_fraction(table, t_f: float, t_b: float, t_w: float | None = 
 
 
 # ------------------------------------------------------------------ the executor with its own actions
-def own_action_times(table, t_f: float, t_b: float, t_w: float | None = None, head: float = 0.0) -> np.ndarray:
+def own_action_times(
+    table, t_f: float, t_b: float, t_w: float | None = None, head: float = 0.0, scale=None
+) -> np.ndarray:
     """[ticks, stages]: how long each stage's op lasts in each tick when every stage runs its own action
-    (``jaxpar.pipeline.actions``): F, B, W by ``durations``, and the last model chunk's F ``head`` more
-    (the final norm, LM head and loss run there, forward and backward)."""
+    (``jaxpar.pipeline.actions``): F, B, W by ``durations``, times each stage's ``scale`` (its chunks'
+    layers over the largest chunk's, where a split is uneven; default 1), and the last model chunk's F
+    ``head`` more (the final norm, LM head and loss run there, forward and backward)."""
     cell = durations(table.split_backward, t_f, t_b, t_w)[table.op]
+    if scale is not None:
+        cell = cell * np.asarray(scale, float)[None, :]
     model_chunk = table.chunk * table.stages + np.arange(table.stages)
     last = (table.op == Op.F) & (model_chunk == table.stages * table.virtual_stages - 1)
     return cell + np.where(last, head, 0.0)
@@ -148,11 +153,13 @@ def paired_makespan(table, cell: np.ndarray) -> float:
     return float(end.max(initial=0.0))
 
 
-def own_action_bubble_fraction(table, t_f: float, t_b: float, t_w: float | None = None, head: float = 0.0) -> float:
+def own_action_bubble_fraction(
+    table, t_f: float, t_b: float, t_w: float | None = None, head: float = 0.0, scale=None
+) -> float:
     """The idle share of stage time when every stage runs its own action (``own_action_times``) and
     waits only for the stages it exchanges with (``paired_makespan``). For gpipe, 1f1b and zero_bubble
     this is the table's ideal (``Table.bubble_fraction``) at head = 0; interleaved stays above it, since
     its sends close a ring (stage p-1 sends chunk boundaries on to stage 0) whose rendezvous pace the ring
     as one."""
-    cell = own_action_times(table, t_f, t_b, t_w, head)
+    cell = own_action_times(table, t_f, t_b, t_w, head, scale)
     return float(1 - cell.sum() / (table.stages * paired_makespan(table, cell)))

@@ -27,6 +27,7 @@ from jaxpar.execution import Remat
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
+from jaxpar.models.dense import scan_blocks
 from jaxpar.pipeline import build
 from jaxpar.pipeline.stack import StackSplit
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
@@ -69,8 +70,6 @@ def test_splits_that_do_not_exist_are_refused(args, match):
 def test_padding_rows_pass_x_through(skip):
     """A 3-layer stack with row 1 off computes layers 0 and 2 only, skipped as a branch or computed and
     dropped; its outputs (MoE statistics) are zero there."""
-    from models.dense import scan_blocks
-
     cfg = dataclasses.replace(get_model_preset("tiny-moe"), num_layers=3)
     model = build_model(cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 8, cfg.embed_dim))

@@ -26,7 +26,8 @@ from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig
 from jaxpar.layers import MoE, MoEConfig, updated_bias
 from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
-from jaxpar.models.dense import Block, DenseConfig, DenseLM, scan_blocks, stacked
+from jaxpar.models.dense import Block, DenseConfig, DenseLM
+from jaxpar.models.stacks import scan_blocks, stacked
 from jaxpar.rules import Dim, constrain
 
 

@@ -27,7 +27,7 @@ from jaxpar.execution import Remat
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
-from jaxpar.models.dense import scan_blocks
+from jaxpar.models.stacks import scan_blocks
 from jaxpar.pipeline import build
 from jaxpar.pipeline.stack import StackSplit
 from jaxpar.train.optim import OptimizerConfig, make_optimizer

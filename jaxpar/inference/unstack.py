@@ -25,7 +25,7 @@ from flax import nnx
 from jaxpar.layers.mla import ABSORBED, MLA, absorb
 from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model
-from jaxpar.models.dense import split_stack
+from jaxpar.models.stacks import split_stack
 
 
 def is_unstacked(model: LanguageModel) -> bool:

@@ -28,7 +28,6 @@ from jaxpar.mesh import MeshConfig
 from jaxpar.meshes import get_mesh_preset
 from jaxpar.models import build_model
 from jaxpar.pipeline.executor import check_stack
-from jaxpar.rules import Dim
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
 from jaxpar.train.step import init_train_state, make_grad_fn, make_train_step
 
@@ -70,7 +69,7 @@ def train_steps(
     pipeline's first and last stage layers (``jaxpar.pipeline.stack``; None: an even split)."""
     steps, batch, seq = tokens.shape[0], tokens.shape[1], tokens.shape[2] - 1
     split = None if pipeline is None else check_stack(cfg, pipeline.stages, pipeline.virtual_stages, None, *ends)
-    rows = None if split is None else {"layers": Dim(split.order.size, "storage rows")}
+    rows = None if split is None else split.layout_dims()
     layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=execution, extra_dims=rows)
     make = lambda r: build_model(cfg, execution=execution, rngs=r)
     ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout, stack=split)

@@ -14,7 +14,6 @@ from jaxpar.pipeline.executor import check_stack
 from jaxpar.pipeline.ops import check_pipeline
 from jaxpar.pipeline.schedules import build
 from jaxpar.pipeline.stack import StackSplit
-from jaxpar.rules import Dim
 from jaxpar.train.accumulate import GradReduce, check_reduce_once
 from jaxpar.train.config import ConfigError, TrainConfig
 from jaxpar.train.step import batch_sharding
@@ -26,7 +25,7 @@ def plan_layout(cfg: TrainConfig, /, *, devices=None) -> Layout:
     stages = preset.mesh.resolve(len(jax.devices() if devices is None else devices)).shape()["stage"]
     uneven = (cfg.pipeline.first_stage_layers, cfg.pipeline.last_stage_layers) != (None, None)
     split = stack_split(cfg, stages) if uneven else None  # the layout holds its padded rows
-    extra = None if split is None else {"layers": Dim(split.order.size, "the pipeline's storage rows of the stack")}
+    extra = None if split is None else split.layout_dims()
     layout = make_layout(
         cfg.model, preset, batch=cfg.batch, seq=cfg.seq, devices=devices, execution=cfg.execution, extra_dims=extra
     )

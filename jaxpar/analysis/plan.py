@@ -59,7 +59,6 @@ from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.pipeline.executor import check_stack
 from jaxpar.pipeline.ops import FsdpGather
-from jaxpar.rules import Dim
 from jaxpar.shardings import param_shardings
 from jaxpar.train.accumulate import GradReduce, check_reduce_once
 from jaxpar.train.config import PipelineConfig
@@ -302,7 +301,7 @@ def plan(
     pipe = _pipeline_settings(schedule, microbatches, virtual_stages)
     ends = (first_stage_layers, last_stage_layers)
     split = _uneven_split(cfg, preset, devices, pipe[2], ends)
-    extra = None if split is None else {"layers": Dim(split.order.size, "the pipeline's storage rows of the stack")}
+    extra = None if split is None else split.layout_dims()
     layout = make_layout(cfg, preset, batch=batch, seq=seq, devices=devices, execution=run, extra_dims=extra)
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
     check_grad_accum(shape, layout.rules, batch=batch, grad_accum=grad_accum)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.rules import Dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,11 @@ class StackSplit:
     def active(self) -> np.ndarray:
         """[p · v · rows] bool: the storage rows that hold a layer."""
         return self.order >= 0
+
+    def layout_dims(self) -> dict:
+        """What the layout check measures of the stack under this split: its storage rows, which must
+        divide ``stage`` (the model's own layer count need not)."""
+        return {"layers": Dim(self.order.size, "the pipeline's storage rows of the stack")}
 
     @property
     def identity(self) -> bool:

@@ -12,8 +12,8 @@ virtual stages divide them):
     runs one section a tick on every stage) and ``grad_reduce=step`` (each stage runs its own action,
     ``jaxpar.pipeline.actions``): compile seconds, the median of ``--repeats`` step times after one
     warm-up step (wall and process CPU seconds), the ratio to fsdp, and the table's ideal, lockstep and
-    executor bubbles (F = 1, B = 2; split, B = W = 1, the one-section executor's full vjp 2 and the own
-    actions' W 2). All with ``--remat`` (default none).
+    executor bubbles (F = 1, B = 2; split, B = W = 1, and the one-section executor's full vjp 2 in a W
+    tick). All with ``--remat`` (default none).
 (b) ``by_microbatches``: for 1f1b and gpipe at m ∈ {p, 2p, 4p} with a fixed microbatch of ``--rows``
     sequences (the batch grows with m): compile seconds and ``memory_analysis().temp_size_in_bytes``.
 
@@ -94,8 +94,10 @@ def _timed(name, layers, mesh, batch, seq, table, devices, repeats, remat, grad_
     if table is not None:
         from jaxpar.pipeline.timing import executor_bubble_fraction, own_action_bubble_fraction
 
-        vjp = (1.0, 1.0, 2.0) if table.split_backward else (1.0, 2.0)  # the full vjp (and own W) is B + W
-        executor = own_action_bubble_fraction if grad_reduce == "step" else executor_bubble_fraction
+        own = grad_reduce == "step"
+        # split: one section a tick runs the full vjp (B + W = 2) in a W tick; own actions a W of 1
+        vjp = (1.0, 1.0, 1.0 if own else 2.0) if table.split_backward else (1.0, 2.0)
+        executor = own_action_bubble_fraction if own else executor_bubble_fraction
         out |= {
             "grad_reduce": grad_reduce,
             "bubble": round(table.bubble_fraction(), 4),

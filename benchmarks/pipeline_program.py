@@ -12,7 +12,8 @@
 (b) ``memory``: on stage=4 × data=2 with a fixed microbatch (2 rows of ``--seq`` tokens), for m = p, 2p
     and 4p: the compiled temp bytes per device beside the formula of what the schedule keeps, the carry
     of the stage program: (act slots + 1) × (one microbatch's kept residuals, read from the traced
-    forward, + its input and its output gradient) + (grad slots + 1) × one cotangent. What is left over
+    forward, + in zero-bubble what its B hands its W + its input and its output gradient) + (grad slots
+    + 1) × one cotangent. What is left over
     (the working set of one op) should not grow with m.
 """
 
@@ -68,13 +69,14 @@ def collectives(cfg, mesh: str, schedule: str, m: int, seq: int) -> dict:
 
 def carry_bytes(cfg, table, rows: int, seq: int, per_chunk: int) -> dict:
     """The stage program's buffers for ``table``: kept residuals of one microbatch (shapes of
-    ``kept_vjp`` on a stage's chunk, one device's rows), and the activation-sized slots."""
+    ``kept_vjp`` on a stage's chunk, one device's rows), in a split schedule what its B hands its W
+    (``handoff_shapes``), and the activation-sized slots."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from jaxpar.models import build_model
-    from jaxpar.pipeline.actions import ABSTRACT_ACTION, ModelParts, kept_vjp
+    from jaxpar.pipeline.actions import ABSTRACT_ACTION, ModelParts, handoff_shapes, kept_vjp
     from jaxpar.pipeline.stage import ChunkPrograms
     from jaxpar.train.step import token_losses
 
@@ -89,14 +91,17 @@ def carry_bytes(cfg, table, rows: int, seq: int, per_chunk: int) -> dict:
         parts = ModelParts(chunk, first(sp), op)
         x = jnp.zeros(parts.chunk_input().shape, parts.chunk_input().dtype)
         action = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ABSTRACT_ACTION)
-        return kept_vjp(parts.forward, first(sp), x, action, parts.residual_split())[1]
+        kept = kept_vjp(parts.forward, first(sp), x, action, parts.residual_split())[1]
+        handoff = handoff_shapes(parts.forward, first(sp), x, action) if table.split_backward else []
+        return kept, handoff
 
-    shapes = jax.eval_shape(kept, sp, op, sr, rest)
-    residual = sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes)
+    size = lambda shapes: sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+    residual, handoff = map(size, jax.eval_shape(kept, sp, op, sr, rest))
     act = rows * seq * cfg.embed_dim * 4
-    per_slot = residual + 2 * act  # the kept residuals, the chunk's input, its output gradient
+    per_slot = residual + handoff + 2 * act  # the kept residuals, the handoff, the chunk's input, its output gradient
     return dict(
         residual_bytes_per_microbatch=residual,
+        handoff_bytes_per_microbatch=handoff,
         formula_bytes=(table.act_slots + 1) * per_slot + (table.grad_slots + 1) * act,
         act_slots=table.act_slots,
         grad_slots=table.grad_slots,

@@ -250,11 +250,13 @@ def pipeline_memory_formula() -> str:
     for s, by_m in data["memory"].items():
         for m, r in by_m.items():
             mb = lambda x: f"{x / 1e6:.3f}"
-            slots = f"{r['act_slots']} × {mb(r['residual_bytes_per_microbatch'])}"
+            kept = mb(r["residual_bytes_per_microbatch"])
+            handoff = r.get("handoff_bytes_per_microbatch", 0)
+            slots = f"{r['act_slots']} × ({kept} + {mb(handoff)})" if handoff else f"{r['act_slots']} × {kept}"
             rows.append(
                 [f"`{s}`", m.split("=")[1], mb(r["temp_bytes"]), slots, mb(r["formula_bytes"]), mb(r["rest_bytes"])]
             )
-    header = ["schedule", "m", "temp MB", "act slots × residuals MB", "carry MB (formula)", "rest MB"]
+    header = ["schedule", "m", "temp MB", "act slots × (residuals + handoff) MB", "carry MB (formula)", "rest MB"]
     return markdown(header, rows, "lrrrrr")
 
 

@@ -27,7 +27,14 @@ from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
 from jaxpar.pipeline import build
-from jaxpar.pipeline.actions import ABSTRACT_ACTION, ModelParts, OwnActions, initial_carry, kept_vjp
+from jaxpar.pipeline.actions import (
+    ABSTRACT_ACTION,
+    ModelParts,
+    OwnActions,
+    handoff_shapes,
+    initial_carry,
+    kept_vjp,
+)
 from jaxpar.pipeline.executor import own_actions
 from jaxpar.pipeline.stage import Action, ChunkPrograms
 from jaxpar.train.step import token_losses
@@ -67,6 +74,19 @@ def test_residuals_read_from_another_slot_are_caught(monkeypatch):
     got = run_case("tiny", "1f1b", 2, 4, 1, "stage=2,data=2,fsdp=2", grad_reduce="step")
     want, bound = reference("tiny", 4)
     check_mutation_caught(got, want, bound, "own actions: residuals of the next slot")
+
+
+def test_a_handoff_read_from_another_slot_is_caught(monkeypatch):
+    """Mutation: each W reads what B handed over from the next slot (another microbatch in flight, or an
+    empty slot): the zero-bubble run misses the bound."""
+
+    def next_slot(self, c, a):
+        return [h[(a.act_slot + 1) % (h.shape[0] - 1)] for h in c.handoff]
+
+    monkeypatch.setattr(OwnActions, "_handed", next_slot)
+    got = run_case("tiny", "zero_bubble", 2, 4, 1, "stage=2,data=2,fsdp=2", grad_reduce="step")
+    want, bound = reference("tiny", 4)
+    check_mutation_caught(got, want, bound, "own actions: the handoff of the next slot")
 
 
 @pytest.mark.parametrize(
@@ -158,28 +178,31 @@ def test_1f1b_memory_stays_flat_in_microbatches_and_gpipe_grows_by_the_formula()
     assert abs((gpipe[4 * p] - gpipe[p]) / (3 * p * per_microbatch) - 1) <= 0.10, (gpipe, per_microbatch)
 
 
-def _op_flops(parts: ModelParts, op: str, *, split: bool = False, last: bool = False) -> float:
-    """XLA's FLOPs of one op of ``OwnActions`` on ``parts`` (one device, compiled, not run)."""
+def _op_flops(parts: ModelParts, op: str, *, split: bool = False, last: bool = False, cut: bool = True) -> float:
+    """XLA's FLOPs of one op of ``OwnActions`` on ``parts`` (one device, compiled, not run); ``cut``
+    False: W without the handoff (it runs the whole pullback)."""
     table = build("zero_bubble" if split else "1f1b", 2, 2)
+    weight_only = parts.residual_split()
+    c = initial_carry(parts, table, weight_only)  # an argument: zero buffers as constants would fold away
+    c = c if cut else dataclasses.replace(c, handoff=())
 
-    def run(sp, o):
+    def run(sp, o, c):
         at = ModelParts(parts.chunk, sp, o)
-        weight_only = at.residual_split()
         ops = OwnActions(at.forward, at.embed, at.loss, sp, o, parts.chunk.per_chunk, 2, split, weight_only)
-        c = initial_carry(at, table, weight_only)
         a = Action(*(jnp.int32(0),) * 5, first=jnp.bool_(False), last=jnp.bool_(last))
         backward = lambda c, a: ops.run_backward(c, a, weights=not split)
         return {"F": ops.run_forward, "W": ops.run_weights, "B": backward}[op](c, a)
 
-    return jax.jit(run).lower(parts.sp, parts.op).compile().cost_analysis()["flops"]
+    return jax.jit(run).lower(parts.sp, parts.op, c).compile().cost_analysis()["flops"]
 
 
 def test_the_lab_durations_are_the_compiled_flops():
     """The lab prices each op of this executor in forwards of a chunk (``costmodel.own_action_durations``,
-    remat none): B 2, split B 1 and W 2 (the weight gradient still runs the input gradient's chain), the
-    head's forward and backward 3h with the last chunk's F. XLA's FLOPs of the compiled ops, at
-    ``llama-100m``'s widths with one layer a chunk, give the same within 3% (the lab counts matmuls and
-    attention; the norms and activations it leaves out are under 2% here)."""
+    remat none): B 2, split B 1 and W 1 (the weight gradient from the cotangents B hands over:
+    ``jaxpar.pipeline.wgrad``), the head's forward and backward 3h with the last chunk's F. XLA's FLOPs of
+    the compiled ops, at ``llama-100m``'s widths with one layer a chunk, give the same within 3% (the lab
+    counts matmuls and attention; the norms and activations it leaves out are under 2% here). Mutation: a
+    W that runs the whole pullback for the weight gradient (as where the cut saves nothing) costs 2."""
     from jaxpar.analysis.costmodel import own_action_durations
 
     big = dataclasses.replace(get_model_preset("llama-100m"), num_layers=1)
@@ -192,4 +215,29 @@ def test_the_lab_durations_are_the_compiled_flops():
         assert _op_flops(parts, "B", split=split) / f == pytest.approx(t_b, rel=0.03), split
         if split:
             assert _op_flops(parts, "W", split=True) / f == pytest.approx(t_w, rel=0.03)
+            assert _op_flops(parts, "W", split=True, cut=False) / f == pytest.approx(2.0, rel=0.03)
     assert (_op_flops(parts, "F", last=True) - f) / f == pytest.approx(t_h, rel=0.03)
+
+
+def test_under_full_remat_the_cut_saves_the_input_gradients_chain():
+    """Under full remat W recomputes the chunk's forward (it does not depend on the seeds, so it is run
+    again rather than handed over) and then the weight gradient: the cut still saves B's chain, one
+    forward's FLOPs of the two-layer chunk's, against a W that runs the whole pullback."""
+    big = dataclasses.replace(get_model_preset("llama-100m"), num_layers=2)
+    parts = _parts_of(big, ExecutionConfig(remat="full"), rows=2, seq=64, per_chunk=2)
+    f = _op_flops(parts, "F")
+    saved = (_op_flops(parts, "W", split=True, cut=False) - _op_flops(parts, "W", split=True)) / f
+    assert saved == pytest.approx(1.0, rel=0.05), saved
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-bf16-keep"])
+def test_the_lab_prices_what_b_hands_w(name):
+    """What B hands W per layer and token (the program's own shapes, ``handoff_shapes``) is what the lab
+    adds per act slot of a split schedule (``costmodel.handoff_bytes``), in float32 and in bfloat16."""
+    from jaxpar.analysis.costmodel import handoff_bytes
+
+    parts = _parts(name, rows=2, seq=16, per_chunk=2)
+    shapes = handoff_shapes(parts.forward, parts._any_rows(), parts.chunk_input(), ABSTRACT_ACTION)
+    got = sum(s.size * s.dtype.itemsize for s in shapes) / (2 * 2 * 16)  # 2 layers, 2 rows × 16 tokens
+    itemsize = jnp.dtype(execution(name).dtype).itemsize
+    assert got == handoff_bytes(case_model(name), itemsize, 1)

@@ -167,6 +167,32 @@ def hbm_bytes(report, a: Activations, mesh: dict, token_axes: set[str]) -> float
     return 3 * a.grad_accum * used + 28 * local + 20 * layers * tokens * a.embed_dim * a.act_bytes
 
 
+def _widths(cfg) -> tuple[float, float, float, float]:
+    """A layer's widths per token: (q, k and v, the attention's context, the MLP's hidden). A MoE layer's
+    MLP width is its top-k experts' and the shared ones'; MLA's widths are its heads' (the latents are
+    left out): both approximate."""
+    mla, moe, n = cfg.mla, cfg.moe, cfg.num_heads
+    if mla is not None:
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        q, kv, out = n * qk, n * (qk + mla.v_head_dim), n * mla.v_head_dim
+    else:
+        q, kv, out = n * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim, n * cfg.head_dim
+    f = cfg.mlp_dim
+    if moe is not None:
+        routed = moe.top_k * moe.mlp_dim + moe.num_shared_experts * moe.shared_mlp_dim
+        f = (cfg.first_dense_layers * cfg.mlp_dim + cfg.num_moe_layers * routed) / cfg.num_layers
+    return q, kv, out, f
+
+
+def handoff_bytes(cfg, b: int, t: int) -> float:
+    """Bytes one layer's B hands its W per token in a split schedule (``jaxpar.pipeline.wgrad``), in
+    compute dtype bytes ``b``, split over tensor ``t``: the cotangent of every matmul's output (q, k, v,
+    the attention projection's, the MLP's two F-wide and its D-wide) and, in float32, the two norms'
+    (their scales' gradients read them)."""
+    q, kv, _, f = _widths(cfg)
+    return ((2 * cfg.embed_dim + q + kv + 2 * f) * b + 8 * cfg.embed_dim) / t
+
+
 def kept_bytes(cfg, execution, b: int, t: int) -> float:
     """Bytes one layer keeps per token for the backward under ``execution.remat``, in compute dtype bytes ``b``,
     split over tensor ``t`` (heads and MLP columns by t, the D-wide values by tensor's sequence
@@ -178,18 +204,9 @@ def kept_bytes(cfg, execution, b: int, t: int) -> float:
     norms' float32 internals (6·D·4 + 16 B) and the softmax's float32 max and sum (8·N B) (its scores:
     ``score_bytes``). A MoE layer's MLP width is its top-k experts' and the shared ones'; MLA's widths
     are its heads' (the latents are left out): both approximate."""
-    mla, moe = cfg.mla, cfg.moe
     n, d = cfg.num_heads, cfg.embed_dim
-    if mla is not None:
-        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-        q, kv, out = n * qk, n * (qk + mla.v_head_dim), n * mla.v_head_dim
-    else:
-        q, kv, out = n * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim, n * cfg.head_dim
-    f = cfg.mlp_dim
-    if moe is not None:
-        routed = moe.top_k * moe.mlp_dim + moe.num_shared_experts * moe.shared_mlp_dim
-        f = (cfg.first_dense_layers * cfg.mlp_dim + cfg.num_moe_layers * routed) / cfg.num_layers
-    named = out if mla is not None else q + kv + out  # what remat=attn names (MLA: its context)
+    q, kv, out, f = _widths(cfg)
+    named = out if cfg.mla is not None else q + kv + out  # what remat=attn names (MLA: its context)
     kept = {
         "full": d * b,
         "attn": (2 * d + named) * b,
@@ -228,7 +245,8 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
     (16 × tokens × max(D, F/t) × b_a, and the scores without a flash kernel), and float32 logits with
     their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are one
     microbatch's, the layers one chunk's (when every stage runs its own action, ``runs_own_actions``:
-    times the act slots, each holding a microbatch's residuals), plus the executor's stage-input buffers (and with
+    times the act slots, each holding a microbatch's residuals, and in a split schedule what its B hands
+    its W, ``handoff_bytes``), plus the executor's stage-input buffers (and with
     ``fsdp_gather`` step the stage's weights whole over fsdp, ``gathered``). With gradient
     accumulation (``grad_accum`` k) the tokens are one slice's, and the state holds a float32 gradient sum
     beside the slice's gradient (4 more bytes per element); reduced once a step (``grad_reduce`` step), the
@@ -247,6 +265,8 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
         table = schedule_table(acts.schedule, stages, acts.microbatches, acts.virtual_stages)
         kept *= table.act_slots
         buffers += table.act_slots * tokens * cfg.embed_dim * acts.act_bytes / t  # the last chunk's output grads
+        if table.split_backward:  # what each microbatch's B hands its W, per act slot
+            kept += table.act_slots * layers * tokens * handoff_bytes(cfg, acts.act_bytes, t)
     cast = str(execution.dtype) != str(cfg.param_dtype)
     if str(execution.remat) == "none" and cast:  # the layers' weights, cast
         kept += acts.act_bytes * sum(
@@ -311,11 +331,11 @@ def own_action_durations(split: bool, head: float, remat_full: bool) -> tuple[fl
     """(F, B, W, head) when every stage runs its own action (``jaxpar.pipeline.actions``), in forwards
     of one model chunk. F runs the chunk once and keeps its residuals; B runs the backward from them
     (2; under full remat each layer's forward once more: r = 1); split, B is the input gradient (1 + r)
-    and W the weight gradient, which still runs the input gradient's chain inside the chunk (2 + r). The
-    LM head's forward and backward (3h) run with the last chunk's F only."""
+    and W the weight gradient from the cotangents B hands it (1 + r: ``jaxpar.pipeline.wgrad``). The LM
+    head's forward and backward (3h) run with the last chunk's F only."""
     r = 1.0 if remat_full else 0.0
     if split:
-        return 1.0, 1 + r, 2 + r, 3 * head
+        return 1.0, 1 + r, 1 + r, 3 * head
     return 1.0, 2 + r, None, 3 * head
 
 

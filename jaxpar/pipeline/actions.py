@@ -12,7 +12,11 @@ stage runs its own ``Op``, as a loop of zero or one trips (``when``: XLA updates
   beside the residuals (so no logits outlive the tick).
 - ``B`` rebuilds the chunk's pullback from the filed residuals and runs it: the input gradient (and the
   weight gradient, unless the schedule splits it off). On chunk 0 the embedding's backward follows.
-- ``W`` (split schedules) runs the same pullback for the weight gradient alone.
+- ``W`` (split schedules) runs the weight gradient alone. The pullback is cut in two by data dependence
+  (``jaxpar.pipeline.wgrad``): B runs the input gradient's chain and hands W, in the act slot, the
+  cotangents of the ops the weights multiply; W contracts them with the residuals, so it costs the
+  weight gradient's own FLOPs and nothing of B's chain again. Where the cut saves nothing (a pipeline's
+  padding rows skipped as a branch), W runs the whole pullback for the weight gradient.
 
 Nothing is recomputed but what the model's remat policy asks for, and the residuals that depend on the
 weights alone (their compute-dtype casts, reshapes): those are recomputed from the weights in the tick
@@ -48,6 +52,7 @@ from jaxpar.pipeline.stage import (
     tick_rows,
     zeros_f32,
 )
+from jaxpar.pipeline.wgrad import WeightCut
 from jaxpar.rules import constrain
 
 
@@ -59,6 +64,7 @@ class Carry:
     chunk_inputs: jax.Array  # [act_slots + 1, b, T, D]
     cotangents: jax.Array  # [grad_slots + 1, b, T, D]
     residuals: tuple  # per kept residual [act_slots + 1, ...]; the last: the output gradient of a last chunk
+    handoff: tuple  # split schedules: per value B hands W [act_slots + 1, ...] (``jaxpar.pipeline.wgrad``)
     stack_grads: object
     other_grads: object
     cross_entropy: jax.Array
@@ -183,13 +189,23 @@ class OwnActions:
 
     def run_backward(self, c: Carry, a, *, weights: bool) -> Carry:
         """The input gradient (sent back; on chunk 0 through the embedding) and, unless the schedule
-        splits it off, the weight gradient."""
+        splits it off, the weight gradient; split, what W needs of B's work is filed in the act slot."""
         pullback, seed = self._pullback(c, a)
-        dw, dx = pullback(seed)
         if weights:
+            dw, dx = pullback(seed)
             c = dataclasses.replace(c, stack_grads=add_rows(c.stack_grads, dw, a.local_chunk, self.per_chunk, True))
+        elif c.handoff:
+            cut, leaves = cut_pullback(pullback, seed)
+            dx, handoff = cut.backward(leaves, seed)
+            c = dataclasses.replace(c, handoff=tuple(h.at[a.act_slot].set(x) for h, x in zip(c.handoff, handoff)))
+        else:
+            dx = pullback(seed)[1]
         c = dataclasses.replace(c, outbox=(c.outbox[0], dx))
         return when(a.first, lambda c: self._embed_backward(c, dx, a), c)
+
+    def _handed(self, c: Carry, a) -> list:
+        """What the chunk's B handed its W (in the slot of its input)."""
+        return [h[a.act_slot] for h in c.handoff]
 
     def _embed_backward(self, c: Carry, dx, a) -> Carry:
         x, pull = jax.vjp(lambda o: self.embed(o, a), self.op)
@@ -197,7 +213,11 @@ class OwnActions:
 
     def run_weights(self, c: Carry, a) -> Carry:
         pullback, seed = self._pullback(c, a)
-        dw, _ = pullback(seed)
+        if c.handoff:
+            cut, leaves = cut_pullback(pullback, seed)
+            dw = cut.weights(leaves, seed, self._handed(c, a))
+        else:
+            dw, _ = pullback(seed)
         return dataclasses.replace(c, stack_grads=add_rows(c.stack_grads, dw, a.local_chunk, self.per_chunk, True))
 
 
@@ -249,17 +269,42 @@ class ModelParts:
         return ce + z, (ce, z)
 
 
+def cut_pullback(pullback, seed) -> tuple[WeightCut, list]:
+    """``pullback`` (a ``jax.vjp`` pullback) cut into B and W for ``seed`` (``jaxpar.pipeline.wgrad``),
+    and the arrays it closes over, which both parts take."""
+    leaves, tree = jax.tree.flatten(pullback)
+    return WeightCut.of(lambda leaves, seed: jax.tree.unflatten(tree, leaves)(seed), leaves, seed), leaves
+
+
+def handoff_shapes(forward: Callable, w, x, a) -> list:
+    """What B hands W (``cut_pullback``) for one microbatch of ``forward(w, x, a)``; empty where the cut
+    saves nothing."""
+    clean = []
+
+    def handoff(w, x, a):
+        (y, aux), pullback, _ = jax.vjp(lambda w, x: forward(w, x, a), w, x, has_aux=True)
+        seed = (jnp.zeros(y.shape, y.dtype), jnp.zeros(aux.shape, aux.dtype))
+        cut, leaves = cut_pullback(pullback, seed)
+        clean.append(cut.clean)
+        return cut.backward(leaves, seed)[1]
+
+    shapes = jax.eval_shape(handoff, w, x, a)
+    return shapes if clean[0] else []
+
+
 def initial_carry(parts: ModelParts, table, weight_only: list[bool]) -> Carry:
     """Zeroed buffers and float32 accumulators; the residual buffers shaped as the forward's kept
-    residuals."""
+    residuals, and (split schedules) the handoff's as what B hands W."""
     x, w = parts.chunk_input(), parts._any_rows()
     kept = lambda w, x, a: kept_vjp(parts.forward, w, x, a, weight_only)
     _, shapes, stats = jax.eval_shape(kept, w, x, ABSTRACT_ACTION)
     buffer = lambda s: jnp.zeros((table.act_slots + 1, *s.shape), s.dtype)
+    handoff = handoff_shapes(parts.forward, w, x, ABSTRACT_ACTION) if table.split_backward else []
     return Carry(
         chunk_inputs=act_buffer(table.act_slots, x),
         cotangents=act_buffer(table.grad_slots, x),
         residuals=(*map(buffer, shapes), act_buffer(table.act_slots, x)),
+        handoff=tuple(buffer(s) for s in jax.tree.leaves(handoff)),
         stack_grads=zeros_f32(parts.sp),
         other_grads=zeros_f32(parts.op),
         cross_entropy=jnp.zeros((), jnp.float32),

@@ -34,7 +34,9 @@ def accumulated():
     return reference(CFG, TOKENS, "grad_reduce", grad_accum=K)
 
 
-@pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2"])
+@pytest.mark.parametrize(
+    "mesh", ["data=8", "fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "data=2,fsdp=2,sequence=2"]
+)
 def test_reduced_once_equals_one_device(mesh, accumulated):
     ref, bound = accumulated
     got = train_steps(CFG, resolve_mesh_arg(mesh), TOKENS, grad_accum=K, grad_reduce="step")
@@ -87,7 +89,7 @@ def test_reduced_once_read_from_the_program():
 
 @pytest.mark.parametrize(
     "preset,mesh,why",
-    [("tiny-moe", "data=2,fsdp=4", "a mixture of experts"), ("tiny", "data=2,sequence=4", "sequence=4")],
+    [("tiny-moe", "data=2,fsdp=4", "a mixture of experts"), ("tiny", "data=2,expert=4", "expert=4")],
 )
 def test_layouts_it_does_not_run_are_refused(preset, mesh, why):
     cfg = get_model_preset(preset)

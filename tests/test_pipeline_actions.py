@@ -1,9 +1,9 @@
 """Each stage runs only its own action (``jaxpar.pipeline.actions``): with the batch axes manual
-(``grad_reduce=step``) and at most tensor split inside a stage, a forward tick runs the forward once and
+(``grad_reduce=step``) and at most tensor and sequence split inside a stage, a forward tick runs the forward once and
 files its residuals, a backward tick runs the pullback from them, the embedding runs only with chunk 0
 and the head and loss only with the last chunk. Checked: the one-device losses and per-parameter
-gradients for every schedule, with data, fsdp and tensor (``pipeline_cases``, bounds from the
-reference's own noise), also in bfloat16 without remat; two mutations (a dropped microbatch, residuals
+gradients for every schedule, with data, fsdp, tensor and sequence (``pipeline_cases``, bounds from
+the reference's own noise), also in bfloat16 without remat; two mutations (a dropped microbatch, residuals
 read from another slot); the residuals of the weights alone (their casts) are recomputed, not kept per
 microbatch; 1F1B's memory stays flat in m and GPipe's grows by the formula.
 """
@@ -50,6 +50,8 @@ CASES = [  # (model, schedule, p, m, v, mesh): every schedule, p ∈ {2, 4}, wit
     ("tiny", "zero_bubble", 2, 4, 1, "stage=2,fsdp=2,tensor=2"),
     ("tiny-bf16-keep", "1f1b", 2, 4, 1, "stage=2,data=2,fsdp=2"),  # bfloat16, remat none: casts recomputed
     ("tiny-bf16-keep", "zero_bubble", 2, 4, 1, "stage=2,fsdp=4"),
+    ("tiny", "interleaved", 2, 4, 2, "stage=2,data=2,sequence=2"),  # attention as XLA partitions it
+    ("tiny-ulysses", "zero_bubble", 2, 4, 1, "stage=2,fsdp=2,sequence=2"),
 ]
 
 
@@ -90,14 +92,23 @@ def test_a_handoff_read_from_another_slot_is_caught(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "mesh,own",
-    [("stage=2,data=2,fsdp=2", True), ("stage=2,fsdp=2,tensor=2", True), ("stage=2,fsdp=2,sequence=2", False)],
+    "mesh,context,own",
+    [
+        ("stage=2,data=2,fsdp=2", "none", True),
+        ("stage=2,fsdp=2,tensor=2", "none", True),
+        ("stage=2,fsdp=2,sequence=2", "none", True),
+        ("stage=2,fsdp=2,sequence=2", "ulysses", True),
+        ("stage=2,fsdp=2,sequence=2", "ring", False),
+        ("stage=2,data=4", "ring", True),
+    ],
 )
-def test_own_actions_run_where_only_tensor_is_split_automatically(mesh, own):
-    """Tensor's collectives run among one stage's devices, which all run the same action; sequence
-    parallelism keeps the executor's one section a tick (``jaxpar.pipeline.stage``)."""
+def test_own_actions_run_where_a_stages_collectives_stay_among_its_devices(mesh, context, own):
+    """Tensor's and sequence's collectives (all-reduces, all-gathers, Ulysses' all-to-alls) run among one
+    stage's devices, which all run the same action. The ring's sends are a collective-permute, which
+    every device enters: under the ring over a split sequence the executor runs one section a tick
+    (``jaxpar.pipeline.stage``)."""
     layout = make_layout(case_model("tiny"), resolve_mesh_arg(mesh), batch=16, seq=16)
-    assert own_actions(layout.mesh, layout.rules) is own
+    assert own_actions(layout.mesh, layout.rules, context) is own
 
 
 def _parts(name: str, rows: int = 2, seq: int = 16, per_chunk: int = 2) -> ModelParts:

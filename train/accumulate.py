@@ -11,10 +11,11 @@ over its rows, so the step's objective is the mean of the devices' (the same row
 gradient their sum over the devices and slices, divided by both counts.
 
 The price: each device holds its parameters whole over ``fsdp`` and a float32 gradient sum of that size
-for the step (Megatron's data-parallel gradient buffer). What it runs on: layouts whose batch axes split
-nothing but the batch inside the model, so dense models without ``sequence`` or ``expert`` splitting
-(their kernels name the batch axes inside their own ``shard_map``, and a mixture of experts balances its
-load over the whole batch); others are refused, naming the setting.
+for the step (Megatron's data-parallel gradient buffer). What it runs on: dense models, on layouts whose
+batch axes split nothing but the batch inside the model (``sequence`` and ``tensor`` stay automatic;
+context attention's kernel leaves the manual batch axes out of its own ``shard_map``). A mixture of
+experts balances its load, and drops tokens, over the whole batch, so it is refused, as is ``expert``,
+naming the setting.
 """
 
 from __future__ import annotations
@@ -51,12 +52,11 @@ def slice_sums(grad_fn, params, rest, micro):
 def check_reduce_once(cfg, shape: Mapping[str, int]) -> None:
     """Refuses, naming ``grad_reduce``, a model or a mesh (``shape``: its axis sizes) the once-a-step
     reduction does not run (module docstring)."""
-    split = {a: shape[a] for a in ("sequence", "expert") if shape.get(a, 1) > 1}
-    if cfg.moe is not None or split:
-        why = "a mixture of experts" if cfg.moe is not None else ", ".join(f"{a}={n}" for a, n in split.items())
+    if cfg.moe is not None or shape.get("expert", 1) > 1:
+        why = "a mixture of experts" if cfg.moe is not None else f"expert={shape['expert']}"
         raise ConfigError(
             f"grad_reduce=step with {why}: the once-a-step reduction runs dense models whose layout splits "
-            "only stage, data, fsdp and tensor; use grad_reduce=slice"
+            "only stage, data, fsdp, sequence and tensor; use grad_reduce=slice"
         )
 
 

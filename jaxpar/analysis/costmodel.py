@@ -341,9 +341,10 @@ def own_action_durations(split: bool, head: float, remat_full: bool) -> tuple[fl
 
 def runs_own_actions(cfg, a: Activations, mesh: dict) -> bool:
     """Whether the executor runs each stage's own action for this layout (``jaxpar.pipeline.executor.
-    own_actions``): gradients reduced once a step, no sequence or expert split, no dense prefix."""
-    inside = ("sequence", "expert")
-    return a.grad_reduce == "step" and all(mesh.get(x, 1) == 1 for x in inside) and not cfg.first_dense_layers
+    own_actions``): gradients reduced once a step, no expert split, no ring over a sequence split, no
+    dense prefix."""
+    ring = a.context_parallel == "ring" and mesh.get("sequence", 1) > 1
+    return a.grad_reduce == "step" and mesh.get("expert", 1) == 1 and not ring and not cfg.first_dense_layers
 
 
 def pipeline_costs(cfg, a: Activations, mesh: dict, *, remat_full: bool) -> dict:

@@ -102,7 +102,12 @@ def context_attention(
             implementation=None if implementation is None else str(implementation),
         )
     mesh, rules = layout
-    batch, heads, kv_heads = rules["batch"] or None, rules["act_heads"] or None, rules["act_kv_heads"] or None
+    # Axes already manual around this call (the batch axes where gradients are reduced once a step) are
+    # this device's part already: the kernel's specs leave them out.
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    batch, heads, kv_heads = (
+        tuple(a for a in rules[name] if a not in manual) or None for name in ("batch", "act_heads", "act_kv_heads")
+    )
     q_spec = PartitionSpec(batch, axis, heads, None)
     kv_spec = PartitionSpec(batch, axis, kv_heads, None)
     index_spec = PartitionSpec(batch, axis)

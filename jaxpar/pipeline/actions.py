@@ -1,7 +1,7 @@
 """The stage program where each stage runs only its own action (``jaxpar.pipeline.executor``).
 
-It runs with the batch axes manual beside ``stage`` (``grad_reduce=step``), where what XLA still
-partitions inside a stage is ``tensor`` at most: tensor's collectives run among one stage's devices,
+It runs with the batch axes manual beside ``stage`` (``grad_reduce=step``), where what is still split
+inside a stage is ``tensor`` and ``sequence`` at most: their collectives run among one stage's devices,
 which all run the same action, so stages can run different work in the same tick. Each tick, every
 stage runs its own ``Op``, as a loop of zero or one trips (``when``: XLA updates its carry in place):
 

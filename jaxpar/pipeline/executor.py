@@ -13,15 +13,16 @@ Two stage programs run the ticks:
 
 - **Each stage its own action** (``jaxpar.pipeline.actions``), with ``grad_reduce=step``: the batch
   axes are manual too (``_reduced_once``: weights gathered once, gradients reduced once after the
-  schedule), and what XLA still partitions inside a stage is ``tensor`` at most, whose collectives run
-  among one stage's devices. A forward tick runs the forward once and keeps its residuals, a backward
-  tick the pullback from them; the embedding runs with chunk 0 only, the head and loss with the last
-  chunk's forward only.
+  schedule), and what is still split inside a stage is ``tensor`` and ``sequence`` at most, whose
+  collectives run among one stage's devices (``own_actions``). A forward tick runs the forward once and
+  keeps its residuals, a backward tick the pullback from them; the embedding runs with chunk 0 only, the
+  head and loss with the last chunk's forward only.
 - **One section a tick** (``jaxpar.pipeline.stage``) for the rest (gradients reduced per section,
-  sequence or expert parallelism, a dense prefix): every stage runs the same section, chosen by the tick
-  alone (a forward, or one ``vjp`` of each stage's chunk from its own input, masked to each stage's
-  action), so that the collectives XLA places inside a section for the automatic axes are reached by
-  every stage. B and W recompute the chunk's forward, and the head runs, masked, in every vjp section.
+  expert parallelism, the ring over a split sequence, a dense prefix): every stage runs the same
+  section, chosen by the tick alone (a forward, or one ``vjp`` of each stage's chunk from its own
+  input, masked to each stage's action), so that the collectives XLA places inside a section for the
+  automatic axes are reached by every stage. B and W recompute the chunk's forward, and the head runs,
+  masked, in every vjp section.
 
 Weight gradients accumulate in float32. Layers before the pipelined stack (DeepSeek's dense prefix) run
 before the schedule with the embedding, each stage taking m/p of the microbatches (``_prologue``); model
@@ -140,7 +141,7 @@ def pipeline_grads(
         out_specs=(P(AXIS), P(), P(), P(), P(AXIS)) + (P(AXIS),) * prefixed,
     )
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP and not prefixed:
-        if own_actions(mesh, active_layout()[1]):
+        if own_actions(mesh, active_layout()[1], model.execution.context_parallel):
             body = own_action_body(graphdef, model.pipeline_stack, table, split.rows, losses, active)
         run = _reduced_once(body, mesh, sp, op)  # gathers the weights once itself
     elif FsdpGather.parse(fsdp_gather, field="pipeline.fsdp_gather") == FsdpGather.STEP:
@@ -157,12 +158,15 @@ def pipeline_grads(
     return PipelineResult(ce / m, z / m, stats, grads)
 
 
-def own_actions(mesh, rules) -> bool:
+def own_actions(mesh, rules, context_parallel: str = "none") -> bool:
     """True where each stage can run its own action (``jaxpar.pipeline.actions``): the batch axes are
-    manual, and what XLA still partitions inside a stage is ``tensor`` at most, whose collectives run
-    among the stage's own devices (sequence and expert parallelism are not run this way)."""
-    inside = {AXIS, "tensor", *batch_axes(mesh, rules)}
-    return all(n == 1 for axis, n in mesh.shape.items() if axis not in inside)
+    manual, and what is still split inside a stage is ``tensor`` and ``sequence`` at most, whose
+    collectives run among the stage's own devices. Not under the ring over a split ``sequence``
+    (``context_parallel``): its sends are a collective-permute, which every device of the program
+    enters, so it cannot sit in a branch that differs between stages. Not with expert parallelism."""
+    inside = {AXIS, "tensor", "sequence", *batch_axes(mesh, rules)}
+    ring = str(context_parallel) == "ring" and mesh.shape.get("sequence", 1) > 1
+    return not ring and all(n == 1 for axis, n in mesh.shape.items() if axis not in inside)
 
 
 def _reduced_once(body, mesh, sp, op):

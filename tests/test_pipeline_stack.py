@@ -91,6 +91,7 @@ def test_padding_rows_pass_x_through(skip):
 CASES = [  # (model, schedule, p, m, v, mesh, grad_reduce, (first, last))
     ("tiny-6", "1f1b", 4, 8, 1, "stage=4,data=2", "step", (1, 1)),  # own actions: padding skipped
     ("tiny-6", "zero_bubble", 4, 4, 1, "stage=4,fsdp=2", "slice", (1, 1)),  # one section a tick: dropped
+    ("tiny-6", "zero_bubble", 2, 4, 1, "stage=2,data=2", "step", (1, None)),  # W cut in each branch
     ("tiny-6", "interleaved", 2, 4, 2, "stage=2,data=2", "step", (2, None)),  # interleaved and uneven
     ("tiny-deepseek-uneven", "1f1b", 2, 4, 1, "stage=2,data=2,expert=2", "slice", (2, None)),  # prefix + MoE
 ]

@@ -15,8 +15,8 @@ stage runs its own ``Op``, as a loop of zero or one trips (``when``: XLA updates
 - ``W`` (split schedules) runs the weight gradient alone. The pullback is cut in two by data dependence
   (``jaxpar.pipeline.wgrad``): B runs the input gradient's chain and hands W, in the act slot, the
   cotangents of the ops the weights multiply; W contracts them with the residuals, so it costs the
-  weight gradient's own FLOPs and nothing of B's chain again. Where the cut saves nothing (a pipeline's
-  padding rows skipped as a branch), W runs the whole pullback for the weight gradient.
+  weight gradient's own FLOPs and nothing of B's chain again. Where the cut saves nothing (an equation
+  it cannot enter computes both gradients), W runs the whole pullback for the weight gradient.
 
 Nothing is recomputed but what the model's remat policy asks for, and the residuals that depend on the
 weights alone (their compute-dtype casts, reshapes): those are recomputed from the weights in the tick

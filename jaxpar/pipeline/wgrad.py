@@ -12,11 +12,13 @@ cut by data dependence:
   seeds (a remat region's recomputed forward, a residual's transpose) run in W again rather than be
   handed over, so W never holds a forward activation B did not already have to keep.
 - A layer scan is cut inside its body: B's scan hands its part over stacked over the layers, W's scan
-  reads it back layer by layer. ``jit`` and remat regions are inlined first, so their parts are cut too.
+  reads it back layer by layer. A ``cond`` (a pipeline's padding rows skipped as a branch) is cut in
+  each branch: B's ``cond`` hands over every branch's slots (zeros but the taken one's), W's reads the
+  taken one's. ``jit`` and remat regions are inlined first, so their parts are cut too.
 
-Any other equation that computes both (a branch: a pipeline's padding rows skipped as a ``cond``) runs
-whole in B; where a weight gradient itself would then be handed over, the cut saves nothing and
-``WeightCut.clean`` is False (the caller runs the whole pullback for W instead).
+Any other equation that computes both runs whole in B; where a weight gradient itself would then be
+handed over, the cut saves nothing and ``WeightCut.clean`` is False (the caller runs the whole pullback
+for W instead).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def _run_scan(eqn, step: Callable, carry, xs):
 
 
 def _inlined(jaxpr: core.Jaxpr, consts, args) -> list:
-    """``jaxpr`` evaluated with its ``jit`` and remat regions inlined (also inside scan bodies)."""
+    """``jaxpr`` evaluated with its ``jit`` and remat regions inlined (also inside scan bodies and
+    branches)."""
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
     for eqn in jaxpr.eqns:
@@ -71,6 +74,9 @@ def _inlined(jaxpr: core.Jaxpr, consts, args) -> list:
 
             carry, ys = _run_scan(eqn, step, carry, xs)
             out = [*carry, *ys]
+        elif eqn.primitive.name == "cond":
+            inlined = lambda b: lambda *ops: _inlined(b.jaxpr, b.consts, ops)
+            out = jax.lax.switch(values[0], [inlined(b) for b in eqn.params["branches"]], *values[1:])
         else:
             out = _bind(eqn, values)
         env.update(zip(eqn.outvars, out))
@@ -88,6 +94,8 @@ def _seeded(jaxpr: core.Jaxpr, seeded_in: Sequence[bool]) -> set:
         ins = [isinstance(v, core.Var) and v in seeded for v in eqn.invars]
         if eqn.primitive.name == "scan":
             outs = _ScanCut.seeded(eqn, ins)[1]
+        elif eqn.primitive.name == "cond":
+            outs = _CondCut.seeded(eqn, ins)
         else:
             outs = [any(ins)] * len(eqn.outvars)
         seeded |= {v for v, s in zip(eqn.outvars, outs) if s}
@@ -99,7 +107,7 @@ class _Plan:
     """Where each equation of a jaxpr runs, and what B hands W (``handoff``)."""
 
     jaxpr: core.Jaxpr
-    roles: list  # per equation: _B, _W, _BOTH, a _ScanCut, or None (needed by neither)
+    roles: list  # per equation: _B, _W, _BOTH, a _Cut, or None (needed by neither)
     handoff: list  # the variables B computes (or reads) that W reads
     need_b: set
     need_w: set
@@ -124,26 +132,34 @@ def _plan(jaxpr: core.Jaxpr, b_outs: Sequence[bool], seeded_in: Sequence[bool], 
             roles[i] = _W if not any(ob) else _BOTH
             need_w |= ins
             need_b |= ins if any(ob) else set()
-        elif eqn.primitive.name == "scan" and any(w and not b for b, w in zip(ob, ow)):
-            roles[i] = cut = _ScanCut.of(eqn, ob, [v in seeded for v in eqn.invars])
-            need_b |= cut.reads(eqn, cut.b_reads)
-            need_w |= cut.reads(eqn, cut.w_reads)
+        elif eqn.primitive.name in _CUTS and any(w and not b for b, w in zip(ob, ow)):
+            roles[i] = cut = _CUTS[eqn.primitive.name].of(eqn, ob, [v in seeded for v in eqn.invars])
+            need_b |= _reads(eqn, cut.b_reads)
+            need_w |= _reads(eqn, cut.w_reads)
         else:
             roles[i] = _B
             need_b |= ins
     in_b = set()
     for eqn, r in zip(jaxpr.eqns, roles):
-        marks = r.b_outs if isinstance(r, _ScanCut) else [r == _B] * len(eqn.outvars)
+        marks = r.b_outs if isinstance(r, _Cut) else [r == _B] * len(eqn.outvars)
         in_b |= {v for v, b in zip(eqn.outvars, marks) if b}
     handoff = [v for v in [*jaxpr.invars, *[o for e in jaxpr.eqns for o in e.outvars]] if v in need_w]
     handoff = [v for v in handoff if v in in_b or (v in set(jaxpr.invars) and v not in for_w)]
     w_outs = set(_vars(v for v, b in zip(jaxpr.outvars, b_outs) if not b))
-    clean = not w_outs & set(handoff) and all(r.body.clean for r in roles if isinstance(r, _ScanCut))
+    clean = not w_outs & set(handoff) and all(r.clean for r in roles if isinstance(r, _Cut))
     return _Plan(jaxpr, roles, handoff, need_b, need_w, clean)
 
 
+def _reads(eqn, marks: list[bool]) -> set:
+    return set(_vars(v for v, m in zip(eqn.invars, marks) if m))
+
+
+class _Cut:
+    """An equation both parts need, cut inside (``_ScanCut``, ``_CondCut``)."""
+
+
 @dataclasses.dataclass
-class _ScanCut:
+class _ScanCut(_Cut):
     """A scan whose outputs both parts need, cut inside its body: B's scan runs the body's B part on the
     carries B needs (``b_carry``) and hands the body's handoff over stacked; W's scan runs the rest."""
 
@@ -189,9 +205,12 @@ class _ScanCut:
         w_reads = [in_w(j, v) for j, v in enumerate(body.invars)]
         return cls(plan, body_consts, b_carry, [*b_carry, *outs_b[k:]], b_reads, w_reads)
 
-    @staticmethod
-    def reads(eqn, marks: list[bool]) -> set:
-        return set(_vars(v for v, m in zip(eqn.invars, marks) if m))
+    @property
+    def clean(self) -> bool:
+        return self.body.clean
+
+    def nested(self, flat) -> list:
+        return _nested(self.body, flat)
 
     def run_b(self, eqn, values) -> tuple[list, list]:
         """(the scan's outputs B computes, in order, None for W's; the body's handoff, stacked)."""
@@ -239,6 +258,71 @@ class _ScanCut:
         return [*carry_out, *ys]
 
 
+@dataclasses.dataclass
+class _CondCut(_Cut):
+    """A ``cond`` whose outputs both parts need, cut in each branch: B's ``cond`` returns every branch's
+    handoff slots (the taken branch's filled, the others zeros), W's reads the taken branch's."""
+
+    plans: list  # per branch: its _Plan
+    consts: list  # per branch: its jaxpr's consts
+    b_outs: list[bool]
+    b_reads: list[bool]  # per input (the branch index first)
+    w_reads: list[bool]
+
+    @staticmethod
+    def seeded(eqn, seeded_in: list[bool]) -> list[bool]:
+        outs = [seeded_in[0]] * len(eqn.outvars)
+        for branch in eqn.params["branches"]:
+            s = _seeded(branch.jaxpr, seeded_in[1:])
+            outs = [o or (isinstance(v, core.Var) and v in s) for o, v in zip(outs, branch.jaxpr.outvars)]
+        return outs
+
+    @classmethod
+    def of(cls, eqn, outs_b: list[bool], seeded_in: list[bool]) -> _CondCut:
+        branches = eqn.params["branches"]
+        plans = [_plan(b.jaxpr, outs_b, seeded_in[1:], set(b.jaxpr.invars)) for b in branches]
+        reads = lambda need: (
+            [True] + [any(p.jaxpr.invars[j] in getattr(p, need) for p in plans) for j in range(len(eqn.invars) - 1)]
+        )
+        consts = [list(b.consts) for b in branches]
+        return cls(plans, consts, list(outs_b), reads("need_b"), reads("need_w"))
+
+    @property
+    def clean(self) -> bool:
+        return all(p.clean for p in self.plans)
+
+    def nested(self, flat) -> list:
+        return [_nested(p, flat) for p in self.plans]
+
+    def run_b(self, eqn, values) -> tuple[list, list]:
+        """(the outputs B computes, None for W's; every branch's handoff slots)."""
+        index, ops = values[0], values[1:]
+        avals = [v.aval for v in self.plans[0].jaxpr.invars]
+        shapes = [
+            jax.eval_shape(lambda *xs, p=p, c=c: _run(p, c, xs, None)[1], *avals)
+            for p, c in zip(self.plans, self.consts)
+        ]
+        zeros = [jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), h) for h in shapes]
+
+        def branch(k):
+            def run(ops):
+                outs, handoff = _run(self.plans[k], self.consts[k], ops, None)
+                return outs, [handoff if j == k else z for j, z in enumerate(zeros)]
+
+            return run
+
+        return jax.lax.switch(index, [branch(k) for k in range(len(self.plans))], ops)
+
+    def run_w(self, eqn, values, handoff) -> list:
+        """The outputs W computes (None for B's), from the taken branch's ``handoff`` slots."""
+        index, ops = values[0], values[1:]
+
+        def branch(k):
+            return lambda ops, handoff: _run(self.plans[k], self.consts[k], ops, handoff[k])
+
+        return jax.lax.switch(index, [branch(k) for k in range(len(self.plans))], ops, handoff)
+
+
 def _run(plan: _Plan, consts, args, handoff):
     """B (``handoff`` None): (B's outputs, None for W's; the handoff). W: W's outputs, None for B's."""
     jaxpr, part = plan.jaxpr, _B if handoff is None else _W
@@ -249,7 +333,7 @@ def _run(plan: _Plan, consts, args, handoff):
     read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
     scans: list = []
     for eqn, role in zip(jaxpr.eqns, plan.roles):
-        if isinstance(role, _ScanCut):
+        if isinstance(role, _Cut):
             marks = role.b_reads if part == _B else role.w_reads
             values = [read(v) if m else None for v, m in zip(eqn.invars, marks)]
             if part == _B:
@@ -270,7 +354,10 @@ def _run(plan: _Plan, consts, args, handoff):
 def _nested(plan: _Plan, flat) -> list:
     """The flat handoff (an iterator) in the nesting ``_run`` gives it: the plan's own, then each cut
     scan's."""
-    return [next(flat) for _ in plan.handoff] + [_nested(r.body, flat) for r in plan.roles if isinstance(r, _ScanCut)]
+    return [next(flat) for _ in plan.handoff] + [r.nested(flat) for r in plan.roles if isinstance(r, _Cut)]
+
+
+_CUTS = {"scan": _ScanCut, "cond": _CondCut}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,6 +83,14 @@ def _inlined(jaxpr: core.Jaxpr, consts, args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _placed(n: int, at: list[int], values) -> list:
+    """A list of ``n`` with ``values`` at the positions ``at`` and None elsewhere."""
+    out = [None] * n
+    for j, x in zip(at, values):
+        out[j] = x
+    return out
+
+
 def _vars(atoms) -> list:
     return [v for v in atoms if isinstance(v, core.Var)]
 
@@ -215,47 +223,31 @@ class _ScanCut(_Cut):
     def run_b(self, eqn, values) -> tuple[list, list]:
         """(the scan's outputs B computes, in order, None for W's; the body's handoff, stacked)."""
         consts, carry, xs = _scan_parts(eqn, values)
-        c, k = len(consts), len(carry)
-        keep = lambda vals, off: [x if self.b_reads[off + j] else None for j, x in enumerate(vals)]
-        consts, xs = keep(consts, 0), keep(xs, c + k)
+        k = len(carry)
         mine = [j for j in range(k) if self.b_carry[j]]
 
         def step(bc, x):
-            full = [None] * k
-            for j, val in zip(mine, bc):
-                full[j] = val
-            outs, handoff = _run(self.body, self.body_consts, [*consts, *full, *x], None)
+            outs, handoff = _run(self.body, self.body_consts, [*consts, *_placed(k, mine, bc), *x], None)
             return [outs[j] for j in mine], (outs[k:], handoff)
 
         bc, (ys, handoff) = _run_scan(eqn, step, [carry[j] for j in mine], xs)
-        carry_out = [None] * k
-        for j, val in zip(mine, bc):
-            carry_out[j] = val
-        return [*carry_out, *ys], handoff
+        return [*_placed(k, mine, bc), *ys], handoff
 
     def run_w(self, eqn, values, handoff) -> list:
         """The scan's outputs W computes (None for B's), from the stacked ``handoff``."""
         consts, carry, xs = _scan_parts(eqn, values)
         c, k = len(consts), len(carry)
-        consts = [x if self.w_reads[j] else None for j, x in enumerate(consts)]
         used = [j for j in range(len(xs)) if self.w_reads[c + k + j]]
         mine = [j for j in range(k) if not self.b_carry[j]]
 
         def step(wc, inputs):
             x_used, h = inputs
-            full, x = [None] * k, [None] * len(xs)
-            for j, val in zip(mine, wc):
-                full[j] = val
-            for j, val in zip(used, x_used):
-                x[j] = val
-            outs = _run(self.body, self.body_consts, [*consts, *full, *x], h)
+            full = [*consts, *_placed(k, mine, wc), *_placed(len(xs), used, x_used)]
+            outs = _run(self.body, self.body_consts, full, h)
             return [outs[j] for j in mine], outs[k:]
 
         wc, ys = _run_scan(eqn, step, [carry[j] for j in mine], ([xs[j] for j in used], handoff))
-        carry_out = [None] * k
-        for j, val in zip(mine, wc):
-            carry_out[j] = val
-        return [*carry_out, *ys]
+        return [*_placed(k, mine, wc), *ys]
 
 
 @dataclasses.dataclass

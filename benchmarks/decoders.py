@@ -46,7 +46,7 @@ def plain_weights(model) -> dict:
     return {
         "embed": pure["embed"]["embedding"],
         "final_norm": pure["final_norm"]["scale"],
-        "lm_head": pure["lm_head"],
+        "lm_head": pure["lm_head"] if "lm_head" in pure else pure["embed"]["embedding"].T,  # tied: the table
         "layers": layers,
     }
 
@@ -62,7 +62,8 @@ def _rotate(x, pos, theta):
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     ang = pos.astype(jnp.float32)[:, None, None] * freq  # [T, 1, H/2]
     a, b = x[..., :half], x[..., half:]
-    return jnp.concatenate([a * jnp.cos(ang) - b * jnp.sin(ang), b * jnp.cos(ang) + a * jnp.sin(ang)], -1)
+    out = jnp.concatenate([a * jnp.cos(ang) - b * jnp.sin(ang), b * jnp.cos(ang) + a * jnp.sin(ang)], -1)
+    return out.astype(x.dtype)
 
 
 def _layer(x, w, ck, cv, start, cfg):
@@ -98,11 +99,12 @@ def plain_forward(weights, caches, tokens, start, cfg):
     return jnp.argmax(logits[:, : cfg.vocab_size], axis=-1).astype(jnp.int32), out
 
 
-def plain_generate(weights, cfg, prompts: np.ndarray, new: int, slots: int):
-    """Greedy tokens [B, new] and the decode steps' seconds (each with the host fetch of its tokens)."""
+def plain_generate(weights, cfg, prompts: np.ndarray, new: int, slots: int, dtype=jnp.float32):
+    """Greedy tokens [B, new] and the decode steps' seconds (each with the host fetch of its tokens); the
+    cache holds ``dtype``."""
     b = prompts.shape[0]
     shape = (b, cfg.num_kv_heads, slots, cfg.head_dim)
-    caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
+    caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
     step = jax.jit(plain_forward, static_argnums=4, donate_argnums=1)
     token, caches = step(weights, caches, jnp.asarray(prompts), jnp.int32(0), cfg)
     tokens, times = [np.asarray(token)], []

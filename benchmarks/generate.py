@@ -38,6 +38,7 @@ the load (the JSON records the load average before and after).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -166,7 +167,8 @@ def measured_cache(gen, batch: int, prompt: int, new: int) -> dict:
 
 
 def sampler_ms(cfg, batch: int, repeats: int = 20) -> float:
-    """Median ms of the decode step's sampler alone (``sample``, greedy settings) on [batch, vocab] logits."""
+    """Median ms of the decode step's sampler alone (``sample``, greedy: the generator's greedy program) on
+    [batch, vocab] logits."""
     import jax
     import jax.numpy as jnp
 
@@ -174,7 +176,7 @@ def sampler_ms(cfg, batch: int, repeats: int = 20) -> float:
 
     logits = jax.random.normal(jax.random.key(0), (batch, cfg.padded_vocab), jnp.float32)
     params, positions = SamplingParams.greedy(batch), jnp.zeros(batch, jnp.int32)
-    f = jax.jit(sample)
+    f = jax.jit(functools.partial(sample, draws=False))
     jax.block_until_ready(f(logits, params, positions))
     times = []
     for _ in range(repeats):

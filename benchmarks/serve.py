@@ -257,9 +257,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--train-steps", type=int, default=300, help="training of the speculative pair")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    import jax
+
     model = build(args.model)
     report = {
-        "device": "cpu",
+        "device": jax.devices()[0].device_kind,
         "model": args.model,
         "load_average_before": os.getloadavg()[0],
         "load": load(model, 40 if args.quick else args.requests, args.rate),

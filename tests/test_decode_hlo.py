@@ -14,6 +14,7 @@ pools) gathers no row's whole cache and copies none, against the mutation that g
 
 import functools
 import math
+import re
 
 import pytest
 
@@ -124,7 +125,7 @@ def test_bytes_moved_within_a_tenth_of_the_floor(case):
 
 
 # ---------------------------------------------------------------------------------- the paged engine
-def _engine_step_text(preset: str) -> tuple[str, tuple[int, ...], int]:
+def _engine_step_text(preset: str, features=None) -> tuple[str, tuple[int, ...], int]:
     """The paged engine's decode step (``preset``, 4 slots of 2048 positions, pages of 16: a cache large
     enough to be read in several blocks, ``pages_per_step``) compiled: (its HLO, one row-gathered dense
     cache's dims, [B, W·page, K, H] or an MLA latent's [B, W·page, R], its number of pool arrays)."""
@@ -147,7 +148,8 @@ def _engine_step_text(preset: str) -> tuple[str, tuple[int, ...], int]:
         SamplingParams.greedy(b),
         logprobs.StepExtras.build([], b, 1, engine.max_length),
     )
-    text = engine._program("target", 1).lower(m.state, m.pools, *host).compile().as_text()
+    program = engine._program("target", 1, False, features or logprobs.Features())
+    text = program.lower(m.state, m.pools, *host).compile().as_text()
     row = (cfg.mla.kv_lora_rank,) if cfg.uses_mla else (cfg.num_kv_heads, cfg.head_dim)
     return text, (b, engine.max_length, *row), 2 * cfg.num_layers
 
@@ -210,3 +212,47 @@ def test_gathering_every_page_first_is_caught(preset, name, mutation, monkeypatc
     monkeypatch.setattr(kvcache, name, mutation)
     text, gathered, pools = _engine_step_text(preset)
     assert len(_cache_sized_copies(text, gathered)) >= pools // 2  # two pools a layer
+
+
+# ------------------------------------------------------------------------------------ no conditional
+def _conditionals(text: str) -> int:
+    """``conditional`` instructions in an optimized HLO text. On a GPU each reads its predicate back to
+    the host, which waits there for the step's forward and splits XLA's command buffer."""
+    return len(re.findall(r"= \S+ conditional\(", text))
+
+
+def test_the_decode_step_runs_no_conditional(step):
+    """The generator's step, greedy (the one every case compiles) and sampling, holds no conditional."""
+    case, s = step
+    assert _conditionals(s.compiled.as_text()) == 0
+    if case == "tiny-b1":
+        _, _, batch, slots = CASES[case]
+        sampled = compile_decode(_cfg(case), batch=batch, slots=slots, draws=True)
+        assert _conditionals(sampled.compiled.as_text()) == 0
+
+
+def test_a_conditional_sampler_is_caught(monkeypatch):
+    """The mutation: the sampler choosing greedy or drawing with a ``lax.cond`` at run time."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.inference import generate, sampling
+
+    def choosing(logits, params, positions, *, draws):
+        greedy = lambda: jnp.argmax(logits, -1).astype(jnp.int32)
+        drawn = lambda: sampling.sample(logits, params, positions, draws=True)
+        return jax.lax.cond(jnp.all(params.temperature == 0), greedy, drawn)
+
+    monkeypatch.setattr(generate, "sample", choosing)
+    _, _, batch, slots = CASES["tiny-b1"]
+    assert _conditionals(compile_decode(_cfg("tiny-b1"), batch=batch, slots=slots).compiled.as_text()) == 1
+
+
+def test_the_engine_step_runs_no_conditional():
+    """The engine's step with every feature on (sampling, penalties, token and prompt log-probs) holds no
+    conditional, nor does its greedy step."""
+    from jaxpar.inference.logprobs import Features
+
+    for features in (Features(), Features(True, True, True, True)):
+        text, _, _ = _engine_step_text("tiny", features)
+        assert _conditionals(text) == 0

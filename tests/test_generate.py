@@ -223,16 +223,17 @@ def test_decode_layouts_agree_and_never_replicate_the_cache(single_device_runs, 
         assert "all-reduce" in decode_hlo and "all-gather" not in decode_hlo
 
 
-def test_data_parallel_decode_step_sends_only_the_greedy_flag():
-    """decode_dp: each device holds the whole model and its own rows' cache, so its compiled decode step
-    (the sampling branch included) has one collective: the all-reduce of one bool, "is every row
-    greedy?". The cache write (a scatter per row) and the samplers' sort stay on each device's rows."""
+def test_data_parallel_decode_step_has_no_collective():
+    """decode_dp: each device holds the whole model and its own rows' cache, so its compiled decode steps,
+    greedy and sampling, hold no collective. The cache write (a scatter per row) and the samplers' sort
+    stay on each device's rows, and whether any row draws is decided on the host (no all-reduce of an
+    "is every row greedy?" flag)."""
     from jaxpar.analysis.hlo import analyze_compiled
 
     gen = Generator(_model(_cfg("tiny")), "decode_dp")
-    _, decode = gen.programs(BATCH, 16, 32)
-    ops = analyze_compiled(decode, mesh=gen.mesh).ops
-    assert [(c.kind, c.bytes, c.axes) for c in ops] == [("all-reduce", 1, ("data",))]
+    for draws in (False, True):
+        _, decode = gen.programs(BATCH, 16, 32, draws)
+        assert not analyze_compiled(decode, mesh=gen.mesh).ops
 
 
 def test_partial_softmax_decode_equals_dense_attention_forward_and_gradient():
@@ -282,15 +283,23 @@ def tiny_gen():
 
 
 def test_new_prompt_lengths_and_sampler_settings_do_not_recompile(tiny_gen):
+    """Within a shape bucket, two programs at most: greedy, and sampling (the first request that draws
+    compiles it). New prompt lengths and new sampling settings compile nothing."""
     from jaxpar.inference.sampling import SamplingParams
 
     tiny_gen.generate(_prompts(256, (5, 9)), max_new_tokens=4)
+    greedy = dict(tiny_gen._compiled)
+    drawing = lambda **kw: SamplingParams.make(2, **kw)
+    tiny_gen.generate(_prompts(256, (7, 2), seed=2), max_new_tokens=4, sampling=drawing(temperature=1.0))
     programs = dict(tiny_gen._compiled)
+    assert len(programs) == len(greedy) + 1
     out = tiny_gen.generate(
         _prompts(256, (12, 3), seed=1),
         max_new_tokens=4,
-        sampling=SamplingParams.make(2, temperature=[0.0, 0.7], top_p=0.9, seed=[1, 2]),
+        sampling=drawing(temperature=[0.0, 0.7], top_p=0.9, seed=[1, 2]),
     )
+    assert tiny_gen._compiled == programs and out.compile_s < 0.01
+    out = tiny_gen.generate(_prompts(256, (4, 11), seed=3), max_new_tokens=4)
     assert tiny_gen._compiled == programs and out.compile_s < 0.01
 
 

@@ -6,6 +6,7 @@ The compiled functions are module-level and every test reuses a few shapes, so t
 handful of tiny programs in all.
 """
 
+import functools
 import math
 
 import jax
@@ -18,7 +19,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.inference.sampling import SamplingParams, filtered_logits, sample
 
 _filtered = jax.jit(filtered_logits)
-_sample = jax.jit(sample)
+_sample = jax.jit(functools.partial(sample, draws=True))
 
 # Five tokens in shuffled vocabulary order: token ORDER[r] has the r-th largest probability PROBS[r].
 PROBS = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -109,7 +110,7 @@ def test_changing_settings_does_not_recompile():
     @jax.jit
     def f(logits, params, positions):
         traces.append(1)
-        return sample(logits, params, positions)
+        return sample(logits, params, positions, draws=True)
 
     logits = jnp.asarray(np.stack([LOGITS] * 4))
     positions = jnp.arange(4, dtype=jnp.int32)

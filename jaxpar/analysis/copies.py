@@ -13,6 +13,7 @@ metadata, which names the model variable when the operand is one (``state['block
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -161,7 +162,7 @@ def moved(compiled) -> float:
     return float(compiled.cost_analysis()["bytes accessed"]) - cost_overcount(compiled.as_text())
 
 
-def _sampler_bytes(batch: int, vocab: int) -> float:
+def _sampler_bytes(batch: int, vocab: int, draws: bool) -> float:
     """``moved`` of the generator's sampler alone on float32 [batch, vocab] logits (greedy settings)."""
     import jax  # deferred, as in compile_decode
     import jax.numpy as jnp
@@ -169,16 +170,25 @@ def _sampler_bytes(batch: int, vocab: int) -> float:
     from jaxpar.inference.sampling import SamplingParams, sample
 
     logits, positions = jax.ShapeDtypeStruct((batch, vocab), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return moved(jax.jit(sample).lower(logits, SamplingParams.greedy(batch), positions).compile())
+    program = jax.jit(functools.partial(sample, draws=draws))
+    return moved(program.lower(logits, SamplingParams.greedy(batch), positions).compile())
 
 
 def compile_decode(
-    cfg, *, batch: int, slots: int, mesh: str = "decode_dp", unstacked: bool = True, prefill_of: int | None = None
+    cfg,
+    *,
+    batch: int,
+    slots: int,
+    mesh: str = "decode_dp",
+    unstacked: bool = True,
+    prefill_of: int | None = None,
+    draws: bool = False,
 ) -> DecodeStep:
     """The decode step ``Generator`` runs for ``cfg`` (unstacked, on one device's ``mesh`` layout),
     compiled from shapes alone. ``unstacked=False``: the same step on the stacked model (each layer
     sliced out of its stack inside the step), what generation ran before the inference boundary.
-    ``prefill_of``: also compile the prefill of prompts bucketed to that many positions (``prefill``)."""
+    ``prefill_of``: also compile the prefill of prompts bucketed to that many positions (``prefill``).
+    ``draws``: the step that can sample (else the greedy one)."""
     # deferred: jax, flax, the model zoo and the generator
     import time
 
@@ -204,7 +214,7 @@ def compile_decode(
         shardings = nnx.get_named_sharding(abstract, built)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     start = time.perf_counter()
-    prefill, lowered = lower_programs(model, state, layout, batch, prompt, slots)
+    prefill, lowered = lower_programs(model, state, layout, batch, prompt, slots, draws=draws)
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     lower_s, compile_s = lowered_at - start, time.perf_counter() - lowered_at
@@ -218,7 +228,7 @@ def compile_decode(
     cache = [x for x, _ in arrays]
     new = sum(x.size // x.shape[slot_axis(names)] * x.dtype.itemsize for x, names in arrays)  # one position
     smallest = min(x.size for x in jax.tree.leaves(state) if x.ndim >= 2)
-    sampler = _sampler_bytes(batch, cfg.vocab_size)
+    sampler = _sampler_bytes(batch, cfg.vocab_size, draws)
     weights = nbytes(state) - unread
     shapes, prefill = frozenset(x.shape for x in cache), prefill.compile() if prefill_of else None
     return DecodeStep(compiled, smallest, shapes, weights, nbytes(cache), new, sampler, lower_s, compile_s, prefill)

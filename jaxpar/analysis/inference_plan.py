@@ -3,9 +3,10 @@ decode times it predicts on named hardware.
 
     jaxpar plan --inference --model llama3-70b --mesh decode_tp --devices 8 --batch 32 --context 8192 --hardware h100
 
-The prefill and decode programs of ``jaxpar.inference.generate`` are compiled ahead of time for the
-layout on simulated CPU devices from abstract weights (nothing the size of the model is allocated), and
-read as the training lab reads its step:
+The prefill and decode programs of ``jaxpar.inference.generate`` (the greedy ones: a sampling program
+adds a per-row sort of the vocabulary) are compiled ahead of time for the layout on simulated CPU devices
+from abstract weights (nothing the size of the model is allocated), and read as the training lab reads
+its step:
 
 * **Held per device** (exact, from the shardings the programs take): the weights (bf16 by default, as
   served; ``--set param_dtype=float32`` to price f32), and the KV cache of

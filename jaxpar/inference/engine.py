@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -43,6 +44,9 @@ from jaxpar.inference.speculative import acceptance, distribution, host_rng, ngr
 from jaxpar.layers.kvcache import with_table, without_table
 from jaxpar.model_api import LanguageModel
 from jaxpar.rules import trace_layout
+
+# What ``warm_up`` compiles by default: greedy steps and sampled ones, log-probs and penalties off.
+SERVED = (logprobs.Features(), logprobs.Features(draws=True))
 
 GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
 LOG_STEPS = 4096  # the steps ``Engine.log`` keeps (the newest); ``Engine.totals`` counts them all
@@ -144,11 +148,13 @@ class Engine:
             )
         return draft
 
-    def _program(self, which: str, t: int, every: bool = False):
+    def _program(self, which: str, t: int, every: bool, features: logprobs.Features):
         """``which`` model's step of width t: sampled tokens, the logits at each row's ``last`` position
         and log-probs (``logprobs.step_outputs``); with ``every`` (verification) the raw and the filtered
-        logits of every position (``logprobs.verify_outputs``)."""
-        if (which, t, every) not in self._programs:
+        logits of every position (``logprobs.verify_outputs``). ``features``: what the program holds
+        besides (one program per set, chosen on the host: no conditional runs on the device)."""
+        key = (which, t, every, features)
+        if key not in self._programs:
             graphdef, layout, vocab = self.models[which].graphdef, self.layout, self.cfg.vocab_size
 
             def run(state, pools, ids, positions, table, last, params, extras):
@@ -157,30 +163,37 @@ class Engine:
                     logits, pools = model.decode(ids, positions, with_table(pools, table))
                 stripped = without_table(pools)
                 if every:
-                    return logprobs.verify_outputs(logits, ids, positions, params, extras), stripped
-                return logprobs.step_outputs(logits, ids, positions, last, params, extras, vocab), stripped
+                    return logprobs.verify_outputs(logits, ids, positions, params, extras, features), stripped
+                return logprobs.step_outputs(logits, ids, positions, last, params, extras, vocab, features), stripped
 
             pools = jax.tree.map(lambda x: x.sharding, self.models[which].pools)
-            self._programs[which, t, every] = jax.jit(run, donate_argnums=(1,), out_shardings=(self._replicated, pools))
+            self._programs[key] = jax.jit(run, donate_argnums=(1,), out_shardings=(self._replicated, pools))
             self.compiles += 1
-        return self._programs[which, t, every]
+        return self._programs[key]
 
-    def warm_up(self) -> None:
-        """Compile every shape the engine can run (a call with nothing in it: positions all −1)."""
+    def warm_up(self, features=SERVED) -> None:
+        """Compile every shape the engine can run (a call with nothing in it: positions all −1), for each
+        set of ``features`` (default ``SERVED``: greedy and sampled steps; the others compile on first use)."""
         shapes = [(w, t, False) for w in self.models for t in self.buckets()]
         shapes += [("target", self.speculate + 1, True)] if self.speculate else []
         shapes += [("draft", t, True) for t in self.buckets()] if "draft" in self.models else []
-        for which, t, every in shapes:
-            self._call(
-                which,
-                t,
-                np.zeros((self.slots, t), np.int32),
-                np.full((self.slots, t), -1, np.int32),
-                np.zeros((self.slots, self.width), np.int32),
-                np.zeros(self.slots, np.int32),
-                SamplingParams.greedy(self.slots),
-                every=every,
+        keys = dict.fromkeys(
+            (w, t, every, self._needed(f, every)) for (w, t, every), f in itertools.product(shapes, features)
+        )
+        for which, t, every, f in keys:
+            m = self.models[which]
+            ids, positions = np.zeros((self.slots, t), np.int32), np.full((self.slots, t), -1, np.int32)
+            table, last = np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32)
+            extras = logprobs.StepExtras.build([], self.slots, t, self.max_length)
+            params = SamplingParams.greedy(self.slots)
+            _, m.pools = self._program(which, t, every, f)(
+                m.state, m.pools, ids, positions, table, last, params, extras
             )
+
+    @staticmethod
+    def _needed(features: logprobs.Features, every: bool) -> logprobs.Features:
+        """What a program needs of ``features``: a verification samples nothing and scores nothing."""
+        return logprobs.Features(penalties=features.penalties) if every else features
 
     @property
     def _replicated(self):
@@ -191,7 +204,8 @@ class Engine:
         m = self.models[which]
         extras = extras or logprobs.StepExtras.build([], self.slots, t, self.max_length)
         host = (ids, positions, table, last, params, extras)  # numpy: jit places them replicated itself
-        out, m.pools = self._program(which, t, every)(m.state, m.pools, *host)
+        program = self._program(which, t, every, self._needed(logprobs.Features.of(params, extras), every))
+        out, m.pools = program(m.state, m.pools, *host)
         return logprobs.fetch(out, extras, rows=self.record_logits)
 
     # ----------------------------------------------------------------------------------- serving

@@ -140,15 +140,19 @@ def abstract_cache(model: LanguageModel, layout: InferenceLayout, batch: int, sl
     return {name: [map_arrays(c, placed) for c in layers] for name, layers in cache.items()}
 
 
-def compile_programs(model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
+def compile_programs(
+    model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int, *, draws: bool = False
+):
     """(prefill, decode) of ``model`` compiled for ``layout`` from ``state``, a tree of
     ``jax.ShapeDtypeStruct`` with shardings (``model`` may be abstract: ``nnx.eval_shape``; nothing the
-    size of the model is allocated)."""
-    pre, dec = lower_programs(model, state, layout, batch, prompt, slots)
+    size of the model is allocated). ``draws``: whether they can sample (``sample``; else greedy)."""
+    pre, dec = lower_programs(model, state, layout, batch, prompt, slots, draws=draws)
     return pre.compile(), dec.compile()
 
 
-def lower_programs(model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int):
+def lower_programs(
+    model: LanguageModel, state, layout: InferenceLayout, batch: int, prompt: int, slots: int, *, draws: bool = False
+):
     """(prefill, decode) of ``model`` lowered for ``layout`` (``compile_programs``' arguments), not yet
     compiled. Decode donates its cache (argument 1): XLA writes each layer's new entries in place."""
     graphdef, mesh = nnx.graphdef(model), layout.mesh
@@ -161,12 +165,12 @@ def lower_programs(model: LanguageModel, state, layout: InferenceLayout, batch: 
         with trace_layout(mesh, layout.prefill):
             model = nnx.merge(graphdef, state)
             logits, cache = model.prefill(ids, lengths, model.empty_cache(batch, slots))
-        return sample(logits, params, lengths), logits, cache
+        return sample(logits, params, lengths, draws=draws), logits, cache
 
     def decode(state, cache, tokens, positions, params):
         with trace_layout(mesh, layout.decode):
             logits, cache = nnx.merge(graphdef, state).decode(tokens[:, None], positions[:, None], cache)
-        return sample(logits[:, 0], params, positions + 1), logits[:, 0], cache
+        return sample(logits[:, 0], params, positions + 1, draws=draws), logits[:, 0], cache
 
     i32 = lambda *s: jax.ShapeDtypeStruct(
         s, jnp.int32, sharding=rows if len(s) == 1 else layout.sharding(("batch", None))
@@ -207,13 +211,13 @@ class Generator:
             execution=self.model.execution,
         )
 
-    def programs(self, batch: int, prompt: int, slots: int):
-        """(prefill, decode) compiled for this shape (compiled once, then kept)."""
-        key = (batch, prompt, slots)
+    def programs(self, batch: int, prompt: int, slots: int, draws: bool = False):
+        """(prefill, decode) compiled for this shape, greedy or able to sample (compiled once, then kept)."""
+        key = (batch, prompt, slots, draws)
         if key not in self._compiled:
             state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
             self._compiled[key] = compile_programs(
-                self.model, state, self.layout(batch, prompt, slots), batch, prompt, slots
+                self.model, state, self.layout(batch, prompt, slots), batch, prompt, slots, draws=draws
             )
         return self._compiled[key]
 
@@ -246,7 +250,7 @@ class Generator:
         lengths = np.array([len(p) for p in prompts], np.int32)
         prompt, slots = shapes(prompts, limit)
         t0 = time.perf_counter()
-        prefill, decode = self.programs(b, prompt, slots)
+        prefill, decode = self.programs(b, prompt, slots, sampling.draws)
         compile_s = time.perf_counter() - t0
         ids = np.zeros((b, prompt), np.int32)
         for i, p in enumerate(prompts):
@@ -254,16 +258,25 @@ class Generator:
         return self._run(prefill, decode, ids, lengths, limit, stops, sampling, return_logits, on_tokens, compile_s)
 
     def _run(self, prefill, decode, ids, lengths, limit, stops, sampling, return_logits, on_tokens, compile_s):
+        """The loop. Each decode step is dispatched before the host looks at the tokens of the step before
+        (it reads them on the device), so the device never waits for the host: a step is dispatched
+        whenever some row may still need a token after the current one (one more than needed when every
+        row ends on a stop token; its results are dropped). Each step's tokens start their copy to the
+        host as soon as the step is dispatched, ahead of the step after it."""
         b = len(lengths)
         out, reasons, logits = [[] for _ in range(b)], [None] * b, [[] for _ in range(b)]
         start = time.perf_counter()
-        token, last, cache = prefill(self.state, ids, lengths, sampling)
-        jax.block_until_ready(token)
+        token_dev, last, cache = prefill(self.state, ids, lengths, sampling)
+        jax.block_until_ready(token_dev)
         prefill_s = time.perf_counter() - start
-        token = np.asarray(token)
-        ttft = time.perf_counter() - start
+        token = np.asarray(token_dev)
+        ttft = arrived = time.perf_counter()
         steps, positions, produced = [], lengths.copy(), 0
         while True:
+            if any(r is None and len(o) + 1 < n for r, o, n in zip(reasons, out, limit)):
+                ahead = decode(self.state, cache, token_dev, positions, sampling)
+                ahead[0].copy_to_host_async()  # queued now, so it does not wait behind the next step
+                positions = positions + 1
             done = np.array([r is not None for r in reasons])
             last_host = np.asarray(last) if return_logits else None
             for i in np.flatnonzero(~done):
@@ -283,18 +296,18 @@ class Generator:
                 on_tokens(len(steps), token, done)
             if all(r is not None for r in reasons):
                 break
-            t = time.perf_counter()
-            token, last, cache = decode(self.state, cache, token, positions, sampling)
-            token = np.asarray(token)
-            steps.append(time.perf_counter() - t)
+            token_dev, last, cache = ahead
+            token = np.asarray(token_dev)
+            now = time.perf_counter()
+            steps.append(now - arrived)
+            arrived = now
             produced += sum(r is None for r in reasons)
-            positions = positions + 1
         decode_s = float(sum(steps))
         return GenerationResult(
             tokens=out,
             finish_reasons=reasons,
             prefill_s=prefill_s,
-            time_to_first_token_s=ttft,
+            time_to_first_token_s=ttft - start,
             decode_s=decode_s,
             decode_tokens_per_s=produced / decode_s if decode_s else 0.0,
             step_s=steps,

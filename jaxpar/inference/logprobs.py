@@ -2,7 +2,7 @@
 
 A step holding a row whose request asks for ``logprobs`` computes, on the device, the log-probability of
 each row's sampled token and the ``K`` most likely tokens with theirs, so that [slots, 2K + 1] numbers
-come back, never a [slots, V] row (a step where no row asks skips it: ``lax.cond``). They are
+come back, never a [slots, V] row (a step where no row asks runs a program without them). They are
 of the model's raw distribution: ``log_softmax`` of the float32 logits over the real vocabulary (the
 padded ids cut off), before penalties, temperature and the top-k/top-p/min-p filters. A request keeps
 them when its settings hold ``logprobs`` (how many alternatives); the speculative path, which brings its
@@ -10,8 +10,8 @@ raw logits to the host anyway, computes them there (``host_scores``).
 
 A row whose request asks for ``prompt_logprobs`` (``echo`` with ``logprobs``) also gets, at each fed
 prompt position p, the log-probability of the prompt token at p + 1 and the top ``K`` there, computed
-over the whole chunk [slots, t, V] on the device. That runs (``lax.cond``) and comes to the host only
-when some row of the call asks; the scheduler gives such a request no pages from the prefix cache, so
+over the whole chunk [slots, t, V] on the device. That runs and comes to the host only when some row
+of the call asks; the scheduler gives such a request no pages from the prefix cache, so
 every position of its prompt is computed.
 
 Penalties follow vLLM: each row's generated tokens are counted; ``repetition_penalty`` r divides the
@@ -20,7 +20,12 @@ positive logits (multiplies the negative ones) of every token seen in the prompt
 built on the device from each penalized row's token ids ([slots, max_length] int32, sent with the step:
 a few kB per call, no state that slot reuse, preemption, the prefix cache or a rejected guess could leave
 stale). Rows with every penalty off keep their logits bit for bit, and a call where no row has one skips
-the counting (``lax.cond``).
+the counting.
+
+What a call needs is read on the host from its inputs (``Features.of``), and each set of needs is a
+program of its own (compiled once, then kept), never a ``lax.cond``: on a GPU a conditional reads its
+predicate back to the host, which stalls the host until the step's forward is done and splits XLA's
+command buffer (CUDA graph) in two.
 
 Legend: B rows (slots), t positions per row, V vocabulary (padded), L the engine's max_length.
 """
@@ -146,38 +151,53 @@ def _penalize(logits: jax.Array, x: StepExtras, counts: jax.Array, seen: jax.Arr
     return jnp.where(_active(x)[:, None], out, logits)
 
 
-def step_outputs(logits, ids, positions, last, params, x: StepExtras, vocab: int) -> dict:
+class Features(NamedTuple):
+    """What a step program holds besides the model and the argmax (static: one program per set)."""
+
+    draws: bool = False  # some row samples (temperature > 0): the per-row sort and draw
+    penalties: bool = False  # some row has a penalty on: the token counts
+    logprobs: bool = False  # some row keeps its sampled token's log-prob
+    prompt_logprobs: bool = False  # some row asks its prompt's log-probs
+
+    @classmethod
+    def of(cls, params, x: StepExtras) -> Features:
+        """The features a call with these inputs (on the host) needs."""
+        active = (np.asarray(x.presence) != 0) | (np.asarray(x.frequency) != 0) | (np.asarray(x.repetition) != 1)
+        scored, targets = np.asarray(x.scored), np.asarray(x.targets)
+        return cls(params.draws, bool(active.any()), bool(scored.any()), bool((targets >= 0).any()))
+
+
+def step_outputs(logits, ids, positions, last, params, x: StepExtras, vocab: int, features: Features) -> dict:
     """The outputs of a step of width t: each row's token sampled (penalized) at its ``last`` position,
     that position's raw logits (``row``), where ``scored`` asks the token's log-prob with the top K, and
-    where ``targets`` asks the prompt's log-probs at every fed position (zeros when no row asks)."""
+    where ``targets`` asks the prompt's log-probs at every fed position (zeros when ``features`` has
+    none: no row asks)."""
     b, t, v = logits.shape
     row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
     at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
-    penalized = jax.lax.cond(
-        jnp.any(_active(x)), lambda: _penalize(row, x, *_counts(x, ids, positions, last, v)), lambda: row
-    )
-    tokens = sample(penalized, params, at)
+    penalized = _penalize(row, x, *_counts(x, ids, positions, last, v)) if features.penalties else row
+    tokens = sample(penalized, params, at, draws=features.draws)
 
-    def scores(lp_of, wanted, chosen):  # pick() where some row asks, else zeros of its shapes
-        lead, k = wanted.shape, min(K, vocab)
-        none = jnp.zeros(lead, jnp.float32), jnp.zeros((*lead, k), jnp.float32), jnp.zeros((*lead, k), jnp.int32)
-        return jax.lax.cond(jnp.any(wanted), lambda: pick(log_probs(lp_of, vocab), chosen), lambda: none)
+    def scores(wanted: bool, lp_of, chosen):  # pick() where some row asks, else zeros of its shapes
+        lead, k = chosen.shape, min(K, vocab)
+        if wanted:
+            return pick(log_probs(lp_of, vocab), chosen)
+        return jnp.zeros(lead, jnp.float32), jnp.zeros((*lead, k), jnp.float32), jnp.zeros((*lead, k), jnp.int32)
 
-    chosen = scores(row, x.scored, tokens)
-    prompt = scores(logits, x.targets >= 0, jnp.maximum(x.targets, 0))
+    chosen = scores(features.logprobs, row, tokens)
+    prompt = scores(features.prompt_logprobs, logits, jnp.maximum(x.targets, 0))
     return dict(tokens=tokens, row=row, chosen=chosen, prompt=prompt)
 
 
-def verify_outputs(logits, ids, positions, params, x: StepExtras) -> tuple[jax.Array, jax.Array]:
+def verify_outputs(logits, ids, positions, params, x: StepExtras, features: Features) -> tuple[jax.Array, jax.Array]:
     """(raw logits, filtered logits) [B, t, V] of every position of a verification: position j is
-    penalized with the row's history and its fed tokens 1 … j (the guesses before it)."""
+    penalized with the row's history and its fed tokens 1 … j (the guesses before it), when
+    ``features.penalties``."""
     b, t, v = logits.shape
-
-    def penalized():
+    scored = logits
+    if features.penalties:
         cols = [_penalize(logits[:, j], x, *_counts(x, ids, positions, jnp.full(b, j), v)) for j in range(t)]
-        return jnp.stack(cols, axis=1)
-
-    scored = jax.lax.cond(jnp.any(_active(x)), penalized, lambda: logits)
+        scored = jnp.stack(cols, axis=1)
     each = jax.tree.map(lambda a: jnp.repeat(a, t), params)
     return logits, filtered_logits(scored.reshape(b * t, v), each).reshape(b, t, v)
 

@@ -55,6 +55,11 @@ class SamplingParams:
         columns = cls.check(batch, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         return cls(**{name: jnp.asarray(column) for name, column in columns.items()})
 
+    @property
+    def draws(self) -> bool:
+        """Whether any row draws (temperature > 0): the static ``draws`` of ``sample``. Host-side."""
+        return bool(np.any(np.asarray(self.temperature) > 0))
+
     @staticmethod
     def check(batch: int = 1, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0) -> dict:
         """The checks of ``make`` on the host alone (no device work): {field: numpy [batch] array}."""
@@ -156,20 +161,22 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(greedy | keep, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *, draws: bool) -> jax.Array:
     """logits float32 [B, V], positions int32 [B] (where each sampled token will sit) -> token ids int32 [B].
 
     Greedy rows (temperature 0) take the argmax of their logits. The others draw from
     ``filtered_logits`` with the key ``fold_in(key(seed), position)`` of their own row, so a row's
     token depends only on its own logits, settings, seed and position.
+
+    ``draws`` (static, ``SamplingParams.draws`` on the host): whether the program can draw at all. A
+    program without it is the argmax alone and holds no per-row sort. The choice is made on the host,
+    not by a ``lax.cond`` in the program: on a GPU a conditional reads its predicate back to the host,
+    which stalls the host's dispatch until the step's forward is done and splits XLA's command buffer.
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw(_):
-        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, positions)
-        drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, params))
-        return jnp.where(params.temperature == 0, greedy, drawn).astype(jnp.int32)
-
-    # An all-greedy batch skips the per-row sort (a branch taken at run time: still one program).
-    return jax.lax.cond(jnp.all(params.temperature == 0), lambda _: greedy, draw, None)
+    if not draws:
+        return greedy
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, positions)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, params))
+    return jnp.where(params.temperature == 0, greedy, drawn).astype(jnp.int32)

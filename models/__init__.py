@@ -301,7 +301,16 @@ def get_model_preset(name: str, /, **overrides) -> DenseConfig:
             f"{', '.join(moved)}: execution settings, not model config fields; give them as "
             f"ExecutionConfig({', '.join(f'{m}=...' for m in moved)}) (jaxpar.execution)"
         )
-    return dataclasses.replace(cfg, **overrides)
+    fields = [f.name for f in dataclasses.fields(cfg)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a field of the {name} model's config{suggest(unknown[0], fields)}")
+    try:
+        return dataclasses.replace(cfg, **overrides)
+    except ConfigError:  # a config's own check, naming its field
+        raise
+    except (TypeError, ValueError) as err:  # an unnamed one
+        raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in overrides.items())}: {err}") from None
 
 
 def get_execution_preset(name: str, /, **overrides) -> ExecutionConfig:

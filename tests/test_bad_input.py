@@ -234,6 +234,14 @@ def convert(path: str = "<tmp>/hf") -> list[str]:
     return ["convert", "--from-hf", path, "--out", "<out>"]
 
 
+def plan(*extra: str) -> list[str]:
+    return ["plan", "--model", "tiny", "--mesh", "fsdp=2", "--devices", "2", "--batch", "4", "--seq", "64"] + [
+        "--hardware",
+        "h100",
+        *extra,
+    ]
+
+
 RESUME_REFUSED = r"<tmp>/run holds a checkpoint \(step 1\) of a run this one cannot resume:\n  "
 
 CASES = {
@@ -605,6 +613,20 @@ CASES = {
         r"has shape \[4, 16\], the config says \[8, 16\]",
         make=(hf(shapes={LAYER + "self_attn.k_proj.weight": (4, 16)}),),
     ),
+}
+
+CASES |= {
+    # ---- jaxpar plan's --set: jaxpar train's grammar (model.<field>, execution.<field>; a bare field is the
+    # model's), refused before anything compiles
+    "plan-set-unknown-model-field": Case(plan("--set", "model.bogus=1"), r"--set model\.bogus: unknown field"),
+    "plan-set-unknown-bare-field": Case(plan("--set", "bogus=1"), r"--set model\.bogus: unknown field"),
+    "plan-set-field-typo": Case(plan("--set", "model.num_layrs=4"), r"did you mean model\.num_layers\?"),
+    "plan-set-wrong-type": Case(plan("--set", "model.num_layers=abc"), r"--set model\.num_layers=abc: expected int"),
+    "plan-set-out-of-range": Case(plan("--set", "model.num_layers=0"), r"model\.num_layers=0 must be ≥ 1"),
+    "plan-set-training-field": Case(
+        plan("--set", "optimizer.learning_rate=1"), r"plan takes model\.<field> and execution\.<field> settings"
+    ),
+    "plan-set-without-value": Case(plan("--set", "model.num_layers"), r"expected FIELD=VALUE"),
 }
 
 CASES |= {

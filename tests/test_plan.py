@@ -2,6 +2,7 @@
 small models for dp, fsdp, tp, ring and ep, the HLO reading against a direct count, bad input, and
 pipeline parallelism over ``stage`` (sends, bubble, step time, search)."""
 
+import dataclasses
 import math
 import re
 import types
@@ -671,3 +672,16 @@ def test_plan_prices_megatron_uneven_split():
     assert own.pipeline["executor_bubble_fraction"] == pytest.approx(scaled)
     with pytest.raises(ConfigError, match=r"- 2 = 4 layers do not split evenly over the other 3 stages"):
         plan("tiny", "stage=4,data=2", first_stage_layers=2, **args)
+
+
+def test_plan_set_speaks_train_grammar():
+    """``jaxpar plan --set`` parses as ``jaxpar train --set`` does: dotted model fields (nested ones too),
+    a bare field as the model's, execution settings, each value by its field's type; what the preset
+    already holds is not passed on."""
+    from jaxpar.analysis.plan_command import _overrides
+    from jaxpar.models import get_model_preset
+
+    got = _overrides(["model.num_layers=3", "qkv_bias=true", "execution.remat=dots", "model.vocab_size=256"], "tiny")
+    assert got == {"num_layers": 3, "qkv_bias": True, "execution": {"remat": "dots"}}
+    moe = _overrides(["model.moe.top_k=1"], "tiny-moe")
+    assert moe == {"moe": dataclasses.replace(get_model_preset("tiny-moe").moe, top_k=1)}

@@ -204,8 +204,9 @@ RENAMED = {
 }
 
 
-def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
-    """``cfg`` with each ``path=value`` applied in order."""
+def apply_overrides(cfg: TrainConfig, overrides: list[str], /, command: str = "train") -> TrainConfig:
+    """``cfg`` with each ``path=value`` applied in order (``command``: the one whose ``--help`` the
+    message for an unknown path points to)."""
     paths = field_paths(cfg)
     for item in overrides:
         path, sep, text = item.partition("=")
@@ -215,7 +216,9 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str], /) -> TrainConfig:
         if path in RENAMED or moved_field(path):
             raise ConfigError(f"--set {path}: {RENAMED.get(path) or moved_field(path)}")
         if path not in paths:
-            raise ConfigError(f"--set {path}: unknown field{_closest(path, paths)}; `jaxpar train --help` lists them")
+            raise ConfigError(
+                f"--set {path}: unknown field{_closest(path, paths)}; `jaxpar {command} --help` lists them"
+            )
         value = parse_value(path, paths[path], text.strip())
         try:
             cfg = _replace_path(cfg, path.split("."), value)
@@ -234,12 +237,12 @@ def _closest(path: str, paths) -> str:
     return f"; did you mean {match[0]}?" if match else ""
 
 
-def describe_fields() -> str:
-    """The ``--set`` fields with their defaults, for ``--help``."""
+def describe_fields(prefixes: tuple[str, ...] = ("",)) -> str:
+    """The ``--set`` fields (those under ``prefixes``) with their defaults, for ``--help``."""
     cfg = default_config()
     defaults = to_dict(cfg)
     lines = []
-    for path in field_paths(cfg):
+    for path in (p for p in field_paths(cfg) if p.startswith(prefixes)):
         value = defaults
         for part in path.split("."):
             value = value.get(part) if isinstance(value, dict) else None

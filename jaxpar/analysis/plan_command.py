@@ -12,17 +12,16 @@ of the model is allocated.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from jaxpar.analysis.costmodel import flash_attention
 from jaxpar.analysis.hardware import HARDWARE, get_hardware
 from jaxpar.analysis.plan_report import candidates_figure as candidates_figure  # imported from here by callers
 from jaxpar.analysis.plan_report import format_plan, plot_candidates
-from jaxpar.config import hints
-from jaxpar.errors import ConfigError, LayoutError, MeshError
-from jaxpar.execution import MOVED_FROM_MODEL, ExecutionConfig
+from jaxpar.errors import ConfigError, MeshError
 from jaxpar.mesh import simulate_cpu_devices
-from jaxpar.train.config import parse_value
+from jaxpar.train.config import apply_overrides, default_config, describe_fields
 
 HELP = "compile a model's train step for a layout and predict it on named hardware"
 MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 compiles in 49 s, 1.35 GB;
@@ -30,6 +29,10 @@ MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "fields for --set (with their defaults for --model tiny):\n" + describe_fields(
+        ("model.", "execution.")
+    )
     _add_layout(parser)
     _add_workload(parser)
     _add_prediction(parser)
@@ -40,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="a model config field (num_layers=4) or an execution setting (execution.remat=dots, "
-        "execution.context_parallel=ring, execution.attention_impl=cudnn)",
+        help="a model config field (model.num_layers=4; the bare field too) or an execution setting "
+        "(execution.remat=dots, execution.context_parallel=ring, execution.attention_impl=cudnn), "
+        "as jaxpar train's --set",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -160,25 +164,27 @@ def _add_pipeline(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _overrides(items: list[str]) -> dict:
-    """``--set`` items as keyword arguments of ``plan``/``search``: model config fields as they are,
-    ``execution.<field>`` parsed by the field's type into ``execution``."""
-    out, execution = {}, {}
-    fields = hints(ExecutionConfig)
+def _overrides(items: list[str], model: str) -> dict:
+    """``--set`` items as keyword arguments of ``plan``/``search``, parsed as ``jaxpar train`` parses its
+    own (``apply_overrides``: the same paths, types, checks and hints): ``model.<field>`` (a bare field is
+    one of the model's) and ``execution.<field>``. Returns the model fields and execution settings that
+    differ from the preset's."""
+    paths = []
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise LayoutError(f"--set {item!r}: expected FIELD=VALUE")
-        field = key.removeprefix("execution.")
-        if field != key:
-            if field not in fields:
-                raise ConfigError(f"--set {key}: unknown execution setting; they are {', '.join(fields)}")
-            execution[field] = parse_value(key, fields[field], value)
-        elif key in MOVED_FROM_MODEL:
-            raise ConfigError(f"--set {key}={value}: an execution setting now; use --set execution.{key}={value}")
-        else:
-            out[key] = int(value) if value.isdigit() else value
-    return out | ({"execution": execution} if execution else {})
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. model.num_layers=4")
+        key = key.strip() if "." in key else f"model.{key.strip()}"
+        if not key.startswith(("model.", "execution.")):
+            raise ConfigError(f"--set {key}: plan takes model.<field> and execution.<field> settings")
+        paths.append(f"{key}{sep}{value}")
+    base = default_config(model)
+    cfg = apply_overrides(base, paths, command="plan")
+    changed = lambda new, old: {
+        f.name: getattr(new, f.name) for f in dataclasses.fields(new) if getattr(new, f.name) != getattr(old, f.name)
+    }
+    execution = changed(cfg.execution, base.execution)
+    return changed(cfg.model, base.model) | ({"execution": execution} if execution else {})
 
 
 def run(args: argparse.Namespace, /) -> int:
@@ -191,6 +197,7 @@ def run(args: argparse.Namespace, /) -> int:
             f"(measured here: llama3-405b on 2048 compiles in 49 s and 1.35 GB)"
         )
     _check_mode(args)
+    args.settings = _overrides(args.overrides, args.model)  # refused here, before any work
     simulate_cpu_devices(args.devices)
     if args.inference:
         return _inference(args)
@@ -214,7 +221,7 @@ def run(args: argparse.Namespace, /) -> int:
         grad_reduce=args.grad_reduce,
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
-        **_overrides(args.overrides),
+        **args.settings,
     )
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
@@ -252,7 +259,7 @@ def _inference(args) -> int:
             hardware=args.hardware,
             max_step_s=bound,
             efficiency=args.efficiency,
-            **_overrides(args.overrides),
+            **args.settings,
         )
         print(
             json.dumps(
@@ -281,7 +288,7 @@ def _inference(args) -> int:
         hardware=args.hardware,
         devices=args.devices,
         efficiency=args.efficiency,
-        **_overrides(args.overrides),
+        **args.settings,
     )
     print(json.dumps(result.to_json(), indent=1) if args.json else format_inference_plan(result))
     return 0
@@ -306,7 +313,7 @@ def _search(args) -> int:
         virtual_stages=args.virtual_stages,
         grad_accum=args.grad_accum,
         grad_reduce=args.grad_reduce,
-        **_overrides(args.overrides),
+        **args.settings,
     )
     if args.json:
         print(
@@ -346,7 +353,7 @@ def _attention_line(args) -> str:
     """Which attention kernel the ranking priced (``costmodel.flash_attention``)."""
     from jaxpar.analysis.plan import plan_execution  # deferred: imports jax, flax and the model zoo
 
-    if flash_attention(plan_execution(args.model, _overrides(args.overrides).get("execution"))):
+    if flash_attention(plan_execution(args.model, args.settings.get("execution"))):
         return "attention: a flash kernel (cuDNN or ring)"
     return (
         "attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set execution.attention_impl=cudnn "

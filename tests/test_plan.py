@@ -685,3 +685,22 @@ def test_plan_set_speaks_train_grammar():
     assert got == {"num_layers": 3, "qkv_bias": True, "execution": {"remat": "dots"}}
     moe = _overrides(["model.moe.top_k=1"], "tiny-moe")
     assert moe == {"moe": dataclasses.replace(get_model_preset("tiny-moe").moe, top_k=1)}
+
+
+def test_search_splits_an_indivisible_stack_as_megatron():
+    """tiny with 6 layers on 8 devices: the stage=4 candidates split the stack 1, 2, 2, 1 (Megatron's
+    uneven split, ``balanced_ends``), priced as ``plan`` prices that split: the memory of 8 layers split
+    evenly (each stage stores 2 rows), a step no slower. stage=8 has no split and is refused by name."""
+    from jaxpar.analysis.search import search
+    from jaxpar.pipeline.stack import balanced_ends
+
+    assert balanced_ends(58, 8) == (5, 5)  # DeepSeek-V3's 58 MoE layers: 5, 8 × 6, 5
+    assert balanced_ends(7, 4) == (2, 1) and balanced_ends(9, 2) == (5, None) and balanced_ends(6, 8) is None
+    args = dict(batch=16, seq=32, hardware="h100", schedule="1f1b", microbatches=4)
+    ranked, refused = search("tiny", 8, num_layers=6, **args)
+    four = {tuple(sorted(c.mesh.items())): c for c in ranked if c.mesh.get("stage") == 4}
+    assert four and all(c.pipeline["stage_layers"] == [1, 2, 2, 1] for c in four.values())
+    even = {tuple(sorted(c.mesh.items())): c for c in search("tiny", 8, num_layers=8, **args)[0]}
+    for mesh, c in four.items():
+        assert c.memory_bytes == even[mesh].memory_bytes and c.predicted_step_s <= even[mesh].predicted_step_s
+    assert [m["stage"] for m, _ in refused] == [8]

@@ -348,6 +348,15 @@ def plan(
     )
 
 
+def stored_config(cfg, stage_split: tuple = ()):
+    """``cfg`` as the stages store it: an uneven split (``stage_split``: each stage's layers) pads every
+    stage's chunks to the largest one's rows."""
+    if not stage_split:
+        return cfg
+    padding = len(stage_split) * max(stage_split) - sum(stage_split)
+    return dataclasses.replace(cfg, num_layers=cfg.num_layers + padding)
+
+
 def _uneven_split(cfg, preset, devices, virtual: int, ends: tuple):
     """The pipeline's uneven split of the stack (``jaxpar.pipeline.stack``) where ``ends`` sets one (the
     layout then checks its padded storage rows), else None."""
@@ -376,12 +385,7 @@ def _price(
     each axis group, and the step predicted on ``hw`` (``step_times``)."""
     shape = {a: int(n) for a, n in layout.mesh.shape.items()}
     remat_full = run.remat == Remat.FULL
-    stored = cfg
-    if acts.stage_split:  # an uneven split: the stages hold their chunks padded to equal rows
-        stored = dataclasses.replace(
-            cfg, num_layers=cfg.num_layers + shape["stage"] * max(acts.stage_split) - sum(acts.stage_split)
-        )
-    shardings = param_shardings(stored, layout)
+    shardings = param_shardings(stored_config(cfg, acts.stage_split), layout)
     minimum = minimum_bytes(shardings, acts, shape, layout.rules)
     token_axes = {x for x in (*layout.rules["batch"], *layout.rules["inner_length"]) if shape[x] > 1}
     model_flops = cfg.flops_per_token(seq) * batch * seq / layout.mesh.size

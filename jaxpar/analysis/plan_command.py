@@ -338,6 +338,7 @@ def _search(args) -> int:
                     f"{c.pipeline['schedule']} m={c.pipeline['microbatches']}"
                     f"{f' v={v}' if (v := c.pipeline['virtual_stages']) > 1 else ''}"
                     f", bubble {c.pipeline['executor_bubble_fraction']:.0%}"
+                    f"{f', layers {split}' if (split := c.pipeline.get('stage_layers')) else ''}"
                 )
             )
             print(

@@ -26,6 +26,7 @@ analytic inputs: the mechanisms where they describe the model and layout, else t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 from collections.abc import Mapping
@@ -44,7 +45,14 @@ from jaxpar.analysis.costmodel import (
     stage_sends,
 )
 from jaxpar.analysis.hardware import get_hardware
-from jaxpar.analysis.plan import activations_of, check_grad_accum, pipeline_for, plan_execution, step_times
+from jaxpar.analysis.plan import (
+    activations_of,
+    check_grad_accum,
+    pipeline_for,
+    plan_execution,
+    step_times,
+    stored_config,
+)
 from jaxpar.errors import JaxparError
 from jaxpar.execution import ExecutionConfig, Remat
 from jaxpar.layout import Layout, check_model_layout
@@ -52,6 +60,7 @@ from jaxpar.mesh import AXES
 from jaxpar.meshes import compose_rules
 from jaxpar.models import get_model_preset
 from jaxpar.pipeline.ops import Schedule
+from jaxpar.pipeline.stack import StackSplit, balanced_ends
 from jaxpar.rules import Dim
 from jaxpar.shardings import normalize_spec, param_shardings
 from jaxpar.train.accumulate import GradReduce, check_reduce_once
@@ -68,6 +77,7 @@ PIPELINE_SUMMARY = (
     "bubble_fraction",
     "peak_in_flight",
     "executor",
+    "stage_layers",  # where the split is uneven (Megatron's, ``balanced_ends``)
 )
 
 
@@ -125,7 +135,10 @@ def estimate(
     execution = ExecutionConfig() if execution is None else execution
     hw = get_hardware(hardware)
     full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
-    rules = _checked_rules(cfg, execution, mesh, full, batch=batch, seq=seq)
+    v = virtual_stages or (2 if schedule == "interleaved" else 1)
+    split = uneven_split(cfg, full["stage"], v)
+    stored = stored_config(cfg, split)
+    rules = _checked_rules(stored, execution, mesh, full, batch=batch, seq=seq)
     grad_reduce = str(GradReduce.parse(grad_reduce, field="grad_reduce"))
     if grad_reduce == GradReduce.STEP:
         check_reduce_once(cfg, full)
@@ -138,13 +151,14 @@ def estimate(
         seq=seq,
         schedule=schedule,
         microbatches=microbatches,
-        virtual_stages=virtual_stages,
+        virtual_stages=v,
         grad_reduce=grad_reduce,
+        split=split,
     )
     if costs is None and grad_accum > 1:
         check_grad_accum(full, rules, batch=batch, grad_accum=grad_accum)
         acts = dataclasses.replace(acts, grad_accum=grad_accum, grad_reduce=grad_reduce)
-    report = resharded(base or base_report(cfg), rules, full)
+    report = resharded(base if base is not None and stored is cfg else base_report(stored), rules, full)
     return _predicted(
         cfg,
         execution,
@@ -194,7 +208,7 @@ def _predicted(
     )
     memory = memory_estimate(cfg, execution, report, acts, full, token_axes)
     mfu = model_flops / (times["step_s"] * hw.peak_bf16_flops)
-    summary = costs and {k: costs[k] for k in PIPELINE_SUMMARY}
+    summary = costs and {k: costs[k] for k in PIPELINE_SUMMARY if k in costs}
     return Candidate(
         {a: n for a, n in mesh.items() if n > 1},
         memory <= hw.hbm_bytes,
@@ -224,22 +238,39 @@ def _stage_path(acts, costs: dict, mesh: dict, rules, traffic: dict) -> float:
 
 
 def _pipeline(
-    cfg, execution, mesh: dict, rules, *, batch: int, seq: int, schedule: str, microbatches, virtual_stages, grad_reduce
+    cfg, execution, mesh: dict, rules, *, batch, seq, schedule, microbatches, virtual_stages, grad_reduce, split
 ):
-    """(Activations, ``pipeline_costs``) of a candidate; costs None without stage."""
-    p = mesh["stage"]
+    """(Activations, ``pipeline_costs``) of a candidate; costs None without stage. ``split``: each stage's
+    layers where the split is uneven (``uneven_split``)."""
+    p, v = mesh["stage"], virtual_stages
     if p == 1:
         return activations_of(cfg, batch=batch, seq=seq, execution=execution), None
-    v = virtual_stages or (2 if schedule == "interleaved" else 1)
     ways = math.prod(mesh[a] for a in rules["batch"])
     m = microbatches or default_microbatches(p, batch // ways if batch % ways == 0 else 0, schedule)
-    pipeline_for(cfg, mesh, rules, batch=batch, schedule=schedule, microbatches=m, virtual_stages=v)
+    ends = (split[0], split[-1] if p > 2 else None) if split else (None, None)
+    pipeline_for(cfg, mesh, rules, batch=batch, schedule=schedule, microbatches=m, virtual_stages=v, ends=ends)
     acts = activations_of(
-        cfg, batch=batch, seq=seq, pipeline=(schedule, m, v), execution=execution, grad_reduce=grad_reduce
+        cfg,
+        batch=batch,
+        seq=seq,
+        pipeline=(schedule, m, v),
+        execution=execution,
+        grad_reduce=grad_reduce,
+        stage_split=split,
     )
     return acts, pipeline_costs(cfg, acts, mesh, remat_full=execution.remat == Remat.FULL)
 
 
+def uneven_split(cfg, stages: int, virtual: int) -> tuple:
+    """The layers of each stage where ``cfg``'s pipelined stack does not divide evenly over ``stages`` ×
+    ``virtual`` chunks: Megatron's uneven split (``balanced_ends``); () where it divides, or where no
+    split exists (the layout check then refuses it with the numbers)."""
+    layers = cfg.num_layers - cfg.first_dense_layers
+    ends = balanced_ends(layers, stages, virtual) if stages > 1 and layers % (stages * virtual) else None
+    return () if ends is None else StackSplit(layers, stages, virtual, *ends).stage_layers
+
+
+@functools.lru_cache(maxsize=16)
 def base_report(cfg):
     """The model's parameters (paths, shapes, logical names) from one abstract build on one device."""
     return param_shardings(cfg, Layout(_abstract_mesh({}), compose_rules("data=1", set())))

@@ -146,6 +146,28 @@ class StackSplit:
         return tree if self.identity else self.stack_leaves(tree, stack, self.to_model)
 
 
+def balanced_ends(layers: int, stages: int, virtual: int = 1) -> tuple[int, int | None] | None:
+    """Megatron's uneven split of ``layers`` that do not divide into ``stages`` × ``virtual`` chunks: the
+    (first, last) stage's layers (``StackSplit``'s; over two stages the last is None, the rest), every
+    stage between them holding the same whole chunks. Of the splits that exist, the one whose largest
+    stage holds the fewest layers; then the one with the lighter ends (they also run the embedding, and
+    the head and the loss); then the ends as equal as chunks allow, the first the larger. None where no
+    split gives every stage a chunk."""
+    best = None
+    for middle in range(virtual, layers + 1, virtual):
+        rest = layers - (stages - 2) * middle if stages > 2 else layers
+        for last in range(virtual, rest // 2 + 1, virtual):
+            first = rest - last
+            if first % virtual or (stages > 2 and first == last == middle):
+                continue
+            key = (max(first, middle if stages > 2 else 0), -middle, first - last)
+            if best is None or key < best[0]:
+                best = key, (first, last if stages > 2 else None)
+        if stages == 2:
+            break
+    return None if best is None else best[1]
+
+
 def stack_name_and_layers(model) -> tuple[str, int]:
     """The pipelined stack's attribute name and its layer count, read from ``model``'s parameters."""
     stack = getattr(model, model.pipeline_stack)

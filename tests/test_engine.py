@@ -32,10 +32,12 @@ def test_batched_equals_alone_bitwise(tiny):
     """200 requests of random prompt and output lengths arriving at random steps (Poisson, 2 per step
     on average): each one's tokens and every logit row equal those it gets alone in the same engine. After
     every step the allocator's invariants hold, and every write of every call landed in a page held by its
-    sequence alone and shared by no prompt (``check_writes``)."""
+    sequence alone and shared by no prompt (``check_writes``). No program is compiled or traced after
+    ``warm_up``."""
     engine = _engine(tiny, check_writes=True)
     engine.warm_up()
     compiled = engine.compiles
+    traced = {key: program._cache_size() for key, program in engine._programs.items()}
     reqs = _requests(200)
     arrivals = np.cumsum(np.random.default_rng(1).poisson(0.5, len(reqs)))
     step = 0
@@ -47,6 +49,7 @@ def test_batched_equals_alone_bitwise(tiny):
         engine.pages.check()
         step += 1
     assert engine.compiles == compiled  # nothing compiled after warm-up
+    assert {key: program._cache_size() for key, program in engine._programs.items()} == traced  # nor traced
     assert max(s.decoded for s in engine.log) >= 3 and max(s.prefilled for s in engine.log) > 16
     assert engine.pages.used == 0
     alone = _engine(tiny)

@@ -185,7 +185,7 @@ class Engine:
             ids, positions = np.zeros((self.slots, t), np.int32), np.full((self.slots, t), -1, np.int32)
             table, last = np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32)
             extras = logprobs.StepExtras.build([], self.slots, t, self.max_length)
-            params = SamplingParams.greedy(self.slots)
+            params = SamplingParams(**SamplingParams.check(self.slots))  # numpy, as every call's (``_inputs``)
             _, m.pools = self._program(which, t, every, f)(
                 m.state, m.pools, ids, positions, table, last, params, extras
             )
@@ -265,7 +265,9 @@ class Engine:
             ids[s, :n], positions[s, :n], last[s] = tokens, np.arange(start, start + n), n - 1
             table[s] = self.pages.table(r.id, self.width)
             settings[s] = GREEDY if greedy else r.sampling
-        params = SamplingParams.make(self.slots, **{k: [x[k] for x in settings] for k in GREEDY})
+        # numpy columns (checked as ``make`` checks them): the host reads which programs the call needs
+        # (``logprobs.Features.of``) without a round trip to the device
+        params = SamplingParams(**SamplingParams.check(self.slots, **{k: [x[k] for x in settings] for k in GREEDY}))
         extras = logprobs.StepExtras.build(rows, self.slots, t, self.max_length, plain=greedy)
         return ids, positions, table, last, params, extras
 

@@ -403,11 +403,11 @@ plt.show()
 #   here it is once per generated token. Two all-to-alls per layer move the token's queries to the
 #   device holding their cache and move the outputs back: the spare tensor ways at work (four small
 #   all-gathers, 128 bytes each, come with each layer too). Outside the layers, the vocabulary is split
-#   too. The embedding lookup needs an all-reduce, and the argmax and
-#   the samplers' sort need the logits' pieces brought together (the all-gathers and all-to-alls
-#   counted once per step).
-# * **`decode_dp`** sends one byte per step: the all-reduce of one bool, "is every row greedy?", which
-#   picks the sampling branch. Nothing else moves.
+#   too. The embedding lookup needs an all-reduce, and the argmax needs the logits' pieces brought
+#   together (counted once per step). This is the greedy step; a generator asked to sample compiles a
+#   second program with the samplers' sort, chosen on the host, never a branch inside the step.
+# * **`decode_dp`** sends nothing: each device decodes its own rows with its own whole copy of the
+#   weights.
 #
 # TP buys latency. Each device reads an eighth of the weights per token and pays with a few small
 # collectives per layer (2 KiB all-reduces here: one token per sequence), which a fast link absorbs.

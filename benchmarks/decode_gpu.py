@@ -169,6 +169,8 @@ def child(args) -> dict:
 
 
 def main(argv=None) -> int:
+    from generate import emit
+
     args = _args(argv)
     if args.child is not None:
         print("RESULT " + json.dumps(child(args)))
@@ -186,11 +188,7 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             found = {"error": f"over {args.limit} s"}
         result["variants"][name] = {"xla_flags": flags} | found
-        text = json.dumps(result, indent=1)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        emit(result, args.out)  # after every variant: a run stopped at its limit keeps what it measured
     return 0
 
 

@@ -322,12 +322,17 @@ def main(argv=None) -> int:
 
 def _finish(result: dict, args) -> int:
     result["load_avg_after"] = _load()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0
+
+
+def emit(result: dict, out: str | None) -> None:
+    """``result`` printed as JSON, and written to ``out`` when given (decode_gpu.py's too)."""
+    text = json.dumps(result, indent=1)
+    print(text, flush=True)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ from flax import nnx
 
 from jaxpar.layout import Layout, default_batch_seq, make_layout
 from jaxpar.mesh import AXES, simulate_cpu_devices
+from jaxpar.meshes import PRESETS as MESH_PRESETS
 from jaxpar.meshes import resolve_mesh_arg
+from jaxpar.models import PRESETS as MODEL_PRESETS
 from jaxpar.models import build_model, get_model_preset
 from jaxpar.rules_report import format_rules, rules_report
 
@@ -236,11 +238,9 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
-    parser.add_argument("--model", help="model preset, e.g. tiny, llama3-8b, llama3-70b (required with --mesh)")
+    parser.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)} (required with --mesh)")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--mesh", help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d, cp, ...) or axis sizes like 'data=2,fsdp=-1'"
-    )
+    where.add_argument("--mesh", help=f"mesh preset ({', '.join(MESH_PRESETS)}) or axis sizes like 'data=2,fsdp=-1'")
     where.add_argument(
         "--rules",
         metavar="PRESET_OR_SPEC",

@@ -16,6 +16,8 @@ import jax
 
 from jaxpar.errors import LaunchError
 from jaxpar.mesh import simulate_cpu_devices
+from jaxpar.meshes import PRESETS as MESH_PRESETS
+from jaxpar.models import PRESETS as MODEL_PRESETS
 from jaxpar.train.config import TrainConfig, apply_overrides, default_config, describe_fields
 
 HELP = "train a model preset on a mesh layout (resumes from --out)"
@@ -69,7 +71,7 @@ def _positive(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "fields for --set (with their defaults for --model tiny):\n" + describe_fields()
-    parser.add_argument("--model", default="tiny", help="model preset (default: tiny)")
+    parser.add_argument("--model", default="tiny", help=f"model preset: {', '.join(MODEL_PRESETS)} (default: tiny)")
     parser.add_argument(
         "--init-from",
         default=None,
@@ -80,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument(
         "--mesh",
         default=None,
-        help="mesh preset (dp, fsdp, tp, fsdp_tp, hsdp, 3d) or axis spec like data=2,fsdp=-1 (default: 3d)",
+        help=f"mesh preset ({', '.join(MESH_PRESETS)}) or axis spec like data=2,fsdp=-1 (default: 3d)",
     )
     parser.add_argument("--steps", type=_positive, default=None, help="optimizer steps in all (default: 300)")
     parser.add_argument("--batch", type=_positive, default=None, help="global batch in sequences (default: 16)")

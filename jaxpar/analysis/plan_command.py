@@ -20,7 +20,10 @@ from jaxpar.analysis.hardware import HARDWARE, get_hardware
 from jaxpar.analysis.plan_report import candidates_figure as candidates_figure  # imported from here by callers
 from jaxpar.analysis.plan_report import format_plan, plot_candidates
 from jaxpar.errors import ConfigError, MeshError
+from jaxpar.inference.layouts import PRESETS as DECODE_PRESETS
 from jaxpar.mesh import simulate_cpu_devices
+from jaxpar.meshes import PRESETS as MESH_PRESETS
+from jaxpar.models import PRESETS as MODEL_PRESETS
 from jaxpar.train.config import apply_overrides, default_config, describe_fields
 
 HELP = "compile a model's train step for a layout and predict it on named hardware"
@@ -52,8 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
 
 def _add_layout(parser: argparse.ArgumentParser) -> None:
     """The model and its layout: one mesh, or the search over all of them."""
-    parser.add_argument("--model", required=True, help="model preset")
-    parser.add_argument("--mesh", default=None, help="mesh preset or axis spec, e.g. fsdp=32,tensor=8")
+    parser.add_argument("--model", required=True, help=f"model preset: {', '.join(MODEL_PRESETS)}")
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help=f"mesh preset ({', '.join(MESH_PRESETS)}; with --inference also {', '.join(DECODE_PRESETS)}) "
+        "or axis spec, e.g. fsdp=32,tensor=8",
+    )
     parser.add_argument(
         "--search",
         action="store_true",

@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from jaxpar.mesh import simulate_cpu_devices
+from jaxpar.meshes import PRESETS as MESH_PRESETS
 
 HELP = "convert Hugging Face checkpoints to jaxpar model checkpoints and back"
 
@@ -26,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     way.add_argument("--to-hf", metavar="CKPT", help="a model checkpoint or a training run's folder")
     parser.add_argument("--out", required=True, help="the new folder to write")
     parser.add_argument(
-        "--mesh", default=None, help="mesh preset or axis spec to place the model on (default: one device)"
+        "--mesh",
+        default=None,
+        help=f"mesh preset ({', '.join(MESH_PRESETS)}) or axis spec to place the model on (default: one device)",
     )
     parser.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
     parser.add_argument(

@@ -27,7 +27,9 @@ import sys
 from pathlib import Path
 
 from jaxpar.errors import CheckpointError, ConfigError, ConvertError, DataError, LayoutError
+from jaxpar.inference.layouts import PRESETS as DECODE_PRESETS
 from jaxpar.mesh import simulate_cpu_devices
+from jaxpar.meshes import PRESETS as MESH_PRESETS
 
 HELP = "generate text from a run, a model checkpoint or a Hugging Face folder (streamed, or --json)"
 TOKENIZER = "tokenizer.json"
@@ -82,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument(
         "--mesh",
         default=None,
-        help="decode_tp, decode_dp, decode_ep, prefill_cp, a training preset "
+        help=f"a decode layout ({', '.join(DECODE_PRESETS)}), a training preset ({', '.join(MESH_PRESETS)}) "
         "or an axis spec like data=2,tensor=4 (default: one device)",
     )
     parser.add_argument(

@@ -28,8 +28,10 @@ from pathlib import Path
 
 from jaxpar.errors import ConfigError, DataError
 from jaxpar.inference.command import TOKENIZER, _positive, load_tokenizer, load_weights, model_config, source_kind
+from jaxpar.inference.layouts import PRESETS as DECODE_PRESETS
 from jaxpar.inference.limits import Limits
 from jaxpar.mesh import simulate_cpu_devices
+from jaxpar.meshes import PRESETS as MESH_PRESETS
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)"
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
@@ -69,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument(
         "--mesh",
         default=None,
-        help="each replica's decode layout (decode_tp, decode_dp, or "
-        "axis sizes like tensor=2; default: one device per replica)",
+        help=f"each replica's decode layout ({', '.join(DECODE_PRESETS)}), a training preset "
+        f"({', '.join(MESH_PRESETS)}) or axis sizes like tensor=2 (default: one device per replica)",
     )
     parser.add_argument("--replicas", type=_positive, default=1, help="engine replicas (data parallel)")
     parser.add_argument("--cpu-devices", type=_positive, default=None, metavar="N", help="simulate N CPU devices")

@@ -118,7 +118,7 @@ def decode_plan(args, batch, context) -> list[str]:
         "--set",
         "execution.dtype=bfloat16",
         "--set",
-        "param_dtype=bfloat16",
+        "model.param_dtype=bfloat16",
     )
 
 

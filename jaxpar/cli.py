@@ -13,8 +13,9 @@ build the parser, so they must not touch a jax backend at import time (``--devic
 devices, which only works before the first JAX operation); import flax and the zoo inside ``run``.
 
 Errors the user can fix (``jaxpar.errors``: unknown preset, indivisible sizes, a run directory of another
-model, ...) print ``jaxpar: error: <message>`` to stderr and exit with status 2, like argparse's own usage
-errors. A run that fails on the way (``NonFiniteError``: a NaN loss) prints the same way and exits with 1.
+model, ...) print one line, ``jaxpar: error: <message>``, to stderr and exit with status 2, like the
+parser's own usage errors (``jaxpar train: error: argument --steps: ...``). A run that fails on the way
+(``NonFiniteError``: a NaN loss) prints the same way and exits with 1.
 """
 
 from __future__ import annotations
@@ -38,8 +39,15 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line on stderr, as jaxpar's own are (status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` shows the usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpar", description="A JAX model zoo for parallelism.")
+    parser = Parser(prog="jaxpar", description="A JAX model zoo for parallelism.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -51,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script and ``python -m jaxpar``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    for arg in sys.argv[1:] if argv is None else argv:
+        if "\x00" in arg:  # no path or value holds one (a shell cannot pass it; main() can be called)
+            parser.error(f"{arg!r}: a NUL character")
+    args = parser.parse_args(argv)
     try:
         return args._run(args)
     except JaxparError as err:

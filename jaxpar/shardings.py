@@ -23,13 +23,15 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxpar.execution import moved_field
 from jaxpar.layout import Layout, default_batch_seq, make_layout
 from jaxpar.mesh import AXES, simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import PRESETS as MODEL_PRESETS
-from jaxpar.models import build_model, get_model_preset
+from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.rules_report import format_rules, rules_report
+from jaxpar.settings import add_set_argument, apply_overrides, positive_int
 
 SpecEntry = None | str | list  # one dimension of a normalised spec: None | axis | [axes]
 MiB, GiB = 2**20, 2**30
@@ -227,16 +229,6 @@ HELP = (
 )
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     parser.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)} (required with --mesh)")
     where = parser.add_mutually_exclusive_group(required=True)
@@ -249,18 +241,39 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     )
     parser.add_argument(
         "--devices",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="simulate this many CPU devices (default: what the mesh needs, 8 if it fits)",
     )
     parser.add_argument(
-        "--batch", type=_positive, default=None, help="global batch (default: the smallest that splits)"
+        "--batch", type=positive_int, default=None, help="global batch (default: the smallest that splits)"
     )
     parser.add_argument(
-        "--seq", type=_positive, default=None, help="sequence length (default: the smallest that splits)"
+        "--seq", type=positive_int, default=None, help="sequence length (default: the smallest that splits)"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_set_argument(parser, preset_settings("tiny"), MODEL_TAKES, note=" (with their defaults for --model tiny)")
     parser.set_defaults(_shardings_parser=parser)  # for usage errors argparse cannot express
+
+
+MODEL_TAKES = ("model.", "execution.")  # what --set changes where the model is a preset
+
+
+def preset_settings(model: str, /) -> dict:
+    """The ``--set`` root of a command that takes a model preset: its model config and execution."""
+    return {"model": get_model_preset(model), "execution": get_execution_preset(model)}
+
+
+def preset_overrides(items: list[str], model: str, /, *, command: str) -> dict:
+    """``preset_settings(model)`` with the ``--set`` items applied (``jaxpar.settings``' grammar)."""
+    return apply_overrides(
+        preset_settings(model),
+        items,
+        command=command,
+        takes=MODEL_TAKES,
+        why=" (the layout is --mesh and its flags)",
+        refuse=moved_field,
+    )
 
 
 def default_device_count(mesh_config, /) -> int:
@@ -275,10 +288,11 @@ def run(args: argparse.Namespace, /) -> int:
         return _run_rules(args)
     if args.model is None:
         args._shardings_parser.error("--model is required with --mesh (--rules prints a rules table without one)")
-    cfg = get_model_preset(args.model)
+    settings = preset_overrides(args.overrides, args.model, command="shardings")
+    cfg = settings["model"]
     preset = resolve_mesh_arg(args.mesh)
     simulate_cpu_devices(args.devices if args.devices is not None else default_device_count(preset.mesh))
-    layout = default_layout(cfg, preset, batch=args.batch, seq=args.seq)
+    layout = default_layout(cfg, preset, batch=args.batch, seq=args.seq, execution=settings["execution"])
     report = param_shardings(cfg, layout)
     if args.json:
         print(report.to_json())
@@ -292,6 +306,8 @@ def _run_rules(args: argparse.Namespace, /) -> int:
     """``--rules``: the table alone needs no devices; checked against ``--model`` it simulates them."""
     if args.model is None and (args.batch is not None or args.seq is not None):
         args._shardings_parser.error("--batch and --seq need --model: the table alone has no batch or sequence")
+    if args.overrides:
+        args._shardings_parser.error("--set changes the model of a --mesh report; --rules checks the preset as it is")
     preset = resolve_mesh_arg(args.rules, flag="--rules")
     devices = args.devices if args.devices is not None else default_device_count(preset.mesh)
     if args.model is not None:

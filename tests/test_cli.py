@@ -25,6 +25,13 @@ def test_shardings_json(capsys):
     assert totals["per_device_adamw_bytes"] == 3 * totals["per_device_bytes"]
 
 
+def test_shardings_set_changes_the_model(capsys):
+    """``--set model.…`` (train's paths) changes the model whose shardings are reported."""
+    assert main(["shardings", "--model", "tiny", "--mesh", "fsdp", "--json", "--set", "model.embed_dim=128"]) == 0
+    q = next(p for p in json.loads(capsys.readouterr().out)["params"] if p["path"] == "blocks/attn/q")
+    assert q["shape"][1] == 128 and q["shard_shape"][1] == 16
+
+
 def test_shardings_axis_spec(capsys):
     assert main(["shardings", "--model", "tiny", "--mesh", "data=2,fsdp=-1,tensor=2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mesh"]["fsdp"] == 2

@@ -42,7 +42,7 @@ def test_every_field_is_settable_and_parsed_by_type():
     assert cfg.optimizer.learning_rate == 1e-3 and cfg.steps == 7 and cfg.execution.remat is Remat.DOTS
     assert cfg.optimizer.clip_norm is None and cfg.checkpoint.async_save is False
     assert cfg.data.source == "files" and cfg.model.sliding_window == 32 and cfg.mesh == "fsdp"
-    paths = field_paths()
+    paths = field_paths(TrainConfig)
     for must in ("model.embed_dim", "optimizer.schedule", "data.path", "log.profile_steps", "grad_accum", "z_loss"):
         assert must in paths
     help_text = describe_fields()
@@ -63,7 +63,7 @@ def test_every_field_is_settable_and_parsed_by_type():
             "moved: execution settings left the model config; use execution.capacity_factor",
         ),
         ("checkpoint.async_save=maybe", "expected true or false"),
-        ("steps", "expected key=value"),
+        ("steps", "expected PATH=VALUE"),
         ("model.rope_scaling.factor=2", "rope_scaling is None"),
     ],
 )

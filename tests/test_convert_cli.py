@@ -118,3 +118,20 @@ def test_init_from_refuses_another_shape(hf_folder, tmp_path, capsys):
 def test_no_checkpoint_is_named(tmp_path, capsys):
     assert main(["convert", "--to-hf", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert f"{tmp_path}: holds no complete checkpoint" in capsys.readouterr().err
+
+
+def test_set_changes_the_converted_model(hf_folder, tmp_path):
+    """``convert --from-hf --set``: model fields change the config saved (model.param_dtype as --dtype
+    does), execution settings the saved execution; both are read back as set."""
+    from jaxpar.convert.store import saved_execution
+
+    folder, *_ = hf_folder
+    ckpt = tmp_path / "ckpt"
+    settings = ["model.max_seq_len=64", "model.param_dtype=bfloat16", "execution.capacity_factor=2.0"]
+    assert (
+        main(["convert", "--from-hf", str(folder), "--out", str(ckpt), *[x for s in settings for x in ("--set", s)]])
+        == 0
+    )
+    cfg = _cfg(ckpt)
+    assert cfg.max_seq_len == 64 and cfg.param_dtype == "bfloat16"
+    assert saved_execution(ckpt).capacity_factor == 2.0

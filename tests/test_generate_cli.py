@@ -333,3 +333,32 @@ def test_serve_sizes_are_checked_by_argparse(assets, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--from", str(assets.ckpt_tok), "--memory-budget", "lots"])
     assert exc.value.code == 2 and "'lots' is not a size like 2GiB" in capsys.readouterr().err
+
+
+def test_set_changes_how_the_model_runs(assets, api, capsys):
+    """``--set execution.…`` (the grammar of every command) reaches the model the Generator runs: the
+    checkpoint's weights, run in bfloat16 here; the f32 default run is the API's."""
+    import jax
+
+    from jaxpar.execution import DType
+    from jaxpar.inference.command import load_weights
+    from jaxpar.inference.generate import Generator
+    from jaxpar.inference.layouts import build_inference_mesh
+
+    cfg = api.cfg
+    name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
+    model = load_weights("jaxpar", str(assets.ckpt), cfg, mesh, name, ["execution.dtype=bfloat16"])
+    assert model.execution.dtype == DType.BFLOAT16 and api.model.execution.dtype == DType.FLOAT32
+    assert Generator(model).model.execution.dtype == DType.BFLOAT16
+    report = generate_json(
+        capsys,
+        "--from",
+        assets.ckpt,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        2,
+        "--set",
+        "execution.dtype=bfloat16",
+    )
+    assert len(report["tokens"][0]) == 2

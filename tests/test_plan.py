@@ -413,7 +413,7 @@ def test_search_lists_pipelines_and_refuses_indivisible_stacks(capsys):
                 "--hardware",
                 "h100",
                 "--set",
-                "num_layers=4",
+                "model.num_layers=4",
             ]
         )
         == 0
@@ -675,13 +675,17 @@ def test_plan_prices_megatron_uneven_split():
 
 
 def test_plan_set_speaks_train_grammar():
-    """``jaxpar plan --set`` parses as ``jaxpar train --set`` does: dotted model fields (nested ones too),
-    a bare field as the model's, execution settings, each value by its field's type; what the preset
-    already holds is not passed on."""
+    """``jaxpar plan --set`` parses as ``jaxpar train --set`` does (``jaxpar.settings``): dotted model
+    fields (nested ones too) and execution settings, each value by its field's type; what the preset
+    already holds is not passed on. A bare field is refused, pointing to the model's."""
     from jaxpar.analysis.plan_command import _overrides
     from jaxpar.models import get_model_preset
 
-    got = _overrides(["model.num_layers=3", "qkv_bias=true", "execution.remat=dots", "model.vocab_size=256"], "tiny")
+    with pytest.raises(ConfigError, match=r"--set qkv_bias: jaxpar plan takes .*did you mean model\.qkv_bias\?"):
+        _overrides(["qkv_bias=true"], "tiny")
+    got = _overrides(
+        ["model.num_layers=3", "model.qkv_bias=true", "execution.remat=dots", "model.vocab_size=256"], "tiny"
+    )
     assert got == {"num_layers": 3, "qkv_bias": True, "execution": {"remat": "dots"}}
     moe = _overrides(["model.moe.top_k=1"], "tiny-moe")
     assert moe == {"moe": dataclasses.replace(get_model_preset("tiny-moe").moe, top_k=1)}

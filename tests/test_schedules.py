@@ -452,6 +452,20 @@ def test_cli_times_and_text(capsys):
     assert "closed form: 27.27%" in out and "per stage: 4 3 2 1" in out
 
 
+def test_cli_set_is_the_flags(capsys):
+    """``--set pipeline.…`` (train's paths) and the flags give the same table; --set comes after the
+    flags; interleaved takes 2 chunks unless a chunk count is given."""
+    reports = []
+    for argv in (
+        ["--microbatches", "8", "--schedule", "interleaved"],
+        ["--set", "pipeline.schedule=interleaved", "--set", "pipeline.microbatches=8"],
+        ["--schedule", "1f1b", "--set", "pipeline.schedule=interleaved", "--virtual-stages", "2"],
+    ):
+        assert main(["pipeline", "--stages", "4", "--json", *argv]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[0] == reports[1] == reports[2] and reports[0]["virtual_stages"] == 2
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

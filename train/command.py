@@ -18,7 +18,8 @@ from jaxpar.errors import LaunchError
 from jaxpar.mesh import simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
 from jaxpar.models import PRESETS as MODEL_PRESETS
-from jaxpar.train.config import TrainConfig, apply_overrides, default_config, describe_fields
+from jaxpar.settings import add_set_argument, positive_int
+from jaxpar.train.config import TrainConfig, apply_overrides, default_config
 
 HELP = "train a model preset on a mesh layout (resumes from --out)"
 
@@ -61,16 +62,7 @@ def _host_port(text: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "fields for --set (with their defaults for --model tiny):\n" + describe_fields()
     parser.add_argument("--model", default="tiny", help=f"model preset: {', '.join(MODEL_PRESETS)} (default: tiny)")
     parser.add_argument(
         "--init-from",
@@ -84,25 +76,18 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         default=None,
         help=f"mesh preset ({', '.join(MESH_PRESETS)}) or axis spec like data=2,fsdp=-1 (default: 3d)",
     )
-    parser.add_argument("--steps", type=_positive, default=None, help="optimizer steps in all (default: 300)")
-    parser.add_argument("--batch", type=_positive, default=None, help="global batch in sequences (default: 16)")
-    parser.add_argument("--seq", type=_positive, default=None, help="sequence length in tokens (default: 128)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="optimizer steps in all (default: 300)")
+    parser.add_argument("--batch", type=positive_int, default=None, help="global batch in sequences (default: 16)")
+    parser.add_argument("--seq", type=positive_int, default=None, help="sequence length in tokens (default: 128)")
     parser.add_argument("--out", required=True, help="run directory: config, checkpoints, metrics")
     parser.add_argument(
         "--cpu-devices",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="simulate this many CPU devices (per process when there are several)",
     )
     _add_processes(parser)
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="set any config field by its dotted path (repeatable; listed below)",
-    )
+    add_set_argument(parser, default_config(), note=" (with their defaults for --model tiny)")
     parser.add_argument("--profile-steps", default=None, metavar="A:B", help="jax.profiler trace of steps A..B")
     parser.add_argument("--compile-cache", default=None, metavar="DIR", help="persistent compilation cache")
 
@@ -124,7 +109,7 @@ def _add_processes(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--num-processes",
-        type=_positive,
+        type=positive_int,
         default=None,
         metavar="N",
         help="processes in the job (env JAXPAR_NUM_PROCESSES); implies --distributed",

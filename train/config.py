@@ -19,17 +19,16 @@ through JSON (``DIR/config.json``), the model keeping its family's config class.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
-from typing import Any
 
-from jaxpar.config import Choice, check_choices, config_classes, from_dict, hints, is_union, to_dict  # noqa: F401
+from jaxpar import settings
+from jaxpar.config import check_choices, from_dict, to_dict  # noqa: F401  (re-exported: the run's serializer)
 from jaxpar.data import DataConfig
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig, moved_field
 from jaxpar.layers.moe import check_execution
 from jaxpar.models import DenseConfig, get_execution_preset, get_model_preset
-from jaxpar.pipeline.ops import FsdpGather, Schedule
+from jaxpar.pipeline.ops import PipelineConfig
+from jaxpar.settings import field_paths  # noqa: F401  (re-exported)
 from jaxpar.train.accumulate import GradReduce
 from jaxpar.train.guard import NonFinite
 from jaxpar.train.optim import OptimizerConfig
@@ -50,23 +49,6 @@ class LogConfig:
     progress: bool = True  # tqdm progress bar on stderr
     profile_steps: str = ""  # "a:b": jax.profiler trace of steps a..b into DIR/profile
     compile_cache: str = ""  # persistent XLA compilation cache directory (opt-in)
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """How the train step runs the layers when the mesh has ``stage`` > 1 (``jaxpar.pipeline``)."""
-
-    schedule: Schedule = Schedule.ONE_F_ONE_B  # gpipe, 1f1b, interleaved, zero_bubble
-    microbatches: int = 8  # the batch is fed through the stages in this many pieces
-    virtual_stages: int = 1  # model chunks per stage (interleaved only)
-    fsdp_gather: FsdpGather = FsdpGather.SECTION  # FSDP weights gathered per tick section, or once a step
-    # Megatron's uneven split: the first / last stage's layers (None: an even share); the other stages
-    # split the rest evenly (e.g. 58 layers on 8 stages: first 4, last 6, 8 each between)
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-
-    def __post_init__(self):
-        check_choices(self, "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,68 +117,6 @@ def default_config(model_preset: str = "tiny", /, **fields) -> TrainConfig:
     return TrainConfig(model=get_model_preset(model_preset), model_preset=model_preset, execution=execution, **fields)
 
 
-# ---------------------------------------------------------------------------------- dotted paths
-def field_paths(obj=TrainConfig, prefix: str = "") -> dict[str, Any]:
-    """Every settable leaf path → its annotated type. ``obj`` is a config or a config class; nested
-    dataclasses are walked, by their actual class when ``obj`` is an instance (so an MoE model's
-    ``model.moe.top_k`` is settable while a dense model has no ``model.moe``)."""
-    out = {}
-    cls = obj if isinstance(obj, type) else type(obj)
-    for name, tp in hints(cls).items():
-        value = None if isinstance(obj, type) else getattr(obj, name)
-        inner = type(value) if dataclasses.is_dataclass(value) else _dataclass_in(tp)
-        if inner is not None:
-            out.update(field_paths(value if dataclasses.is_dataclass(value) else inner, f"{prefix}{name}."))
-        else:
-            out[prefix + name] = tp
-    return out
-
-
-def _dataclass_in(tp):
-    classes = config_classes(tp)
-    return classes[0] if classes else None
-
-
-def parse_value(path: str, tp, text: str):
-    """``text`` as a value of type ``tp``; ``ConfigError`` naming ``path`` if it is not one."""
-    if is_union(tp):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if type(None) in typing.get_args(tp) and text.lower() in ("none", "null"):
-            return None
-        errors = []
-        for a in args:
-            try:
-                return parse_value(path, a, text)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0])
-    if tp is bool:
-        low = text.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--set {path}={text}: expected true or false")
-    if isinstance(tp, type) and issubclass(tp, Choice):
-        return tp.parse(text, field=f"--set {path}")
-    if tp in (int, float, str):
-        try:
-            return tp(text)
-        except ValueError:
-            raise ConfigError(f"--set {path}={text}: expected {tp.__name__}") from None
-    raise ConfigError(f"--set {path}: fields of type {tp} cannot be set from the command line")
-
-
-def _replace_path(obj, parts: list[str], value):
-    head, rest = parts[0], parts[1:]
-    if not rest:
-        return dataclasses.replace(obj, **{head: value})
-    child = getattr(obj, head)
-    if child is None:
-        raise ConfigError(f"--set {'.'.join(parts)}: {head} is None here; it has no fields to set")
-    return dataclasses.replace(obj, **{head: _replace_path(child, rest, value)})
-
-
 # Settings that were renamed, with where they went.
 RENAMED = {
     "microbatches": "renamed: gradient accumulation is grad_accum (one optimizer update over k slices "
@@ -205,46 +125,13 @@ RENAMED = {
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str], /, command: str = "train") -> TrainConfig:
-    """``cfg`` with each ``path=value`` applied in order (``command``: the one whose ``--help`` the
-    message for an unknown path points to)."""
-    paths = field_paths(cfg)
-    for item in overrides:
-        path, sep, text = item.partition("=")
-        path = path.strip()
-        if not sep:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. optimizer.learning_rate=1e-3")
-        if path in RENAMED or moved_field(path):
-            raise ConfigError(f"--set {path}: {RENAMED.get(path) or moved_field(path)}")
-        if path not in paths:
-            raise ConfigError(
-                f"--set {path}: unknown field{_closest(path, paths)}; `jaxpar {command} --help` lists them"
-            )
-        value = parse_value(path, paths[path], text.strip())
-        try:
-            cfg = _replace_path(cfg, path.split("."), value)
-        except (ValueError, TypeError) as err:  # a config's own check: prefix where the value came from
-            if str(err).startswith("--set "):
-                raise
-            raise ConfigError(f"--set {path}={text}: {err}") from None
-    return cfg
-
-
-def _closest(path: str, paths) -> str:
-    leaves = {p.rsplit(".", 1)[-1]: p for p in paths}
-    match = difflib.get_close_matches(path, list(paths), n=1, cutoff=0.6) or [
-        leaves[m] for m in difflib.get_close_matches(path.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
-    ]
-    return f"; did you mean {match[0]}?" if match else ""
+    """``cfg`` with each ``path=value`` applied in order (``jaxpar.settings``: the grammar every command
+    speaks; ``command``: the one whose ``--help`` an unknown path's message points to)."""
+    return settings.apply_overrides(
+        cfg, overrides, command=command, refuse=lambda path: RENAMED.get(path) or moved_field(path)
+    )
 
 
 def describe_fields(prefixes: tuple[str, ...] = ("",)) -> str:
-    """The ``--set`` fields (those under ``prefixes``) with their defaults, for ``--help``."""
-    cfg = default_config()
-    defaults = to_dict(cfg)
-    lines = []
-    for path in (p for p in field_paths(cfg) if p.startswith(prefixes)):
-        value = defaults
-        for part in path.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        lines.append(f"  {path} = {value!r}")
-    return "\n".join(lines)
+    """The ``--set`` fields (those under ``prefixes``) with their defaults for ``--model tiny``."""
+    return settings.describe(default_config(), prefixes)

@@ -9,7 +9,7 @@ from abstract weights (nothing the size of the model is allocated), and read as 
 its step:
 
 * **Held per device** (exact, from the shardings the programs take): the weights (bf16 by default, as
-  served; ``--set param_dtype=float32`` to price f32), and the KV cache of
+  served; ``--set model.param_dtype=float32`` to price f32), and the KV cache of
   ``batch`` sequences of ``context`` positions. KV bytes per token = the cache's bytes ÷ (batch ×
   positions) for the whole model and per device. The largest batch that fits at ``context``: what HBM
   has left after the weights, over one sequence's cache per device, times the ways the batch is split.

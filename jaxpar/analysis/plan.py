@@ -58,10 +58,9 @@ from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.pipeline.executor import check_stack
-from jaxpar.pipeline.ops import FsdpGather
+from jaxpar.pipeline.ops import FsdpGather, PipelineConfig
 from jaxpar.shardings import param_shardings
 from jaxpar.train.accumulate import GradReduce, check_reduce_once
-from jaxpar.train.config import PipelineConfig
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
 from jaxpar.train.step import TrainState, batch_sharding, init_program, make_train_step
 

@@ -12,7 +12,6 @@ of the model is allocated.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from jaxpar.analysis.costmodel import flash_attention
@@ -24,7 +23,8 @@ from jaxpar.inference.layouts import PRESETS as DECODE_PRESETS
 from jaxpar.mesh import simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
 from jaxpar.models import PRESETS as MODEL_PRESETS
-from jaxpar.train.config import apply_overrides, default_config, describe_fields
+from jaxpar.settings import add_set_argument, changed
+from jaxpar.shardings import MODEL_TAKES, preset_overrides, preset_settings
 
 HELP = "compile a model's train step for a layout and predict it on named hardware"
 MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 compiles in 49 s, 1.35 GB;
@@ -32,24 +32,11 @@ MAX_DEVICES = 2048  # measured on a 2-core, 24 GiB machine: llama3-405b on 2048 
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "fields for --set (with their defaults for --model tiny):\n" + describe_fields(
-        ("model.", "execution.")
-    )
     _add_layout(parser)
     _add_workload(parser)
     _add_prediction(parser)
     _add_pipeline(parser)
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="a model config field (model.num_layers=4; the bare field too) or an execution setting "
-        "(execution.remat=dots, execution.context_parallel=ring, execution.attention_impl=cudnn), "
-        "as jaxpar train's --set",
-    )
+    add_set_argument(parser, preset_settings("tiny"), MODEL_TAKES, note=" (with their defaults for --model tiny)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -173,26 +160,11 @@ def _add_pipeline(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(items: list[str], model: str) -> dict:
-    """``--set`` items as keyword arguments of ``plan``/``search``, parsed as ``jaxpar train`` parses its
-    own (``apply_overrides``: the same paths, types, checks and hints): ``model.<field>`` (a bare field is
-    one of the model's) and ``execution.<field>``. Returns the model fields and execution settings that
-    differ from the preset's."""
-    paths = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. model.num_layers=4")
-        key = key.strip() if "." in key else f"model.{key.strip()}"
-        if not key.startswith(("model.", "execution.")):
-            raise ConfigError(f"--set {key}: plan takes model.<field> and execution.<field> settings")
-        paths.append(f"{key}{sep}{value}")
-    base = default_config(model)
-    cfg = apply_overrides(base, paths, command="plan")
-    changed = lambda new, old: {
-        f.name: getattr(new, f.name) for f in dataclasses.fields(new) if getattr(new, f.name) != getattr(old, f.name)
-    }
-    execution = changed(cfg.execution, base.execution)
-    return changed(cfg.model, base.model) | ({"execution": execution} if execution else {})
+    """``--set`` items (``jaxpar.settings``: the grammar of every command) as keyword arguments of
+    ``plan``/``search``: the model fields and execution settings that differ from the preset's."""
+    base, new = preset_settings(model), preset_overrides(items, model, command="plan")
+    execution = changed(new["execution"], base["execution"])
+    return changed(new["model"], base["model"]) | ({"execution": execution} if execution else {})
 
 
 def run(args: argparse.Namespace, /) -> int:

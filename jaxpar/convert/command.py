@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from jaxpar.execution import moved_field
 from jaxpar.mesh import simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
+from jaxpar.settings import add_set_argument, apply_overrides, changed
+from jaxpar.shardings import preset_settings
 
 HELP = "convert Hugging Face checkpoints to jaxpar model checkpoints and back"
 
@@ -41,6 +44,27 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         "--family", default=None, help="--to-hf: the HF model_type to write (default: inferred from the config)"
     )
     parser.add_argument("--max-shard-mb", type=int, default=2048, help="--to-hf: safetensors file size limit")
+    add_set_argument(
+        parser,
+        preset_settings("tiny"),
+        TAKES,
+        note=" with --from-hf (defaults: the folder's config.json and its family's; these are --model tiny's)",
+    )
+
+
+TAKES = ("model.", "execution.")
+
+
+def hf_overrides(args: argparse.Namespace, /) -> tuple[dict, dict]:
+    """--from-hf's ``--set`` items (``jaxpar.settings``) checked against the folder's config.json (no
+    weight read): the model fields and execution settings they change."""
+    from jaxpar.convert import hf_config  # deferred: imports jax, flax and the model zoo
+
+    cfg, fam, hf = hf_config(args.from_hf, param_dtype=args.dtype or "float32")
+    base = {"model": cfg, "execution": fam.execution(hf.config)}
+    hf.close()
+    new = apply_overrides(base, args.overrides, command="convert", takes=TAKES, refuse=moved_field)
+    return changed(new["model"], base["model"]), changed(new["execution"], base["execution"])
 
 
 def run(args: argparse.Namespace, /) -> int:
@@ -53,18 +77,25 @@ def run(args: argparse.Namespace, /) -> int:
     from jaxpar.convert.store import load_model, model_config, save_model
     from jaxpar.shardings import default_layout
 
+    for flag in ("from_hf", "to_hf", "out"):
+        if getattr(args, flag) == "":
+            raise ConvertError(f"--{flag.replace('_', '-')}: an empty path")
     if args.family and args.family not in FAMILIES:
         raise ConvertError(f"--family={args.family!r}: not one of {', '.join(sorted(FAMILIES))}")
     if Path(args.out).exists():  # before any tensor is read
         raise ConvertError(f"{Path(args.out).resolve()}: exists; conversion writes a new folder and never overwrites")
-    if args.from_hf:
-        model = from_hf(args.from_hf, mesh=args.mesh, param_dtype=args.dtype or "float32")
+    if args.from_hf is not None:
+        fields, execution = hf_overrides(args)
+        dtype = fields.pop("param_dtype", args.dtype or "float32")
+        model = from_hf(args.from_hf, mesh=args.mesh, param_dtype=dtype, execution=execution, **fields)
         out = save_model(model, args.out, source={"hf": str(args.from_hf)})
         print(
             f"{args.from_hf} -> {out}: {type(model.cfg).__name__}, {model.cfg.num_params():,} parameters, "
             f"mesh {dict((a, n) for a, n in model.layout.mesh.shape.items() if n > 1) or 'one device'}"
         )
         return 0
+    if args.overrides:
+        raise ConvertError("--set: --to-hf writes the checkpoint's weights as they are; --set applies to --from-hf")
     cfg, step, is_run = model_config(args.to_hf)
     layout = default_layout(cfg, args.mesh or "dp", devices=None if args.mesh else jax.devices()[:1])
     model, step = load_model(args.to_hf, layout)

@@ -27,13 +27,16 @@ import sys
 from pathlib import Path
 
 from jaxpar.errors import CheckpointError, ConfigError, ConvertError, DataError, LayoutError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.inference.layouts import PRESETS as DECODE_PRESETS
 from jaxpar.mesh import simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
+from jaxpar.settings import add_set_argument, apply_overrides, positive_int
 
 HELP = "generate text from a run, a model checkpoint or a Hugging Face folder (streamed, or --json)"
 TOKENIZER = "tokenizer.json"
 PICKLES = (".bin", ".pt", ".pth")
+SETTINGS, TAKES = {"execution": ExecutionConfig()}, ("execution.",)  # what --set changes, and where
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
@@ -61,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=_positive, required=True, metavar="N", help="tokens to generate per prompt"
+        "--max-new-tokens", type=positive_int, required=True, metavar="N", help="tokens to generate per prompt"
     )
     sampler = parser.add_argument_group("sampling (default: greedy)")
     sampler.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
@@ -88,16 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         "or an axis spec like data=2,tensor=4 (default: one device)",
     )
     parser.add_argument(
-        "--cpu-devices", type=_positive, default=None, metavar="N", help="simulate this many CPU devices"
+        "--cpu-devices", type=positive_int, default=None, metavar="N", help="simulate this many CPU devices"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-
-
-def _positive(text: str) -> int:
-    value = int(text) if text.strip().isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+    add_set_argument(parser, SETTINGS, TAKES, note=" (defaults: as --from was saved to run; these are the fallbacks)")
 
 
 def parse_ids(text: str, flag: str) -> list[int]:
@@ -219,17 +216,26 @@ def check_fit(
         raise LayoutError(f"{where} with a batch of {len(prompts)} prompt(s): {err}") from None
 
 
-def load_weights(kind: str, folder: str, cfg, mesh, name: str):
-    """The model, restored onto the decode layout (a jaxpar checkpoint) or onto one device (HF)."""
-    if kind == "hf":
-        from jaxpar.convert import from_hf  # deferred: imports jax, flax and the model zoo
+def check_overrides(items: list[str], /, *, command: str) -> None:
+    """``--set execution.…`` checked against ``ExecutionConfig()`` before any work (``jaxpar.settings``)."""
+    apply_overrides(SETTINGS, items, command=command, takes=TAKES, why=" (the model is --from's)")
 
-        return from_hf(folder)  # the Generator reshards it onto the decode layout
+
+def load_weights(kind: str, folder: str, cfg, mesh, name: str, overrides: list[str] = ()):
+    """The model, restored onto the decode layout (a jaxpar checkpoint) or onto one device (HF), run
+    as it was saved to run (or as its family's HF implementation runs) with ``--set`` ``overrides``."""
     # deferred: these import jax, flax and the model zoo
+    from jaxpar.convert import from_hf
     from jaxpar.convert.store import load_model
+    from jaxpar.inference.generate import with_execution
     from jaxpar.inference.layouts import weight_layout
 
-    return load_model(folder, weight_layout(cfg, mesh, name))[0]
+    # HF: on one device; the Generator reshards it onto the decode layout
+    model = from_hf(folder) if kind == "hf" else load_model(folder, weight_layout(cfg, mesh, name))[0]
+    if not overrides:
+        return model
+    settings = apply_overrides({"execution": model.execution}, overrides, command="generate", takes=TAKES)
+    return with_execution(model, settings["execution"])
 
 
 class Stream:
@@ -279,6 +285,7 @@ class Stream:
 
 
 def run(args: argparse.Namespace, /) -> int:
+    check_overrides(args.overrides, command="generate")
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     # deferred: jax, flax and the model zoo, imported once the simulated devices are set
@@ -307,7 +314,7 @@ def run(args: argparse.Namespace, /) -> int:
         flag="--prompt-ids" if args.prompt is None else "--prompt",
         where=f"--mesh {args.mesh}" if args.mesh else "one device",
     )
-    gen = Generator(load_weights(kind, args.source, cfg, mesh, name), args.mesh, eos_ids=eos)
+    gen = Generator(load_weights(kind, args.source, cfg, mesh, name, args.overrides), args.mesh, eos_ids=eos)
     stream = (
         None if args.json else Stream(prompts, args.max_new_tokens, [gen.eos_ids | set(stop)] * len(prompts), tokenizer)
     )

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig
 from jaxpar.inference.layouts import (
     InferenceLayout,
     build_inference_mesh,
@@ -51,15 +52,19 @@ def bucket(n: int, /, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def with_execution(model: LanguageModel, execution: ExecutionConfig, /) -> LanguageModel:
+    """``model``'s weights (the same arrays) in a model that runs as ``execution`` says."""
+    if is_unstacked(model):
+        model = restack(model)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model.cfg, execution=execution, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))
+
+
 def for_generation(model: LanguageModel, *, sequence_split: bool = False) -> LanguageModel:
     """``model`` rebuilt to run as ``generation_execution`` says, its stacks unstacked into per-layer
     blocks (``jaxpar.inference.unstack``: each layer's weights copied out once; the other arrays shared,
     in variables of their own: placing the result leaves ``model`` where it is)."""
-    execution = generation_execution(model.execution, sequence_split=sequence_split)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model.cfg, execution=execution, rngs=nnx.Rngs(0))))
-    if is_unstacked(model):
-        model = restack(model)
-    return unstack(nnx.merge(graphdef, nnx.state(model)))
+    return unstack(with_execution(model, generation_execution(model.execution, sequence_split=sequence_split)))
 
 
 def check_request(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:

@@ -27,11 +27,21 @@ import sys
 from pathlib import Path
 
 from jaxpar.errors import ConfigError, DataError
-from jaxpar.inference.command import TOKENIZER, _positive, load_tokenizer, load_weights, model_config, source_kind
+from jaxpar.inference.command import (
+    SETTINGS,
+    TAKES,
+    TOKENIZER,
+    check_overrides,
+    load_tokenizer,
+    load_weights,
+    model_config,
+    source_kind,
+)
 from jaxpar.inference.layouts import PRESETS as DECODE_PRESETS
 from jaxpar.inference.limits import Limits
 from jaxpar.mesh import simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
+from jaxpar.settings import add_set_argument, positive_int
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)"
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
@@ -74,14 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         help=f"each replica's decode layout ({', '.join(DECODE_PRESETS)}), a training preset "
         f"({', '.join(MESH_PRESETS)}) or axis sizes like tensor=2 (default: one device per replica)",
     )
-    parser.add_argument("--replicas", type=_positive, default=1, help="engine replicas (data parallel)")
-    parser.add_argument("--cpu-devices", type=_positive, default=None, metavar="N", help="simulate N CPU devices")
+    parser.add_argument("--replicas", type=positive_int, default=1, help="engine replicas (data parallel)")
+    parser.add_argument("--cpu-devices", type=positive_int, default=None, metavar="N", help="simulate N CPU devices")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-slots", type=_positive, default=8, help="sequences decoding at once per replica")
-    engine.add_argument("--page-size", type=_positive, default=16, help="positions per KV page")
+    engine.add_argument("--max-slots", type=positive_int, default=8, help="sequences decoding at once per replica")
+    engine.add_argument("--page-size", type=positive_int, default=16, help="positions per KV page")
     engine.add_argument(
         "--max-length",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="positions per sequence (default: model.max_seq_len, at most 4096)",
     )
@@ -92,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         metavar="SIZE",
         help="bytes for each replica's KV pages, e.g. 4GiB (default: every slot at max length)",
     )
-    engine.add_argument("--chunk", type=_positive, default=64, help="prompt chunk (prefill) size")
+    engine.add_argument("--chunk", type=positive_int, default=64, help="prompt chunk (prefill) size")
     engine.add_argument("--speculate", type=int, default=0, metavar="K", help="speculative guesses per step (0 = off)")
     engine.add_argument("--draft", default=None, metavar="DIR", help="a draft model (same vocabulary) for --speculate")
     access = parser.add_argument_group("access")
@@ -106,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     limits = parser.add_argument_group("limits (each request alone; the status over the limit in docs/serving.md)")
     for name, field, kind, default, text in Limits.flags():
         limits.add_argument(name, dest=field, type=kind, default=default, help=f"{text} (default {default})")
+    add_set_argument(parser, SETTINGS, TAKES, note=" (defaults: as --from was saved to run; these are the fallbacks)")
 
 
 def check_args(args, cfg) -> tuple[int, int]:
@@ -199,8 +210,8 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
         limits=limits(args),
     )
     name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
-    model = load_weights(kind, args.source, cfg, mesh, name)
-    draft = load_draft(args.draft) if args.draft else None
+    model = load_weights(kind, args.source, cfg, mesh, name, args.overrides)
+    draft = load_draft(args.draft, args.overrides) if args.draft else None
     engines = []
     for r in range(args.replicas):
         devices = jax.devices()[r * group : (r + 1) * group]
@@ -229,7 +240,7 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     )
 
 
-def load_draft(folder: str):
+def load_draft(folder: str, overrides: list[str]):
     """The draft model of --draft, on one device (the engine places it beside the target)."""
     # deferred: jax, and a module that imports it
     import jax
@@ -239,7 +250,7 @@ def load_draft(folder: str):
     kind = source_kind(folder)
     cfg, _, _ = model_config(kind, folder)
     name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
-    return load_weights(kind, folder, cfg, mesh, name)
+    return load_weights(kind, folder, cfg, mesh, name, overrides)
 
 
 def serve(service, host: str, port: int) -> int:
@@ -282,6 +293,7 @@ def serve(service, host: str, port: int) -> int:
 
 
 def run(args: argparse.Namespace, /) -> int:
+    check_overrides(args.overrides, command="serve")
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     kind = source_kind(args.source)

@@ -1,15 +1,16 @@
-"""The vocabulary of pipeline schedules (``jaxpar.pipeline.schedules``): the schedules, the ops a stage
-runs in a tick, the refusals of a pipeline no schedule can make, and the dependencies between ops. Numpy
-only."""
+"""The vocabulary of pipeline schedules (``jaxpar.pipeline.schedules``): the schedules, a run's pipeline
+settings (``PipelineConfig``: ``--set pipeline.…``), the ops a stage runs in a tick, the refusals of a
+pipeline no schedule can make, and the dependencies between ops. Numpy only."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import numbers
 
 import numpy as np
 
-from jaxpar.config import Choice
+from jaxpar.config import Choice, check_choices
 from jaxpar.errors import ConfigError
 
 
@@ -29,6 +30,23 @@ class FsdpGather(Choice):
 
     SECTION = "section"
     STEP = "step"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """How the train step runs the layers when the mesh has ``stage`` > 1 (``jaxpar.pipeline``)."""
+
+    schedule: Schedule = Schedule.ONE_F_ONE_B  # gpipe, 1f1b, interleaved, zero_bubble
+    microbatches: int = 8  # the batch is fed through the stages in this many pieces
+    virtual_stages: int = 1  # model chunks per stage (interleaved only)
+    fsdp_gather: FsdpGather = FsdpGather.SECTION  # FSDP weights gathered per tick section, or once a step
+    # Megatron's uneven split: the first / last stage's layers (None: an even share); the other stages
+    # split the rest evenly (e.g. 58 layers on 8 stages: first 4, last 6, 8 each between)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def __post_init__(self):
+        check_choices(self, "pipeline")
 
 
 class Op(enum.IntEnum):

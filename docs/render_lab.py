@@ -289,3 +289,20 @@ def numerics_cases() -> str:
         rows.append([fam, case, key, f"{noise:.1e}", f"{tol:.1e}", *cells])
     header = ["family", "case", "quantity", "noise", "tolerance", *(f"error / tolerance, {c}" for c in configs)]
     return markdown(header, rows, "lllrr" + "r" * len(configs))
+
+
+@table("attention-plan")
+def attention_plan() -> str:
+    """tpu-recipes' Llama 3.1 layouts on v6e priced with XLA's attention and with splash
+    (``benchmarks/attention_plan.py``)."""
+    rows = []
+    for r in load("attention_plan_v6e.json")["rows"]:
+        parts = r["parts_s"]
+        rows.append(
+            [r["run"], f"`{r['kernel']}`", f"{r['predicted_step_s']:.2f}", f"{r['published_step_s']:.2f}"]
+            + [pct(r["predicted_mfu"]), f"{r['predicted_over_published_mfu']:.2f}×", f"{parts['attention_s']:.2f}"]
+            + [f"{r['estimated_memory_bytes'] / 1e9:.0f} GB", "yes" if r["fits"] else "no"]
+        )
+    header = "run|kernel|predicted step s|published step s|predicted MFU|predicted / published MFU"
+    header += "|attention s|memory estimate|fits"
+    return markdown(header.split("|"), rows, "llrrrrrrl")

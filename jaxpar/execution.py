@@ -53,10 +53,12 @@ class Remat(Choice):
 
 
 class AttentionImpl(Choice):
-    """``jax.nn.dot_product_attention``'s implementation (``execution.attention_impl``; None: jax picks)."""
+    """The attention kernel (``execution.attention_impl``; None: ``jax.nn.dot_product_attention`` picks):
+    ``jax.nn.dot_product_attention``'s implementations, or the Pallas kernel of ``jaxpar.parallel.flash``."""
 
     XLA = "xla"
-    CUDNN = "cudnn"
+    CUDNN = "cudnn"  # GPUs: cuDNN's flash attention
+    SPLASH = "splash"  # TPUs: Pallas splash attention (``jaxpar.parallel.flash``; interpreted on CPU)
 
 
 class ContextParallel(Choice):

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jaxpar.execution import ExecutionConfig
 from jaxpar.mesh import build_mesh
 from jaxpar.parallel.attention import check_context_parallel
+from jaxpar.parallel.flash import check_kernel
 from jaxpar.rules import Dim, LayoutError, Rules, check_layout, trace_layout, use_layout
 
 
@@ -52,6 +53,8 @@ def make_layout(
     Raises ``LayoutError``/``MeshError`` naming the field, the mesh axis and the numbers.
     """
     mesh = build_mesh(preset.mesh, devices=devices)
+    if execution is not None:  # a kernel the devices cannot run, refused before any work
+        check_kernel(execution.attention_impl, mesh.devices.flat[0].platform, execution.context_parallel)
     shape = dict(mesh.shape)
     used = {a for _, axes in preset.rules.table for a in axes}
     idle = [f"{a}={n}" for a, n in shape.items() if n > 1 and a not in used]

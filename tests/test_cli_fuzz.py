@@ -76,6 +76,7 @@ INTS, BAD_INTS = ["1", "2", "4", "8"], ["0", "-1", "-7", "x", "1.5", "", " 2", "
 FLOATS, BAD_FLOATS = ["0", "0.5", "1", "0.01"], ["2", "-1", "nan", "inf", "x", ""]
 JUNK = ["", " ", "x", "1", "-1", "a,b", "=", "none", "../..", "\x00"]
 PATHS = ["<ckpt>", "<hf>", "<text>", "<tokenizer>", "<tokens>", "<empty>", "<missing>", "<new>", "<ckpt>/config.json"]
+PATHS += ["<binary>", "<hf>/model.safetensors"]  # bytes that are no text, JSON or UTF-8
 POOLS = {
     "model": (SMALL_MODELS * 4 + list(MODEL_PRESETS), ["bogus", "", "Tiny"]),
     "mesh": ([*MESH_PRESETS, *DECODE_PRESETS, *MESHES], BAD_MESHES),
@@ -230,6 +231,7 @@ def pool(tmp_path_factory) -> Path:
     (root / "empty").mkdir()
     shutil.copy(root / "tokenizer.json", root / "ckpt")  # --from's tokenizer, as a served model has
     (root / "broken.jinja").write_text("{% if %}")
+    (root / "binary").write_bytes(bytes(range(256)) * 4)
     (root / "badtok").mkdir()
     shutil.copy(root / "tokenizer.json", root / "badtok")
     (root / "badtok" / "tokenizer_config.json").write_text("[1, 2]")  # JSON, but not an object
@@ -244,6 +246,7 @@ NAMES |= {
     "<empty>": "empty",
     "<missing>": "missing/deeper",
     "<new>": "new",
+    "<binary>": "binary",
 }
 
 

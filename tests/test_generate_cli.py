@@ -362,3 +362,20 @@ def test_set_changes_how_the_model_runs(assets, api, capsys):
         "execution.dtype=bfloat16",
     )
     assert len(report["tokens"][0]) == 2
+
+
+def test_splash_prefill_gives_the_same_tokens(assets, api, capsys):
+    """``--set execution.attention_impl=splash``: the prefill's attention runs the Pallas kernel
+    (interpreted on CPU); the greedy tokens are the forward's, under the margin rule."""
+    import jax
+    from logprob_oracle import Forward, agree_under_margin, penalized_greedy
+
+    from jaxpar.inference.command import load_weights
+    from jaxpar.inference.layouts import build_inference_mesh
+
+    name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
+    model = load_weights("jaxpar", str(assets.ckpt), api.cfg, mesh, name)
+    argv = ["--from", assets.ckpt, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", 4]
+    report = generate_json(capsys, *argv, "--set", "execution.attention_impl=splash")
+    want, gaps = penalized_greedy(Forward(model, 16), [1, 2, 3, 4, 5], 4)  # the training forward's greedy
+    assert agree_under_margin(want, gaps, report["tokens"][0]) >= 1

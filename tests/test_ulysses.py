@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from noise import check_arrays
+from noise import MUTATION_GAP, check_arrays
 
 from jaxpar.analysis.hlo import parse_collectives
 from jaxpar.parallel.common import zigzag_order
@@ -40,7 +40,8 @@ def sharded_fn(n, *, segments, **kw):
     """jit(shard_map(ulysses)) over n devices: (q, k, v, q_index, kv_index[, q_seg, kv_seg]) -> out."""
     body = functools.partial(ulysses_attention, axis_name="sequence", **kw)
     n_args = 7 if segments else 5
-    return jax.shard_map(body, mesh=seq_mesh(n), in_specs=(SEQ,) * 3 + (IDX,) * (n_args - 3), out_specs=SEQ)
+    specs = dict(in_specs=(SEQ,) * 3 + (IDX,) * (n_args - 3), out_specs=SEQ)
+    return jax.shard_map(body, mesh=seq_mesh(n), check_vma=kw.get("implementation") != "splash", **specs)
 
 
 def value_and_grads(f):
@@ -83,8 +84,34 @@ CASES = [
 ]
 
 
+SPLASH_CASES = [c for c in CASES if c[0] in ("mha-n8-causal-zigzag", "gqa84-n2-segments", "gqa84-n4-window-zz")]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_oracle(case):
+    check_case(case)
+
+
+@pytest.mark.parametrize("case", SPLASH_CASES, ids=[c[0] for c in SPLASH_CASES])
+def test_splash_on_the_gathered_heads_matches_oracle(case):
+    """``implementation="splash"``: the Pallas kernel (interpreted) on the gathered sequence, put back in
+    its original order from zig-zag storage first."""
+    check_case(case, implementation="splash")
+
+
+def test_splash_in_stored_order_is_caught(monkeypatch):
+    """The mutation: splash over the zig-zag stored order as if it were the original (a wrong
+    permutation). The errors miss the bound by MUTATION_GAP× or more."""
+    import jaxpar.parallel.ulysses as ulysses
+    from jaxpar.parallel.flash import splash_attention
+
+    stored = lambda q, k, v, index, segments, **kw: splash_attention(q, k, v, segments=segments, **kw)
+    monkeypatch.setattr(ulysses, "_splash_in_order", stored)
+    with pytest.raises(AssertionError, match="error"):
+        check_case(SPLASH_CASES[0], implementation="splash", tolerance_multiple=MUTATION_GAP)
+
+
+def check_case(case, *, implementation=None, tolerance_multiple=1):
     _, n, nh, nkv, causal, window, segments, zigzag, replicate = case
     q, k, v, ct, index, seg = make_inputs(zlib.crc32(case[0].encode()), nh, nkv, segments)
     mask_kw = dict(causal=causal, window=window)
@@ -98,14 +125,15 @@ def test_matches_oracle(case):
     inv = np.argsort(order)  # stored position of each token
     store = lambda x: x[:, order]
     unstore = lambda x: np.asarray(x)[:, inv]
-    f = sharded_fn(n, segments=segments, replicate_kv=replicate, **mask_kw)
+    f = sharded_fn(n, segments=segments, replicate_kv=replicate, implementation=implementation, **mask_kw)
     kernel = value_and_grads(f)
     idx = store(index)
     seg_args = (store(seg), store(seg)) if segments else ()
     got_out, got_grads = kernel(store(q), store(k), store(v), store(ct), idx, idx, *seg_args)
 
     got = [unstore(got_out), *map(unstore, got_grads)]
-    check_arrays(got, want, oracle.own_noise(q, k, v, ct, allowed), "context", f"ulysses {case[0]}")
+    noise = oracle.own_noise(q, k, v, ct, allowed) * tolerance_multiple
+    check_arrays(got, want, noise, "context", f"ulysses {case[0]}" + (f" {implementation}" if implementation else ""))
 
     # Head bookkeeping: v = kv-head number everywhere, so query head h must output h // G.
     v_label = np.broadcast_to(np.arange(nkv, dtype=np.float32)[None, None, :, None], v.shape).copy()

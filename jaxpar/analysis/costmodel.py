@@ -216,12 +216,16 @@ def kept_bytes(cfg, execution, b: int, t: int) -> float:
     return kept / t
 
 
+FLASH_KERNELS = ("cudnn", "splash")  # the ``execution.attention_impl`` values that run blockwise
+
+
 def flash_attention(execution) -> bool:
     """Whether jaxpar's attention run as ``execution`` (a ``jaxpar.execution.ExecutionConfig``) says runs
-    blockwise, never holding a [S, S] score matrix: the cuDNN kernel, or the ring's blocks.
+    blockwise, never holding a [S, S] score matrix: cuDNN's kernel (GPUs), Pallas splash (TPUs), or the
+    ring's blocks.
     ``jax.nn.dot_product_attention`` without an implementation is XLA's, which materializes every score
     (causal or not) of a layer."""
-    return str(execution.attention_impl) == "cudnn" or str(execution.context_parallel) == "ring"
+    return str(execution.attention_impl) in FLASH_KERNELS or str(execution.context_parallel) == "ring"
 
 
 def score_bytes(cfg, execution, acts: Activations, tokens: float, t: int) -> tuple[float, float]:

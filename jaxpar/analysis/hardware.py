@@ -43,6 +43,11 @@ class Hardware:
     fast_hop: float = 0.0
     slow_hop: float = 0.0
 
+    @property
+    def platform(self) -> str:
+        """jax's platform name for the chip: ``tpu`` or ``gpu`` (the kernels it can run)."""
+        return "tpu" if self.family.startswith("tpu") else "gpu"
+
 
 # FlashAttention-3 (Shah et al., 2024, figs. 5-6): causal attention forward and backward with head dim 128 at
 # 4k-16k tokens runs at roughly 0.75 of what a large bf16 GEMM reaches on an H100 SXM5 (~500-650 against

@@ -55,6 +55,7 @@ from jaxpar.inference.layouts import build_inference_mesh, check_inference_layou
 from jaxpar.inference.unstack import unstack
 from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model, get_model_preset
+from jaxpar.parallel.flash import check_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +124,7 @@ def plan_inference(
     cfg = get_model_preset(model, **({"param_dtype": "bfloat16"} | model_overrides))
     name, built = build_inference_mesh(mesh, devices=None if devices is None else jax.devices()[:devices])
     run = generation_execution(plan_execution(model, execution), sequence_split=built.shape["sequence"] > 1)
+    check_kernel(run.attention_impl, hw.platform, run.context_parallel)  # a kernel the chip cannot run
     layout = check_inference_layout(cfg, built, name, batch=batch, prompt=context, slots=context, execution=run)
     abstract, state = _abstract(cfg, cpu_compilable(run), layout)
     prefill, decode = compile_programs(abstract, state, layout, batch, context, context)

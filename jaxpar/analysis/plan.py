@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from jaxpar.analysis.costmodel import (
+    FLASH_KERNELS,
     Activations,
     flash_attention,
     hbm_bytes,
@@ -57,6 +58,7 @@ from jaxpar.execution import ExecutionConfig, Remat
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_execution_preset, get_model_preset
+from jaxpar.parallel.flash import check_kernel
 from jaxpar.pipeline.executor import check_stack
 from jaxpar.pipeline.ops import FsdpGather, PipelineConfig
 from jaxpar.shardings import param_shardings
@@ -107,10 +109,11 @@ def plan_execution(model: str, changes: Mapping[str, Any] | None = None, /) -> E
 
 
 def cpu_compilable(execution: ExecutionConfig) -> ExecutionConfig:
-    """``execution`` as the lab compiles it on CPU: cuDNN attention as XLA's (the CPU has no cuDNN; a device's
-    attention is local, so the program's collectives are the same). The pricing keeps the kernel."""
-    cudnn = str(execution.attention_impl) == "cudnn"
-    return dataclasses.replace(execution, attention_impl=None) if cudnn else execution
+    """``execution`` as the lab compiles it on CPU: a flash kernel (cuDNN, splash) as XLA's attention (the
+    CPU has no cuDNN, and splash would compile as its interpreted grid; a device's attention is local, so
+    the program's collectives are the same). The pricing keeps the kernel."""
+    flash = str(execution.attention_impl) in FLASH_KERNELS
+    return dataclasses.replace(execution, attention_impl=None) if flash else execution
 
 
 def compile_step(
@@ -295,6 +298,7 @@ def plan(
     force the roofline with these (``step_times``)."""
     hw = get_hardware(hardware)
     cfg, run = get_model_preset(model, **model_overrides), plan_execution(model, execution)
+    check_kernel(run.attention_impl, hw.platform, run.context_parallel)  # a kernel the chip cannot run
     preset = resolve_mesh_arg(mesh)
     devices = None if devices is None else jax.devices()[:devices]
     pipe = _pipeline_settings(schedule, microbatches, virtual_stages)

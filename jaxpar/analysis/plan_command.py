@@ -335,8 +335,8 @@ def _attention_line(args) -> str:
     from jaxpar.analysis.plan import plan_execution  # deferred: imports jax, flax and the model zoo
 
     if flash_attention(plan_execution(args.model, args.settings.get("execution"))):
-        return "attention: a flash kernel (cuDNN or ring)"
+        return "attention: a flash kernel (cuDNN, splash or ring)"
     return (
-        "attention: XLA's, every score in HBM (jaxpar's default); on GPUs --set execution.attention_impl=cudnn "
-        "prices cuDNN's flash kernel"
+        "attention: XLA's, every score in HBM (jaxpar's default); --set execution.attention_impl=cudnn (GPUs) "
+        "or =splash (TPUs) prices a flash kernel"
     )

@@ -40,6 +40,7 @@ from jaxpar.layout import Layout, check_model_layout
 from jaxpar.mesh import AXES, MeshConfig, build_mesh
 from jaxpar.meshes import PRESETS as TRAINING
 from jaxpar.meshes import Phase, compose_rules
+from jaxpar.parallel.flash import check_kernel
 from jaxpar.rules import Dim, Rules
 
 PRESETS: dict[str, str] = {
@@ -150,6 +151,7 @@ def check_inference_layout(
     this mesh); raises ``LayoutError`` naming field, axis and numbers."""
     if execution is None:
         execution = generation_execution(sequence_split=mesh.shape["sequence"] > 1)
+    check_kernel(execution.attention_impl, mesh.devices.flat[0].platform, execution.context_parallel)
     shape = dict(mesh.shape)
     axes = {a for a in AXES if shape[a] > 1}
     cache = cache_dims(cfg, batch, slots)

@@ -5,7 +5,8 @@ current layout (``jaxpar.rules.active_layout``) to find which mesh axis the posi
 (``inner_length``) are split over, and runs the matching kernel under ``jax.shard_map``:
 
     none      ``jax.nn.dot_product_attention`` on whatever GSPMD gives it (with a split sequence, XLA
-              gathers the full K/V on every device: simple, O(L) memory)
+              gathers the full K/V on every device: simple, O(L) memory), or with
+              ``attention_impl=splash`` the Pallas kernel of ``jaxpar.parallel.flash``
     ring      ``jaxpar.parallel.ring``: K/V blocks travel the ring, O(L/n) memory, zig-zag balanced
     ulysses   ``jaxpar.parallel.ulysses``: all-to-all from sequence-split to head-split and back
 
@@ -23,8 +24,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.execution import ContextParallel, TokenOrder  # noqa: F401  (TokenOrder: re-exported)
+from jaxpar.execution import AttentionImpl, ContextParallel, TokenOrder  # noqa: F401  (TokenOrder: re-exported)
 from jaxpar.parallel.common import zigzag_order
+from jaxpar.parallel.flash import splash_attention
 from jaxpar.parallel.ring import ring_attention
 from jaxpar.parallel.ulysses import ulysses_attention, ulysses_check
 from jaxpar.rules import LayoutError, Rules, active_layout
@@ -91,6 +93,8 @@ def context_attention(
     in the original sequence). Returns [B, T, N, H]."""
     layout = active_layout(q, k, v)
     axis = None if layout is None or strategy == "none" else sequence_axis(layout[1], layout[0].shape)
+    if axis is None and str(implementation) == AttentionImpl.SPLASH:
+        return splash_attention(q, k, v, causal=True, window=window)
     if axis is None:
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(
@@ -111,16 +115,23 @@ def context_attention(
     q_spec = PartitionSpec(batch, axis, heads, None)
     kv_spec = PartitionSpec(batch, axis, kv_heads, None)
     index_spec = PartitionSpec(batch, axis)
-    kernel = _kernel(strategy)
+    kernel, impl = _kernel(strategy), None if implementation is None else str(implementation)
 
     def body(q, k, v, index):  # q: [B/b, T/n, N/h, H]; k, v: [B/b, T/n, K/h or K, H]
         if heads and not kv_heads:  # kv heads replicated over the head axes: keep this group's one
             k, v = (_own_kv_head(x, heads, mesh.shape, q.shape[2]) for x in (k, v))
+        if kernel is ulysses_attention:
+            return kernel(q, k, v, index, index, axis_name=axis, causal=True, window=window, implementation=impl)
         return kernel(q, k, v, index, index, axis_name=axis, causal=True, window=window)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, index_spec), out_specs=q_spec)(
-        q, k, v, index
-    )
+    # A Pallas kernel's outputs carry no varying-axes type (``vma``): shard_map's check is off around it.
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, index_spec),
+        out_specs=q_spec,
+        check_vma=impl != AttentionImpl.SPLASH,
+    )(q, k, v, index)
 
 
 def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.Array:

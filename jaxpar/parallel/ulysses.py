@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.common import dense_attention
+from jaxpar.parallel.flash import splash_attention
 from jaxpar.rules import LayoutError
 
 __all__ = ["ulysses_attention", "ulysses_check"]
@@ -78,6 +79,7 @@ def ulysses_attention(
     window: int | None = None,
     scale: float | None = None,
     replicate_kv: bool = False,
+    implementation: str | None = None,
 ):
     """Per-device body, called INSIDE ``jax.shard_map`` over ``axis_name`` (the sequence axis, size n).
 
@@ -85,7 +87,9 @@ def ulysses_attention(
     each local token's index in the original sequence; segments int32 [B, Tl] or None (both or
     neither). Requires Nl % n == 0 and Kl % n == 0; with ``replicate_kv=True`` Kl % n != 0 is allowed
     (K/V are all-gathered instead of split by head). Raises ``LayoutError`` at trace time otherwise.
-    Returns out [B, Tl, Nl, H] in q.dtype."""
+    ``implementation="splash"``: the gathered heads run the Pallas kernel (``jaxpar.parallel.flash``) in
+    the sequence's original order (self-attention: kv_index is q_index). Returns out [B, Tl, Nl, H] in
+    q.dtype."""
     n = jax.lax.axis_size(axis_name)
     nl, kl = q.shape[2], k.shape[2]
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
@@ -110,8 +114,24 @@ def ulysses_attention(
         kh = _kv_for_local_heads(gather_seq(k), nl, n, axis_name)
         vh = _kv_for_local_heads(gather_seq(v), nl, n, axis_name)
     segs = (None, None) if q_segment is None else (gather_seq(q_segment), gather_seq(kv_segment))
-    out = dense_attention(
-        qh, kh, vh, gather_seq(q_index), gather_seq(kv_index), *segs, causal=causal, window=window, scale=scale
-    )
+    if implementation == "splash":
+        out = _splash_in_order(qh, kh, vh, gather_seq(q_index), segs[0], causal=causal, window=window, scale=scale)
+    else:
+        out = dense_attention(
+            qh, kh, vh, gather_seq(q_index), gather_seq(kv_index), *segs, causal=causal, window=window, scale=scale
+        )
     # Inverse: split the sequence back into device blocks, gather the heads.
     return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _splash_in_order(q, k, v, index, segments, *, causal, window, scale):
+    """Splash attention over the gathered sequence [B, T, ...] stored in any order (zig-zag): put in the
+    original order (``index``: each stored token's place in it), attended, put back."""
+    order = jnp.argsort(index, axis=1)  # [B, T]: the stored position of the t-th token
+    back = jnp.argsort(order, axis=1)
+    take = lambda x, at: jnp.take_along_axis(x, at.reshape(*at.shape, *(1,) * (x.ndim - 2)), axis=1)
+    segments = None if segments is None else take(segments, order)
+    out = splash_attention(
+        take(q, order), take(k, order), take(v, order), causal=causal, window=window, segments=segments, scale=scale
+    )
+    return take(out, back)

@@ -26,6 +26,8 @@ cannot run, and ``check_kernel`` refuses it by name before any work.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -39,6 +41,20 @@ from jaxpar.execution import AttentionImpl
 LANE = 128  # the smallest block: the TPU's lane width
 BLOCKS = (512, 256, 128)
 PAD_SEGMENT = -1  # the segment id of the padding (real tokens' ids are ≥ 0)
+
+
+_FOR_TPU = contextvars.ContextVar("jaxpar_flash_for_tpu", default=False)
+
+
+@contextlib.contextmanager
+def lowered_for_tpu():
+    """Inside: the kernels lower for a TPU (Mosaic) whatever the local backend, for exporting a TPU
+    program from a host without one (``jax.export.export(f, platforms=["tpu"])``)."""
+    token = _FOR_TPU.set(True)
+    try:
+        yield
+    finally:
+        _FOR_TPU.reset(token)
 
 
 def block_size(length: int, /) -> int:
@@ -108,14 +124,16 @@ def splash_attention(
 ) -> jax.Array:
     """Attention of q [B, T, N, Hq] over k [B, T, K, Hq], v [B, T, K, Hv] (N a multiple of K) with the
     splash kernel; ``segments`` int [B, T] (≥ 0; None: one segment). Returns [B, T, N, Hv] in q's
-    dtype. ``interpret``: Pallas' interpret mode (default: unless the backend is a TPU)."""
+    dtype. ``interpret``: Pallas' interpret mode (default: unless the backend is a TPU or the call is
+    inside ``lowered_for_tpu``)."""
     batch, length, n, hq = q.shape
     kv_heads, hv = k.shape[2], v.shape[3]
     if k.shape[1] != length:
         raise ConfigError(
             f"splash attention: {length} queries over {k.shape[1]} keys (it attends a sequence to itself)"
         )
-    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    if interpret is None:
+        interpret = not _FOR_TPU.get() and jax.default_backend() != "tpu"
     group, width = n // kv_heads, max(hq, hv)
     padded = -(-length // LANE) * LANE
     if segments is None:

@@ -137,7 +137,7 @@ def estimate(
     full = {a: mesh.get(a, 1) for a in SEARCH_AXES}
     v = virtual_stages or (2 if schedule == "interleaved" else 1)
     split = uneven_split(cfg, full["stage"], v)
-    stored = stored_config(cfg, split)
+    stored = stored_config(cfg, split.stage_layers if split else ())
     rules = _checked_rules(stored, execution, mesh, full, batch=batch, seq=seq)
     grad_reduce = str(GradReduce.parse(grad_reduce, field="grad_reduce"))
     if grad_reduce == GradReduce.STEP:
@@ -240,14 +240,14 @@ def _stage_path(acts, costs: dict, mesh: dict, rules, traffic: dict) -> float:
 def _pipeline(
     cfg, execution, mesh: dict, rules, *, batch, seq, schedule, microbatches, virtual_stages, grad_reduce, split
 ):
-    """(Activations, ``pipeline_costs``) of a candidate; costs None without stage. ``split``: each stage's
-    layers where the split is uneven (``uneven_split``)."""
+    """(Activations, ``pipeline_costs``) of a candidate; costs None without stage. ``split``: the uneven
+    split of the stack (``uneven_split``), or None."""
     p, v = mesh["stage"], virtual_stages
     if p == 1:
         return activations_of(cfg, batch=batch, seq=seq, execution=execution), None
     ways = math.prod(mesh[a] for a in rules["batch"])
     m = microbatches or default_microbatches(p, batch // ways if batch % ways == 0 else 0, schedule)
-    ends = (split[0], split[-1] if p > 2 else None) if split else (None, None)
+    ends = (split.first, split.last) if split else (None, None)
     pipeline_for(cfg, mesh, rules, batch=batch, schedule=schedule, microbatches=m, virtual_stages=v, ends=ends)
     acts = activations_of(
         cfg,
@@ -256,18 +256,18 @@ def _pipeline(
         pipeline=(schedule, m, v),
         execution=execution,
         grad_reduce=grad_reduce,
-        stage_split=split,
+        stage_split=split.stage_layers if split else (),
     )
     return acts, pipeline_costs(cfg, acts, mesh, remat_full=execution.remat == Remat.FULL)
 
 
-def uneven_split(cfg, stages: int, virtual: int) -> tuple:
-    """The layers of each stage where ``cfg``'s pipelined stack does not divide evenly over ``stages`` ×
-    ``virtual`` chunks: Megatron's uneven split (``balanced_ends``); () where it divides, or where no
-    split exists (the layout check then refuses it with the numbers)."""
+def uneven_split(cfg, stages: int, virtual: int) -> StackSplit | None:
+    """Megatron's uneven split (``balanced_ends``) of ``cfg``'s pipelined stack where it does not divide
+    evenly over ``stages`` × ``virtual`` chunks; None where it divides, or where no split exists (the
+    layout check then refuses it with the numbers)."""
     layers = cfg.num_layers - cfg.first_dense_layers
     ends = balanced_ends(layers, stages, virtual) if stages > 1 and layers % (stages * virtual) else None
-    return () if ends is None else StackSplit(layers, stages, virtual, *ends).stage_layers
+    return None if ends is None else StackSplit(layers, stages, virtual, *ends)
 
 
 @functools.lru_cache(maxsize=16)

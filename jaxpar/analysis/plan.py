@@ -327,8 +327,7 @@ def plan(
         stage_split=() if split is None else split.stage_layers,
     )
     step = dict(pipeline=table, execution=run, grad_accum=grad_accum, fsdp_gather=fsdp_gather, grad_reduce=grad_reduce)
-    step |= dict(split=split)
-    compiled = compile_step(cfg, layout, batch=batch, seq=seq, **step)
+    compiled = compile_step(cfg, layout, batch=batch, seq=seq, split=split, **step)
     report = analyze_compiled(compiled, mesh=layout.mesh)
     costs = pipeline_costs(cfg, acts, shape, remat_full=run.remat == Remat.FULL) if table else None
     measured, stage_path = _pipeline_traffic(report, costs, acts, shape, layout.rules, acts.act_bytes / 4)

@@ -2,12 +2,13 @@
 
     python benchmarks/attention_plan.py --out benchmarks/results/attention_plan_v6e.json
 
-Each layout is priced twice by ``jaxpar plan ... --json`` (one subprocess each: the simulated devices
-are set before jax starts), as a user would price it: ``execution.attention_impl=xla`` (every score in
-HBM) and ``=splash`` (the Pallas kernel, priced as a flash kernel). Recorded per run: the command, the
-predicted step and MFU, the step's parts, the memory estimate and whether it fits, and the published step
-of the run (``benchmarks/published_runs.json``) with the ratio predicted MFU / published MFU (published
-step / predicted step, the same tokens and model FLOPs).
+Each layout is priced three times by ``jaxpar plan ... --json`` (one subprocess each: the simulated devices
+are set before jax starts), as a user would price it: ``execution.attention_impl=xla`` (every score in HBM),
+``=splash`` (the Pallas kernel, priced as a flash kernel), and splash with ``execution.loss_chunks=16`` (the
+loss's float32 logits a sixteenth of the tokens at a time). Recorded per run: the command, the predicted
+step and MFU, the step's parts, the memory estimate and whether it fits, and the published step of the run
+(``benchmarks/published_runs.json``) with the ratio predicted MFU / published MFU (published step /
+predicted step, the same tokens and model FLOPs).
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ LAYOUTS = [
     ("MaxText Llama3.1-8B, v6e-256", "llama3-8b", 256, 1024, 8192, "full"),
     ("MaxText Llama3.1-70B, v6e-64", "llama3-70b", 64, 128, 8192, "full"),
 ]
-KERNELS = ("xla", "splash")
+# (attention kernel, execution.loss_chunks): XLA's attention, splash, splash with the loss in 16 pieces
+VARIANTS = (("xla", 1), ("splash", 1), ("splash", 16))
 
 
-def command(model: str, devices: int, batch: int, seq: int, remat: str, kernel: str) -> list[str]:
+def command(model: str, devices: int, batch: int, seq: int, remat: str, kernel: str, chunks: int) -> list[str]:
     return [
         *("jaxpar", "plan", "--model", model, "--mesh", f"fsdp={devices}", "--devices", str(devices)),
         *("--batch", str(batch), "--seq", str(seq), "--hardware", "tpu-v6e", "--json"),
         *("--set", f"execution.remat={remat}", "--set", f"execution.attention_impl={kernel}"),
+        *("--set", f"execution.loss_chunks={chunks}"),
     ]
 
 
@@ -61,15 +64,16 @@ def main() -> None:
     rows = []
     for name, model, devices, batch, seq, remat in LAYOUTS:
         step = published[name]["published"]["step_s"]
-        for kernel in KERNELS:
-            argv = command(model, devices, batch, seq, remat, kernel)
+        for kernel, chunks in VARIANTS:
+            argv = command(model, devices, batch, seq, remat, kernel, chunks)
             result = price(argv)
             ratio = step / result["predicted_step_s"]
-            rows.append(dict(run=name, kernel=kernel, command=" ".join(argv), published_step_s=step, **result))
+            row = dict(run=name, kernel=kernel, loss_chunks=chunks, command=" ".join(argv), published_step_s=step)
+            rows.append(row | result)
             rows[-1]["predicted_over_published_mfu"] = ratio
             print(
-                f"{name} {kernel}: {result['predicted_step_s']:.3f} s, MFU {result['predicted_mfu']:.1%}, "
-                f"{ratio:.2f}x published, fits {result['fits']}",
+                f"{name} {kernel} loss_chunks={chunks}: {result['predicted_step_s']:.3f} s, "
+                f"MFU {result['predicted_mfu']:.1%}, {ratio:.2f}x published, fits {result['fits']}",
                 flush=True,
             )
     Path(args.out).write_text(json.dumps({"benchmark": "attention_plan", "rows": rows}, indent=1) + "\n")

@@ -54,6 +54,8 @@ FILES = [
     "tests/test_mla.py",
     "tests/test_expert_parallel.py",
     "tests/test_dropless.py",
+    "tests/test_flash.py",
+    "tests/test_loss_chunks.py",
 ]
 CONFIGS = {
     "suite": {},

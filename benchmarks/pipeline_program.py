@@ -78,7 +78,7 @@ def carry_bytes(cfg, table, rows: int, seq: int, per_chunk: int) -> dict:
     from jaxpar.models import build_model
     from jaxpar.pipeline.actions import ABSTRACT_ACTION, ModelParts, handoff_shapes, kept_vjp
     from jaxpar.pipeline.stage import ChunkPrograms
-    from jaxpar.train.step import token_losses
+    from jaxpar.train.step import head_losses
 
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     stack = nnx.PathContains(model.pipeline_stack)
@@ -87,7 +87,7 @@ def carry_bytes(cfg, table, rows: int, seq: int, per_chunk: int) -> dict:
     def kept(sp, op, sr, rest):
         first = lambda t: jax.tree.map(lambda a: a[:per_chunk], t)
         ids = jnp.zeros((1, rows, seq), jnp.int32)
-        chunk = ChunkPrograms(graphdef, model.pipeline_stack, first(sr), rest, ids, ids, token_losses, per_chunk, False)
+        chunk = ChunkPrograms(graphdef, model.pipeline_stack, first(sr), rest, ids, ids, head_losses, per_chunk, False)
         parts = ModelParts(chunk, first(sp), op)
         x = jnp.zeros(parts.chunk_input().shape, parts.chunk_input().dtype)
         action = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ABSTRACT_ACTION)

@@ -299,10 +299,16 @@ def attention_plan() -> str:
     for r in load("attention_plan_v6e.json")["rows"]:
         parts = r["parts_s"]
         rows.append(
-            [r["run"], f"`{r['kernel']}`", f"{r['predicted_step_s']:.2f}", f"{r['published_step_s']:.2f}"]
+            [
+                r["run"],
+                f"`{r['kernel']}`",
+                r["loss_chunks"],
+                f"{r['predicted_step_s']:.2f}",
+                f"{r['published_step_s']:.2f}",
+            ]
             + [pct(r["predicted_mfu"]), f"{r['predicted_over_published_mfu']:.2f}×", f"{parts['attention_s']:.2f}"]
             + [f"{r['estimated_memory_bytes'] / 1e9:.0f} GB", "yes" if r["fits"] else "no"]
         )
-    header = "run|kernel|predicted step s|published step s|predicted MFU|predicted / published MFU"
+    header = "run|kernel|loss pieces|predicted step s|published step s|predicted MFU|predicted / published MFU"
     header += "|attention s|memory estimate|fits"
-    return markdown(header.split("|"), rows, "llrrrrrrl")
+    return markdown(header.split("|"), rows, "llrrrrrrrl")

@@ -14,6 +14,7 @@ change how the same model is computed or trained, and may differ between runs of
     aux_loss_weight       MoE: the weight of the balancing loss in the objective
     router_z_loss_weight  MoE: the weight of the router z-loss in the objective
     bias_update_rate      MoE: how fast training balances the routers' selection bias
+    loss_chunks           the loss's logits made a piece of the tokens at a time (memory)
 
 A training run holds it as ``execution`` (``--set execution.remat=dots``); a model object holds the
 one it was built with (``model.execution``). Runs saved before these settings left the model config hold
@@ -89,9 +90,14 @@ class ExecutionConfig:
     aux_loss_weight: float = 0.01  # MoE: Switch balancing loss E · Σ_e f_e · P_e
     router_z_loss_weight: float = 0.001  # MoE: mean over tokens of logsumexp(logits)²
     bias_update_rate: float = 0.0  # MoE: aux-loss-free balancing step (``jaxpar.layers.moe.updated_bias``)
+    # the loss over this many pieces of the tokens, each piece's float32 logits made, used and made again
+    # in the backward: the logits of one piece live at a time (1: all at once)
+    loss_chunks: int = 1
 
     def __post_init__(self):
         check_choices(self, "execution")
+        if self.loss_chunks < 1:
+            raise ConfigError(f"execution.loss_chunks={self.loss_chunks} must be ≥ 1")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"execution.capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
         for name in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate"):

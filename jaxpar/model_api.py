@@ -34,7 +34,8 @@ class ForwardOutput:
     """What ``forward`` returns (inside a traced function): logits in the layout's storage order,
     that order (position p holds token ``order[p]``; None = natural), the weighted auxiliary losses
     the objective adds (MoE balancing and router z-loss; 0 for dense models), and MoE statistics
-    stacked over the MoE layers (None for dense models)."""
+    stacked over the MoE layers (None for dense models). From ``forward(..., head=False)``, ``logits``
+    holds the last block's output instead."""
 
     logits: jax.Array
     order: np.ndarray | None
@@ -56,8 +57,9 @@ class LanguageModel(Protocol):
         """ids [B, T] int32 -> float32 logits [B, T, vocab_size], in natural order."""
         ...
 
-    def forward(self, ids: jax.Array, positions: jax.Array | None = None) -> ForwardOutput:
-        """ids [B, T] -> logits over the padded vocabulary in storage order, with the auxiliary losses."""
+    def forward(self, ids: jax.Array, positions: jax.Array | None = None, *, head: bool = True) -> ForwardOutput:
+        """ids [B, T] -> logits over the padded vocabulary in storage order, with the auxiliary losses
+        (``head=False``: the last block's output [B, T, D] in their place, for ``head`` applied later)."""
         ...
 
     def update_router_bias(self, expert_load: jax.Array) -> None:

@@ -267,13 +267,14 @@ class DenseLM(nnx.Module):
         logits = out.logits if out.order is None else out.logits[:, inverse_order(out.order)]
         return logits[..., : self.cfg.vocab_size]
 
-    def forward(self, ids: jax.Array, positions: jax.Array | None = None) -> ForwardOutput:
+    def forward(self, ids: jax.Array, positions: jax.Array | None = None, *, head: bool = True) -> ForwardOutput:
         """Logits in the order the layout stores tokens in (see ``ForwardOutput``): a loss can permute
-        its targets by ``order`` instead of paying to put the logits back (zig-zag context parallelism)."""
+        its targets by ``order`` instead of paying to put the logits back (zig-zag context parallelism).
+        ``head=False``: the last block's output [B, T, D] in their place, for a loss that applies ``head``
+        a piece at a time."""
         ids, positions, index, order = self.inputs(ids, positions)
         x, aux_loss, stats = self._blocks(self.embed(ids), positions, index)  # x: [B, T, D]
-        logits = self.head(x)
-        return ForwardOutput(logits, order, aux_loss, stats)
+        return ForwardOutput(self.head(x) if head else x, order, aux_loss, stats)
 
     # ------------------------------------------------------------------------------------ generation
     def cache_stacks(self) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import get_execution_preset, get_model_preset
 from jaxpar.parallel.flash import block_size, check_kernel, splash_attention
 
-BF16_MULTIPLE = 4  # bfloat16: the output's one rounding dominates both ways, so a small multiple suffices
+BF16_MULTIPLE = 6  # bfloat16: the output's one rounding dominates both ways, so a small multiple suffices
 CASES = {  # heads, kv heads, q/k width, v width, length, window, document starts
     "causal": (4, 4, 32, 32, 256, None, ()),
     "window": (4, 4, 32, 32, 256, 40, ()),
@@ -130,9 +130,9 @@ def test_model_trains_as_with_xla_attention(preset, window):
     """GQA (tiny), a window, and MLA with its MoE (tiny-deepseek, whose reference is MLA's own explicit
     softmax): splash trains the same steps."""
     cfg = dataclasses.replace(get_model_preset(preset), sliding_window=window)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 4, 33))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8, 33))
     execution = get_execution_preset(preset)
-    want, bound = reference(cfg, tokens, "flash-model", execution=execution)
+    want, bound = reference(cfg, tokens, "flash", execution=execution)
     got = one_device(cfg, tokens, execution=dataclasses.replace(execution, attention_impl="splash"))
     check_run(got, want, bound, f"{preset} window={window}")
 
@@ -144,7 +144,7 @@ def test_ulysses_runs_splash_on_its_gathered_heads():
     kernel in tests/test_ulysses.py.)"""
     cfg = get_model_preset("tiny")
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 8, 33))
-    want, bound = reference(cfg, tokens, "flash-model")
+    want, bound = reference(cfg, tokens, "flash")
     execution = ExecutionConfig(attention_impl="splash", context_parallel="ulysses")
     got = train_steps(cfg, resolve_mesh_arg("data=2,fsdp=2,sequence=2"), tokens, execution=execution)
     check_run(got, want, bound, "ulysses splash")
@@ -224,7 +224,7 @@ def test_pipeline_stage_runs_splash():
 
     cfg = get_model_preset("tiny")
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 8, 33))
-    want, bound = reference(cfg, tokens, "flash-model", grad_accum=2)
+    want, bound = reference(cfg, tokens, "flash", grad_accum=2)
     execution = ExecutionConfig(attention_impl="splash")
     got = train_steps(
         cfg, resolve_mesh_arg("stage=2,data=4"), tokens, pipeline=build("1f1b", 2, 2), execution=execution

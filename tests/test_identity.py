@@ -90,6 +90,7 @@ def test_execution_settings_may_change(preset):
         "execution.attention_impl=xla",
         "execution.context_parallel=ring",
         "execution.cp_order=contiguous",
+        "execution.loss_chunks=2",
     ]
     if preset != "tiny":
         sets += [

@@ -23,6 +23,8 @@ FAMILIES = (
     "generation",
     "paged",
     "grad_reduce",
+    "flash",
+    "loss-chunks",
 )
 
 

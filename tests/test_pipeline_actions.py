@@ -37,7 +37,7 @@ from jaxpar.pipeline.actions import (
 )
 from jaxpar.pipeline.executor import own_actions
 from jaxpar.pipeline.stage import Action, ChunkPrograms
-from jaxpar.train.step import token_losses
+from jaxpar.train.step import head_losses
 
 CASES = [  # (model, schedule, p, m, v, mesh): every schedule, p ∈ {2, 4}, with data, fsdp and tensor
     ("tiny", "gpipe", 4, 4, 1, "stage=4,data=2"),
@@ -122,7 +122,7 @@ def _parts_of(cfg, run, *, rows: int, seq: int, per_chunk: int) -> ModelParts:
     graphdef, sp, op, sr, orest = nnx.split(model, nnx.All(nnx.Param, in_stack), nnx.Param, in_stack, ...)
     ids = jnp.zeros((1, rows, seq), jnp.int32)
     first = lambda t: jax.tree.map(lambda a: a[:per_chunk], t)
-    chunk = ChunkPrograms(graphdef, model.pipeline_stack, first(sr), orest, ids, ids, token_losses, per_chunk, False)
+    chunk = ChunkPrograms(graphdef, model.pipeline_stack, first(sr), orest, ids, ids, head_losses, per_chunk, False)
     return ModelParts(chunk, first(sp), op)
 
 

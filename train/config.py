@@ -105,6 +105,8 @@ class TrainConfig:
             outer, inner = section.split(".")
             if getattr(getattr(self, outer), inner) < 1:
                 raise ConfigError(f"{section} must be ≥ 1")
+        if self.seq % self.execution.loss_chunks:
+            raise ConfigError(f"execution.loss_chunks={self.execution.loss_chunks} does not divide seq={self.seq}")
         if self.model.moe is not None:
             check_execution(self.model.moe, self.execution)
         self.optimizer.validate()

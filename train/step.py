@@ -63,10 +63,35 @@ def next_token_loss(model: LanguageModel, batch: Batch, /, *, z_loss: float = 0.
     ``z_loss · mean(log Z²)`` (PaLM's z-loss: keeps the softmax normaliser near 1, so logits don't drift
     in low precision) plus the model's own weighted auxiliary losses (MoE balancing and router z-loss).
     Returns ``(objective, LossParts)``."""
-    out = model.forward(batch["inputs"])  # logits in the layout's storage order
+    out = model.forward(batch["inputs"], head=False)  # the final hidden states, in the layout's storage order
     targets = batch["targets"] if out.order is None else batch["targets"][:, out.order]
-    ce, z = token_losses(out.logits, targets, z_loss=z_loss)
+    ce, z = head_losses(model.head, out.logits, targets, z_loss=z_loss, chunks=model.execution.loss_chunks)
     return ce + z + out.aux_loss, LossParts(ce, z, out.moe)
+
+
+def head_losses(head, x: jax.Array, targets: jax.Array, /, *, z_loss: float = 0.0, chunks: int = 1):
+    """``token_losses`` of ``head(x)`` (x [B, T, D] -> float32 logits [B, T, V]) against ``targets``
+    [B, T]. With ``chunks`` > 1 the tokens go in that many pieces (piece i: tokens i, i + chunks, ...,
+    so a split of T over devices stays where it is), each piece's logits made, reduced and dropped, and
+    made again in the backward (``jax.checkpoint``): one piece's logits live at a time."""
+    if chunks == 1:
+        return token_losses(head(x), targets, z_loss=z_loss)
+    b, t, d = x.shape
+    if t % chunks:
+        raise ConfigError(f"execution.loss_chunks={chunks} does not divide the {t} tokens of a sequence")
+    pieces = lambda a: jnp.moveaxis(a.reshape(b, t // chunks, chunks, *a.shape[2:]), 2, 0)  # [chunks, B, T/c, ...]
+
+    @jax.checkpoint
+    def piece(x, targets):  # the sums over one piece: cross-entropy, log Z²
+        ce, z = token_losses(head(x), targets, z_loss=1.0)
+        return ce * targets.size, z * targets.size
+
+    def add(total, xt):
+        return jax.tree.map(jnp.add, total, piece(*xt)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (ce, z), _ = jax.lax.scan(add, (zero, zero), (pieces(x), pieces(targets)))
+    return ce / targets.size, (z_loss * z / targets.size if z_loss else zero)
 
 
 def token_losses(logits: jax.Array, targets: jax.Array, /, *, z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
@@ -230,7 +255,7 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, 
         micro["targets"],
         table,
         mesh=layout.mesh,
-        losses=functools.partial(token_losses, z_loss=z_loss),
+        losses=functools.partial(head_losses, z_loss=z_loss, chunks=model.execution.loss_chunks),
         fsdp_gather=fsdp_gather,
         grad_reduce=grad_reduce,
         split=split,

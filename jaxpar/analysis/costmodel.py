@@ -241,19 +241,18 @@ def score_bytes(cfg, execution, acts: Activations, tokens: float, t: int) -> tup
 
 
 def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_axes: set) -> dict[str, float]:
-    """Bytes per device: ``state``, 16 per local parameter element (float32 parameter, gradient, two Adam
-    moments; under a pipeline a stage holds L/p of the layers and the embedding, norm and head whole);
-    ``activations``: what the layers keep for the backward (layers × tokens × ``kept_bytes``, and under
-    remat none non-flash attention's scores, ``score_bytes``, and the layers' weights cast to the compute
-    dtype where it differs from theirs), one layer's working set
-    (16 × tokens × max(D, F/t) × b_a, and the scores without a flash kernel), and float32 logits with
-    their gradient (8 × tokens × V/t). Under a pipeline (``pipeline_memory``) the tokens are one
-    microbatch's, the layers one chunk's (when every stage runs its own action, ``runs_own_actions``:
-    times the act slots, each holding a microbatch's residuals, and in a split schedule what its B hands
-    its W, ``handoff_bytes``), plus the executor's stage-input buffers (and with
-    ``fsdp_gather`` step the stage's weights whole over fsdp, ``gathered``). With gradient
-    accumulation (``grad_accum`` k) the tokens are one slice's, and the state holds a float32 gradient sum
-    beside the slice's gradient (4 more bytes per element); reduced once a step (``grad_reduce`` step), the
+    """Bytes per device: ``state``, 16 per local parameter element (float32 parameter, gradient, two Adam moments;
+    under a pipeline a stage holds L/p of the layers and the embedding, norm and head whole); ``activations``:
+    what the layers keep for the backward (layers × tokens × ``kept_bytes``, and under remat none non-flash
+    attention's scores, ``score_bytes``, and the layers' weights cast to the compute dtype where it differs from
+    theirs), one layer's working set (16 × tokens × max(D, F/t) × b_a, and the scores without a flash kernel),
+    and float32 logits with their gradient (8 × tokens × V/t, one of ``execution.loss_chunks`` pieces at a
+    time). Under a pipeline (``pipeline_memory``) the tokens are one microbatch's, the layers one chunk's (when
+    every stage runs its own action, ``runs_own_actions``: times the act slots, each holding a microbatch's
+    residuals, and in a split schedule what its B hands its W, ``handoff_bytes``), plus the executor's stage-
+    input buffers (and with ``fsdp_gather`` step the stage's weights whole over fsdp, ``gathered``). With
+    gradient accumulation (``grad_accum`` k) the tokens are one slice's, and the state holds a float32 gradient
+    sum beside the slice's gradient (4 more bytes per element); reduced once a step (``grad_reduce`` step), the
     weights and that sum are whole over fsdp (``gathered``: both)."""
     local = sum(math.prod(p.shard_shape) for p in report.params)
     t, stages = mesh.get("tensor", 1), mesh.get("stage", 1)
@@ -276,7 +275,8 @@ def memory_parts(cfg, execution, report, acts: Activations, mesh: dict, token_ax
         kept += acts.act_bytes * sum(
             math.prod(p.shard_shape) for p in report.params if p.names[:1] in (("layers",), ("prefix_layers",))
         )
-    working = 16 * tokens * width * acts.act_bytes + scores + 8 * tokens * cfg.padded_vocab / t
+    logits = 8 * tokens * cfg.padded_vocab / t / execution.loss_chunks  # a piece of the tokens at a time
+    working = 16 * tokens * width * acts.act_bytes + scores + logits
     state = (16 + (4 if acts.grad_accum > 1 else 0)) * local  # accumulating: a float32 sum beside the slice's
     whole = gathered_weight_bytes(report, mesh) if stages > 1 and acts.fsdp_gather == "step" else 0.0
     if (acts.grad_accum > 1 or stages > 1) and acts.grad_reduce == "step":  # the weights and the f32 sum

@@ -264,8 +264,7 @@ class ModelParts:
         return model.embed(ids)
 
     def loss(self, o, x, a):
-        logits = self._model(self._any_rows(), o, 0).head(x)
-        ce, z = self.chunk.losses(logits, self.chunk.targets[a.microbatch])
+        ce, z = self.chunk.losses(self._model(self._any_rows(), o, 0).head, x, self.chunk.targets[a.microbatch])
         return ce + z, (ce, z)
 
 

@@ -211,7 +211,7 @@ class ChunkPrograms:
         """``forward`` and the loss on the last model chunk:
         ((x_out, objective), (cross_entropy, z_loss, MoE statistics))."""
         model, x, aux, stats = self.forward(stack_params, other_params, x_in, a)
-        ce, z = self.losses(model.head(x), self.targets[a.microbatch])
+        ce, z = self.losses(model.head, x, self.targets[a.microbatch])
         ce, z = jnp.where(a.last, ce, 0.0), jnp.where(a.last, z, 0.0)
         return (x, ce + z + aux), (ce, z, stats)
 

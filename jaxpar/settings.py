@@ -122,8 +122,9 @@ def apply_overrides(
     paths = {p: tp for p, tp in every.items() if p.startswith(tuple(takes))}
     for item in items:
         path, text = split_item(item)
-        if refuse is not None and refuse(path):
-            raise ConfigError(f"--set {path}: {refuse(path)}")
+        why_not = refuse(path) if refuse is not None else None
+        if why_not:
+            raise ConfigError(f"--set {path}: {why_not}")
         if not path.startswith(tuple(takes)):
             hint = "" if path in every else closest(path, paths)  # a field it does not take: no near miss
             raise ConfigError(f"--set {path}: jaxpar {command} takes {_takes_text(takes)}{why}{hint}")

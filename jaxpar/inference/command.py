@@ -37,6 +37,7 @@ HELP = "generate text from a run, a model checkpoint or a Hugging Face folder (s
 TOKENIZER = "tokenizer.json"
 PICKLES = (".bin", ".pt", ".pth")
 SETTINGS, TAKES = {"execution": ExecutionConfig()}, ("execution.",)  # what --set changes, and where
+WHY = " (the model is --from's)"  # why --set takes nothing else
 
 
 def add_arguments(parser: argparse.ArgumentParser, /) -> None:
@@ -218,7 +219,7 @@ def check_fit(
 
 def check_overrides(items: list[str], /, *, command: str) -> None:
     """``--set execution.…`` checked against ``ExecutionConfig()`` before any work (``jaxpar.settings``)."""
-    apply_overrides(SETTINGS, items, command=command, takes=TAKES, why=" (the model is --from's)")
+    apply_overrides(SETTINGS, items, command=command, takes=TAKES, why=WHY)
 
 
 def load_weights(kind: str, folder: str, cfg, mesh, name: str, overrides: list[str] = ()):
@@ -234,7 +235,7 @@ def load_weights(kind: str, folder: str, cfg, mesh, name: str, overrides: list[s
     model = from_hf(folder) if kind == "hf" else load_model(folder, weight_layout(cfg, mesh, name))[0]
     if not overrides:
         return model
-    settings = apply_overrides({"execution": model.execution}, overrides, command="generate", takes=TAKES)
+    settings = apply_overrides({"execution": model.execution}, overrides, command="generate", takes=TAKES, why=WHY)
     return with_execution(model, settings["execution"])
 
 

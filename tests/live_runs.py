@@ -1,6 +1,7 @@
 """Helpers for tests that start `jaxpar train` as real processes, watch them and interrupt them."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -83,6 +84,22 @@ def wait_until(condition, proc: subprocess.Popen, log: Path, *, timeout: float =
             proc.kill()
             raise AssertionError(f"timed out; output:\n{log.read_text()[-3000:]}")
         time.sleep(poll)
+
+
+def kill_when(condition, proc: subprocess.Popen, log: Path) -> None:
+    """SIGKILLs ``proc`` at a moment ``condition()`` holds, checked again while the process is stopped.
+
+    Between a check and a plain kill a running process can move on (finish a save, begin the next one),
+    so the process is frozen with SIGSTOP, the condition re-read, and only then killed; if it no longer
+    holds, the process continues and the wait goes on."""
+    while True:
+        wait_until(condition, proc, log)
+        proc.send_signal(signal.SIGSTOP)
+        if condition():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return
+        proc.send_signal(signal.SIGCONT)
 
 
 def finish(proc: subprocess.Popen, log: Path, *, timeout: float = 600) -> int:

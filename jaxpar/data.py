@@ -53,6 +53,7 @@ class TokenDtype(Choice):
 
 
 NPY_DTYPES = ("uint16", "uint32", "int32")
+COMPANIONS = (".docs.npy", ".mask.bin", ".mask.npy")  # written beside a token file by `jaxpar prepare`
 SPLITS = ("train", "eval")
 DIRICHLET_ALPHA = 0.5  # transition probabilities per state ~ Dirichlet(0.5, ..., 0.5): skewed, not peaked
 MARKOV_MAX_VOCAB = 2**20  # states of the synthetic chain: 1.7 s for 151,936 (Qwen's vocabulary), 24 s at the cap
@@ -191,7 +192,7 @@ def resolve_files(spec: str, field: str = "data.path") -> list[Path]:
         found = [path]
     else:
         raise DataError(f"{field}: {spec} does not exist")
-    files = [p for p in found if p.suffix in (".npy", ".bin")]
+    files = [p for p in found if p.suffix in (".npy", ".bin") and not p.name.endswith(COMPANIONS)]
     if not files:
         raise DataError(f"{field}: no .npy or .bin token files in {spec}")
     return files

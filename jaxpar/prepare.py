@@ -1,16 +1,30 @@
-"""``jaxpar prepare``: text files -> one token file for ``data.source=files``.
+"""``jaxpar prepare``: documents -> a token file for ``data.source=files``.
 
     jaxpar prepare books/*.txt --out tokens.bin --tokenizer tokenizer.json [--eval-fraction 0.05]
     jaxpar prepare notes.txt --out tokens.npy --bytes
+    jaxpar prepare corpus.jsonl.zst shard-*.parquet --field text --out tokens.bin --tokenizer tokenizer.json
+    jaxpar prepare chat.jsonl --field messages --out sft.bin --tokenizer model/tokenizer.json
 
-Each input file is one document; its tokens are followed by the EOS id, and the documents are written
-back to back (``jaxpar.data`` packs windows across them). ``--tokenizer`` takes a local Hugging Face
-``tokenizers`` file (no special tokens are added besides EOS); ``--bytes`` uses byte values 0..255 and
-EOS = 256. Ids are stored as uint16 when the vocabulary fits, else uint32, next to a sidecar
-``OUT.json`` (vocab_size, eos_id, dtype, tokenizer, documents, tokens) that the loader checks.
+Inputs (``jaxpar.corpus``): a text file is one document; jsonl (``.gz``, ``.zst``), parquet and a
+``datasets`` folder hold one record per line or row, whose ``--field`` is the document: ``text``, or
+``messages`` (a chat, rendered with the tokenizer's chat template). ``--reader datasets|streaming``
+reads jsonl and parquet through ``datasets.load_dataset``; every reader gives the same documents.
 
-``--eval-fraction F`` writes the last F of the documents (at least one) to ``OUT.eval.bin`` (or
-``.npy``) instead, for ``data.eval_path``: a held-out split at document boundaries.
+A text document's tokens are followed by the EOS id. A chat is the template's rendering, its special
+tokens included (no EOS is added: each turn ends with the template's own end-of-turn token), and comes
+with a loss mask: 1 on each assistant reply through its end-of-turn token, 0 elsewhere
+(``jaxpar.chat``: the spans are found by rendering prefixes and diffing). The documents are written back
+to back. ``--tokenizer`` takes a local Hugging Face ``tokenizers`` file (no special tokens are added
+besides EOS); ``--bytes`` uses byte values 0..255 and EOS = 256.
+
+Written beside OUT (``.bin`` raw ids or ``.npy``): ids as uint16 when the vocabulary fits, else uint32;
+``OUT.docs.npy``, the int64 offsets of the documents (their starts, then the total); for chat,
+``OUT.mask.bin|.npy``, one uint8 per token; and the sidecar ``OUT.json`` (vocab_size, eos_id, dtype,
+tokenizer, field, documents, tokens, trained tokens, skipped records) that the loader checks.
+
+``--eval-fraction F`` writes the last F of the records (at least one) to ``OUT.eval.*`` instead, for
+``data.eval_path``: a held-out split at document boundaries. A bad record stops the command with its
+file and line, or with ``--skip-bad`` is skipped and counted (printed, and in the sidecar).
 
 Memory stays bounded: text is read in pieces of about ``PIECE_BYTES``, cut after a newline that starts
 a line with a non-space character, and encoded ``BATCH_BYTES`` at a time with ``encode_batch``. Such cuts
@@ -25,23 +39,33 @@ moves them into place only when everything succeeded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from jaxpar.chat import ChatTemplate, load_chat_template, token_mask
+from jaxpar.corpus import Field, Reader, documents, open_sources
 from jaxpar.data import DataError
 
-HELP = "tokenize text files (one document each) into a token file for data.source=files"
+HELP = "tokenize documents (text files, jsonl, parquet, datasets; text or chat) into a token file for data.source=files"
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 PIECE_BYTES = 1 << 20  # text read (and encoded) per piece of a document
 BATCH_BYTES = 8 << 20  # text per encode_batch call
+REFUSED = "the chat template refused it"  # the skipped-record reason of a template's own refusal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", metavar="TEXT_FILE", help="text files, one document each")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text files (one document each), .jsonl[.gz|.zst] or .parquet records, or a datasets folder",
+    )
     parser.add_argument("--out", required=True, help="OUT.bin (raw ids) or OUT.npy; never overwritten")
     how = parser.add_mutually_exclusive_group(required=True)
     how.add_argument("--tokenizer", metavar="JSON", help="a local Hugging Face tokenizer.json")
@@ -51,70 +75,137 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the EOS token of --tokenizer (default: the first of {' '.join(EOS_CANDIDATES)} in its vocabulary)",
     )
     parser.add_argument(
+        "--field",
+        default=Field.TEXT.value,
+        choices=[f.value for f in Field],
+        help="the records' field: text, or messages (a chat, with a loss mask on the assistant's replies)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="JINJA",
+        help="the chat template for --field messages (default: the one beside --tokenizer)",
+    )
+    parser.add_argument(
+        "--reader",
+        default=Reader.NATIVE.value,
+        choices=[r.value for r in Reader],
+        help="how jsonl/parquet are read: jaxpar's readers, or datasets.load_dataset (streaming or not)",
+    )
+    parser.add_argument("--skip-bad", action="store_true", help="skip bad records and count them, instead of stopping")
+    parser.add_argument(
         "--eval-fraction",
         type=float,
         default=0.0,
         metavar="F",
-        help="write the last F of the documents to OUT.eval.bin|.npy (for data.eval_path)",
+        help="write the last F of the records to OUT.eval.bin|.npy (for data.eval_path)",
     )
 
 
 class _Encoder:
-    """Turns documents into id chunks, each document ending with ``eos_id``."""
+    """Turns documents into (ids, loss mask or None, ends a document) pieces."""
 
-    def __init__(self, tokenizer: str | None, eos_token: str | None):
-        self.tokenizer = None
-        if tokenizer is None:
+    def __init__(self, args, skipped: Counter):
+        self.tokenizer, self.chat, self.skip_bad, self.skipped = None, None, args.skip_bad, skipped
+        if args.chat_template and args.field != Field.MESSAGES:
+            raise DataError("--chat-template goes with --field messages")
+        if args.tokenizer is None:
+            if args.field == Field.MESSAGES:
+                raise DataError("--field messages needs --tokenizer: a chat is rendered with the tokenizer's template")
             self.name, self.vocab_size, self.eos_id = "bytes", 257, 256
             return
         from tokenizers import Tokenizer  # deferred: only when a tokenizer is named
 
-        if not Path(tokenizer).is_file():
-            raise DataError(f"--tokenizer {tokenizer}: no such file")
+        if not Path(args.tokenizer).is_file():
+            raise DataError(f"--tokenizer {args.tokenizer}: no such file")
         try:
-            self.tokenizer = Tokenizer.from_file(tokenizer)
+            self.tokenizer = Tokenizer.from_file(args.tokenizer)
         except Exception as err:  # tokenizers raises a bare Exception on bad JSON
-            raise DataError(f"--tokenizer {tokenizer}: not a tokenizers file ({err})") from None
-        self.name, self.vocab_size = str(Path(tokenizer).resolve()), self.tokenizer.get_vocab_size()
-        names = [eos_token] if eos_token else [t for t in EOS_CANDIDATES if self.tokenizer.token_to_id(t) is not None]
-        if not names or self.tokenizer.token_to_id(names[0]) is None:
-            raise DataError(
-                f"--tokenizer {tokenizer}: "
-                + (
-                    f"--eos-token {eos_token!r} is not in its vocabulary"
-                    if eos_token
-                    else f"none of {' '.join(EOS_CANDIDATES)} is in its vocabulary; "
-                    "name the end-of-document token with --eos-token"
-                )
-            )
-        self.eos_id = self.tokenizer.token_to_id(names[0])
+            raise DataError(f"--tokenizer {args.tokenizer}: not a tokenizers file ({err})") from None
+        self.name, self.vocab_size = str(Path(args.tokenizer).resolve()), self.tokenizer.get_vocab_size()
+        self.eos_id = _eos_id(self.tokenizer, args.tokenizer, args.eos_token)
+        if args.field == Field.MESSAGES:
+            self.chat = _chat(args)
 
-    def chunks(self, paths: list[Path]):
-        """Yields id arrays: all documents of ``paths`` in order, each followed by EOS."""
+    def chunks(self, docs):
+        """Yields the pieces of ``docs`` in order; each text document ends with EOS, each chat with its mask."""
         eos = np.array([self.eos_id], np.int64)
-        if self.tokenizer is None:
-            for path in paths:
-                with open(path, "rb") as f:
-                    while block := f.read(PIECE_BYTES):
-                        yield np.frombuffer(block, np.uint8)
-                yield eos
+        if self.tokenizer is None:  # bytes (text only)
+            for doc in docs:
+                blocks = _blocks(doc.path) if doc.path else [doc.text.encode("utf-8")]
+                for block in blocks:
+                    yield np.frombuffer(block, np.uint8), None, False
+                yield eos, None, True
             return
         batch, size = [], 0
-        for path in paths:
-            for text, last in _text_pieces(path):
-                batch.append((text, last))
-                size += len(text)
+        for doc in docs:
+            for item in self._items(doc):
+                batch.append(item)
+                size += len(item[0])
                 if size >= BATCH_BYTES:
                     yield from self._encode(batch, eos)
                     batch, size = [], 0
         yield from self._encode(batch, eos)
 
+    def _items(self, doc):
+        """(text, assistant spans or None, last piece of the document) of one document."""
+        if doc.path:
+            for text, last in _text_pieces(doc.path):
+                yield text, None, last
+        elif doc.messages is None:
+            yield doc.text, None, True
+        else:
+            import jinja2  # deferred: only for chat
+
+            try:
+                text, spans = self.chat.assistant_spans(doc.messages)
+            except (DataError, jinja2.TemplateError, TypeError) as err:
+                if not self.skip_bad:
+                    raise DataError(f"{doc.where}: {REFUSED}: {err}") from None
+                self.skipped[REFUSED] += 1
+                return
+            yield text, spans, True
+
     def _encode(self, batch, eos):
-        encodings = self.tokenizer.encode_batch([text for text, _ in batch], add_special_tokens=False)
-        for (_, last), encoding in zip(batch, encodings):
-            yield np.asarray(encoding.ids, np.int64)
+        encodings = self.tokenizer.encode_batch([text for text, _, _ in batch], add_special_tokens=False)
+        for (_, spans, last), encoding in zip(batch, encodings):
+            ids = np.asarray(encoding.ids, np.int64)
+            if spans is not None:
+                yield ids, np.asarray(token_mask(encoding.offsets, spans), np.uint8), True
+                continue
+            yield ids, None, False
             if last:
-                yield eos
+                yield eos, None, True
+
+
+def _chat(args) -> ChatTemplate:
+    template, special = load_chat_template(args.tokenizer, args.chat_template)
+    if template is None:
+        raise DataError(
+            f"--field messages: no chat template beside {args.tokenizer} (chat_template.jinja, or chat_template "
+            "in tokenizer_config.json); name one with --chat-template FILE"
+        )
+    return ChatTemplate(template, special)
+
+
+def _eos_id(tokenizer, name: str, eos_token: str | None) -> int:
+    names = [eos_token] if eos_token else [t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None]
+    if not names or tokenizer.token_to_id(names[0]) is None:
+        raise DataError(
+            f"--tokenizer {name}: "
+            + (
+                f"--eos-token {eos_token!r} is not in its vocabulary"
+                if eos_token
+                else f"none of {' '.join(EOS_CANDIDATES)} is in its vocabulary; "
+                "name the end-of-document token with --eos-token"
+            )
+        )
+    return tokenizer.token_to_id(names[0])
+
+
+def _blocks(path: Path):
+    with open(path, "rb") as f:
+        while block := f.read(PIECE_BYTES):
+            yield block
 
 
 def _text_pieces(path: Path):
@@ -139,14 +230,20 @@ def _text_pieces(path: Path):
     yield decode(carry), True
 
 
-def _write_ids(chunks, dtype: str, raw: Path) -> int:
-    """Appends every chunk to ``raw`` as ``dtype``; returns the number of ids written."""
-    count = 0
-    with open(raw, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk.astype(dtype).tobytes())
-            count += len(chunk)
-    return count
+def _write_ids(chunks, dtype: str, raw: Path, mask: Path | None) -> tuple[int, list[int], int]:
+    """Appends every piece to ``raw`` as ``dtype`` (its mask to ``mask``); returns (ids written, document
+    offsets, trained ids)."""
+    count, offsets, trained = 0, [0], 0
+    with open(raw, "wb") as f, open(mask, "wb") if mask else contextlib.nullcontext() as m:
+        for ids, keep, end in chunks:
+            f.write(ids.astype(dtype).tobytes())
+            count += len(ids)
+            if m is not None:
+                m.write(keep.tobytes())
+                trained += int(keep.sum())
+            if end:
+                offsets.append(count)
+    return count, offsets, trained if mask else count
 
 
 def _to_npy(raw: Path, npy: Path, dtype: str, count: int) -> None:
@@ -172,26 +269,32 @@ def _publish(tmp: Path, final: Path) -> None:
     tmp.unlink()
 
 
-def _plan(args) -> list[tuple[Path, list[Path]]]:
-    """[(output file, its documents)]: OUT, and OUT.eval.* when --eval-fraction is set."""
+def _outputs(out: Path, chat: bool) -> list[Path]:
+    """The files of one output: ids, sidecar, document offsets, and the mask of a chat."""
+    return [out, out.with_suffix(".json"), out.with_suffix(".docs.npy")] + (
+        [out.with_suffix(".mask" + out.suffix)] if chat else []
+    )
+
+
+def _plan(args, sources) -> list[tuple[Path, int, int | None]]:
+    """[(output file, first record, stop)]: OUT, and OUT.eval.* (the last records) with --eval-fraction."""
     out = Path(args.out)
     if out.suffix not in (".bin", ".npy"):
         raise DataError(f"--out {out}: name a .bin or .npy file")
     if not out.parent.is_dir():
         raise DataError(f"--out {out}: directory {out.parent} does not exist")
-    inputs = [Path(p) for p in args.inputs]
-    for path in inputs:
-        if not path.is_file():
-            raise DataError(f"{path}: no such input file")
     if args.eval_fraction == 0:
-        return [(out, inputs)]
-    if not 0 < args.eval_fraction < 1 or len(inputs) < 2:
+        return [(out, 0, None)]
+    if not 0 < args.eval_fraction < 1:
+        raise DataError(f"--eval-fraction {args.eval_fraction}: needs 0 < F < 1")
+    records = sum(source.count() for source in sources)
+    if records < 2:
         raise DataError(
-            f"--eval-fraction {args.eval_fraction}: needs 0 < F < 1 and at least two input files "
-            f"(got {len(inputs)}), to hold out whole documents"
+            f"--eval-fraction {args.eval_fraction}: needs at least two documents to hold out whole ones "
+            f"(the inputs hold {records})"
         )
-    n_eval = min(len(inputs) - 1, max(1, int(len(inputs) * args.eval_fraction)))
-    return [(out, inputs[:-n_eval]), (out.with_suffix(".eval" + out.suffix), inputs[-n_eval:])]
+    n_eval = min(records - 1, max(1, int(records * args.eval_fraction)))
+    return [(out, 0, records - n_eval), (out.with_suffix(".eval" + out.suffix), records - n_eval, None)]
 
 
 def _umask() -> int:
@@ -200,43 +303,62 @@ def _umask() -> int:
     return mask
 
 
-def _write(out: Path, docs: list[Path], encoder: _Encoder, dtype: str, temps: dict[Path, Path]) -> dict:
-    """Writes ``out`` and its sidecar to temporary files (registered in ``temps``); returns the sidecar."""
-    for final in [out, out.with_suffix(".json")] + ([out.with_suffix(".raw")] if out.suffix == ".npy" else []):
+def _write(out: Path, docs, encoder: _Encoder, dtype: str, temps: dict[Path, Path]) -> dict:
+    """Writes ``out``, its mask, offsets and sidecar to temporary files (registered in ``temps``); returns
+    the sidecar."""
+    chat = encoder.chat is not None
+    mask = out.with_suffix(".mask" + out.suffix) if chat else None
+    raws = {out: out.with_suffix(".raw")} | ({mask: out.with_suffix(".mask.raw")} if chat else {})
+    for final in _outputs(out, chat) + (list(raws.values()) if out.suffix == ".npy" else []):
         fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{final.name}.", suffix=".tmp")
         os.close(fd)
         os.chmod(name, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
         temps[final] = Path(name)
-    raw = temps[out] if out.suffix == ".bin" else temps[out.with_suffix(".raw")]
-    count = _write_ids(encoder.chunks(docs), dtype, raw)
+    where = {final: temps[raws[final]] if out.suffix == ".npy" else temps[final] for final in raws}
+    count, offsets, trained = _write_ids(encoder.chunks(docs), dtype, where[out], where.get(mask))
+    if len(offsets) < 2:
+        raise DataError(f"{out}: no documents to write (skipped: {dict(encoder.skipped) or 'none'})")
     if out.suffix == ".npy":
-        _to_npy(raw, temps[out], dtype, count)
+        for final, raw in raws.items():
+            _to_npy(temps[raw], temps[final], dtype if final == out else "uint8", count)
+    with open(temps[out.with_suffix(".docs.npy")], "wb") as f:
+        np.save(f, np.asarray(offsets, np.int64))
     meta = {
         "vocab_size": encoder.vocab_size,
         "eos_id": encoder.eos_id,
         "dtype": dtype,
         "tokenizer": encoder.name,
-        "documents": len(docs),
+        "field": "messages" if chat else "text",
+        "documents": len(offsets) - 1,
         "tokens": count,
+        "trained_tokens": trained,
+        "skipped": dict(encoder.skipped),
     }
     temps[out.with_suffix(".json")].write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
 
 def run(args) -> int:
-    plan = _plan(args)
     if args.eos_token and not args.tokenizer:
         raise DataError("--eos-token goes with --tokenizer; --bytes always uses EOS = 256")
-    finals = [p for out, _ in plan for p in (out, out.with_suffix(".json"))]
+    sources = open_sources(args.inputs, field=args.field, reader=args.reader)
+    plan = _plan(args, sources)
+    chat = args.field == Field.MESSAGES
+    finals = [p for out, _, _ in plan for p in _outputs(out, chat)]
     for path in finals:
         if path.exists():
             raise DataError(f"--out: {path} already exists; not overwritten (remove it or choose another --out)")
-    encoder = _Encoder(args.tokenizer, args.eos_token)
+    skipped = Counter()
+    encoder = _Encoder(args, skipped)
     dtype = "uint16" if encoder.vocab_size <= 65536 else "uint32"
     temps: dict[Path, Path] = {}
     published: list[Path] = []
     try:
-        metas = [_write(out, docs, encoder, dtype, temps) for out, docs in plan]
+        metas = []
+        for out, start, stop in plan:
+            skipped.clear()
+            docs = documents(sources, args.field, skip_bad=args.skip_bad, skipped=skipped, start=start, stop=stop)
+            metas.append(_write(out, docs, encoder, dtype, temps))
         for final in finals:
             _publish(temps[final], final)
             published.append(final)
@@ -247,14 +369,20 @@ def run(args) -> int:
     finally:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
-    for (out, _), meta in zip(plan, metas):
+    _report(plan, metas, encoder, dtype)
+    return 0
+
+
+def _report(plan, metas, encoder: _Encoder, dtype: str) -> None:
+    for (out, _, _), meta in zip(plan, metas):
+        trained = f", {meta['trained_tokens']:,} trained" if meta["field"] == "messages" else ""
+        skipped = "".join(f"; skipped {n} ({why})" for why, n in meta["skipped"].items())
         print(
-            f"wrote {out}: {meta['documents']} documents, {meta['tokens']:,} tokens ({dtype}), "
-            f"vocab {encoder.vocab_size}, EOS id {encoder.eos_id}"
+            f"wrote {out}: {meta['documents']} documents, {meta['tokens']:,} tokens ({dtype}){trained}, "
+            f"vocab {encoder.vocab_size}, EOS id {encoder.eos_id}{skipped}"
         )
     hint = f"--set data.source=files --set data.path={plan[0][0]}"
     hint += f" --set data.eval_path={plan[1][0]}" if len(plan) > 1 else ""
     hint += " --set data.dtype=uint32" if dtype == "uint32" and plan[0][0].suffix == ".bin" else ""
     hint += f" --set model.vocab_size={encoder.vocab_size}" if encoder.vocab_size != 256 else ""
     print(f"train on it with: {hint}")
-    return 0

@@ -6,8 +6,8 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from jaxpar.chat import load_chat_template
 from jaxpar.inference.api import APIError, Parser
-from jaxpar.inference.chat_template import load_chat_template
 from jaxpar.inference.worker import Router
 
 TEMPLATE = (

@@ -290,9 +290,13 @@ def test_prepare_bytes(tmp_path, capsys):
         "eos_id": 256,
         "dtype": "uint16",
         "tokenizer": "bytes",
+        "field": "text",
         "documents": 2,
         "tokens": 11,
+        "trained_tokens": 11,
+        "skipped": {},
     }
+    assert np.load(tmp_path / "t.docs.npy").tolist() == [0, 8, 11]  # the documents' offsets
     batch = next(
         make_loader(
             DataConfig(source="files", path=str(tmp_path / "t.bin"), shuffle=False, eval_fraction=0.5),
@@ -303,7 +307,7 @@ def test_prepare_bytes(tmp_path, capsys):
         )
     )
     assert batch["inputs"][0].tolist() == expected[:5]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "t.bin", "t.json"]  # no temps
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "t.bin", "t.docs.npy", "t.json"]  # no temps
 
 
 def _tokenizer(path):

@@ -37,6 +37,7 @@ import math
 import secrets
 import time
 
+from jaxpar.chat import ChatTemplate
 from jaxpar.inference.limits import Limits
 from jaxpar.inference.sampling import SEEDS, choice_seed
 
@@ -176,15 +177,11 @@ class Parser:
         self.tokenizer, self.special = tokenizer, special_tokens or {}
         self.template = None
         if chat_template is not None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred: only for a chat template
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = self._template_error
-            self.template = env.from_string(chat_template)
+            self.template = ChatTemplate(chat_template, self.special, refuse=self._template_error)
 
     @staticmethod
-    def _template_error(message: str):
-        raise APIError(f"'messages': the chat template refused them: {message}", param="messages")
+    def _template_error(message: str) -> APIError:
+        return APIError(f"'messages': the chat template refused them: {message}", param="messages")
 
     # ------------------------------------------------------------------------------------ requests
     def parse(self, kind: str, raw: bytes) -> Job:
@@ -333,7 +330,7 @@ class Parser:
                 param="messages",
                 code="context_length_exceeded",
             )
-        text = self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+        text = self.template.render(messages, add_generation_prompt=True)
         out = self._text(text, "messages", special=False)
         if not out:
             raise APIError("'messages' rendered to no tokens", param="messages")

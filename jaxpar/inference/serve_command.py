@@ -191,8 +191,8 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     # deferred: jax, and modules that import it, the model zoo and the HTTP stack
     import jax
 
+    from jaxpar.chat import load_chat_template
     from jaxpar.inference.api import Parser
-    from jaxpar.inference.chat_template import load_chat_template
     from jaxpar.inference.engine import Engine
     from jaxpar.inference.layouts import build_inference_mesh
     from jaxpar.inference.server import Service

@@ -78,7 +78,7 @@ def carry_bytes(cfg, table, rows: int, seq: int, per_chunk: int) -> dict:
     from jaxpar.models import build_model
     from jaxpar.pipeline.actions import ABSTRACT_ACTION, ModelParts, handoff_shapes, kept_vjp
     from jaxpar.pipeline.stage import ChunkPrograms
-    from jaxpar.train.step import head_losses
+    from jaxpar.train.loss import head_losses
 
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     stack = nnx.PathContains(model.pipeline_stack)

@@ -184,7 +184,7 @@ def trained(model, chain, steps: int, *, seed: int = 0):
     from flax import nnx
 
     from jaxpar.data import MarkovSource
-    from jaxpar.train.step import next_token_loss
+    from jaxpar.train.loss import next_token_loss
 
     source = MarkovSource(chain, 64, (seed,))
     opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)

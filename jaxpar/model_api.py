@@ -53,13 +53,16 @@ class LanguageModel(Protocol):
     prefix_stack: str | None  # the stack that runs before it (None: none), by attribute name
 
     # ------------------------------------------------------------------------------- training
-    def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, ids: jax.Array, positions: jax.Array | None = None, segments: jax.Array | None = None):
         """ids [B, T] int32 -> float32 logits [B, T, vocab_size], in natural order."""
         ...
 
-    def forward(self, ids: jax.Array, positions: jax.Array | None = None, *, head: bool = True) -> ForwardOutput:
+    def forward(
+        self, ids: jax.Array, positions: jax.Array | None = None, segments: jax.Array | None = None, *, head=True
+    ) -> ForwardOutput:
         """ids [B, T] -> logits over the padded vocabulary in storage order, with the auxiliary losses
-        (``head=False``: the last block's output [B, T, D] in their place, for ``head`` applied later)."""
+        (``head=False``: the last block's output [B, T, D] in their place, for ``head`` applied later).
+        Packed rows: ``segments`` [B, T] each token's document, ``positions`` restarting in each one."""
         ...
 
     def update_router_bias(self, expert_load: jax.Array) -> None:
@@ -79,11 +82,13 @@ class LanguageModel(Protocol):
         """The token embedding: ids [B, T] -> x [B, T, D] (an attribute of the model, a module)."""
         ...
 
-    def prefix(self, x: jax.Array, positions: jax.Array, index: jax.Array) -> jax.Array:
+    def prefix(self, x: jax.Array, positions: jax.Array, index: jax.Array, segments=None) -> jax.Array:
         """The layers before the pipelined stack over x [B, T, D] (the identity when there are none)."""
         ...
 
-    def run_stack(self, blocks, x: jax.Array, positions: jax.Array, index: jax.Array, active=None) -> tuple:
+    def run_stack(
+        self, blocks, x: jax.Array, positions: jax.Array, index: jax.Array, active=None, segments=None
+    ) -> tuple:
         """``blocks`` (the pipelined stack or a chunk of its layers) over x: (x, aux loss, statistics).
         ``active``: None, or ``(rows, skip)`` for a chunk with padding rows: ``rows`` [n] bool says which
         rows hold a layer, the others pass x through (``skip``: as a branch that does no work)."""

@@ -174,9 +174,9 @@ class Block(nnx.Module):
         kw = dict(dtype=execution.dtype, param_dtype=cfg.param_dtype)
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
 
-    def _attend(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None):
+    def _attend(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None, segments=None):
         """x plus attention; (x, cache) with a KV cache (generation)."""
-        h = self.attn(self.attn_norm(x), positions, index, cache=cache, step=step)
+        h = self.attn(self.attn_norm(x), positions, index, cache=cache, step=step, segments=segments)
         if cache is not None:
             h, cache = h
         return x + checkpoint_name(h, "attn_out"), cache
@@ -185,10 +185,10 @@ class Block(nnx.Module):
         """x plus the feed-forward half: what the block returns (MoE blocks add their statistics)."""
         return constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "length", "act_embed"))
 
-    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None):
+    def __call__(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None, segments=None):
         """x [B, T, D] -> the block's output; with a KV ``cache`` (``jaxpar.layers.kvcache``) the pair
-        (output, updated cache)."""
-        x, cache = self._attend(x, positions, index, cache, step)
+        (output, updated cache); ``segments``: packed documents (``DenseLM.forward``)."""
+        x, cache = self._attend(x, positions, index, cache, step, segments)
         out = self._feed_forward(x, index)
         return out if cache is None else (out, cache)
 
@@ -213,20 +213,20 @@ class DenseLM(nnx.Module):
     pipeline_stack = "blocks"
     prefix_stack = None  # the stacked layers ``prefix`` runs, by attribute name (or None)
 
-    def run_stack(self, blocks, x, positions, index, active=None) -> tuple[jax.Array, jax.Array, object]:
+    def run_stack(self, blocks, x, positions, index, active=None, segments=None) -> tuple[jax.Array, jax.Array, object]:
         """``blocks`` (this model's pipelined stack, or a chunk of its layers) over x:
         (x, weighted auxiliary loss, statistics stacked over the layers); ``active``: see ``scan_blocks``."""
-        x = scan_blocks(blocks, x, positions, index, self.execution.remat, active=active)
+        x = scan_blocks(blocks, x, positions, index, self.execution.remat, active=active, segments=segments)
         return x, jnp.zeros((), jnp.float32), None
 
-    def prefix(self, x, positions, index) -> jax.Array:
+    def prefix(self, x, positions, index, segments=None) -> jax.Array:
         """The layers before the pipelined stack (none here; see ``MoELM``)."""
         return x
 
-    def _blocks(self, x, positions, index) -> tuple[jax.Array, jax.Array, object]:
+    def _blocks(self, x, positions, index, segments=None) -> tuple[jax.Array, jax.Array, object]:
         """The layers: (x, weighted auxiliary loss, statistics)."""
-        x = self.prefix(x, positions, index)
-        return self.run_stack(getattr(self, self.pipeline_stack), x, positions, index)
+        x = self.prefix(x, positions, index, segments)
+        return self.run_stack(getattr(self, self.pipeline_stack), x, positions, index, segments=segments)
 
     def update_router_bias(self, expert_load: jax.Array) -> None:
         """No routers: nothing to balance (``MoELM`` balances its own)."""
@@ -260,20 +260,28 @@ class DenseLM(nnx.Module):
             logits = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits, -1e9)
         return logits
 
-    def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, ids: jax.Array, positions: jax.Array | None = None, segments: jax.Array | None = None):
         """ids [B, T] int32 -> logits [B, T, V] float32, in natural order (``forward`` keeps the padded
         vocabulary and the layout's storage order, for the training loss)."""
-        out = self.forward(ids, positions)
+        out = self.forward(ids, positions, segments)
         logits = out.logits if out.order is None else out.logits[:, inverse_order(out.order)]
         return logits[..., : self.cfg.vocab_size]
 
-    def forward(self, ids: jax.Array, positions: jax.Array | None = None, *, head: bool = True) -> ForwardOutput:
+    def forward(
+        self, ids: jax.Array, positions: jax.Array | None = None, segments: jax.Array | None = None, *, head=True
+    ) -> ForwardOutput:
         """Logits in the order the layout stores tokens in (see ``ForwardOutput``): a loss can permute
         its targets by ``order`` instead of paying to put the logits back (zig-zag context parallelism).
         ``head=False``: the last block's output [B, T, D] in their place, for a loss that applies ``head``
-        a piece at a time."""
+        a piece at a time.
+
+        Packed documents: ``segments`` int [B, T] names each token's document (a token attends only to
+        its own document's earlier tokens, on every attention path), and ``positions`` restart at 0 in
+        each document (RoPE)."""
         ids, positions, index, order = self.inputs(ids, positions)
-        x, aux_loss, stats = self._blocks(self.embed(ids), positions, index)  # x: [B, T, D]
+        if segments is not None and order is not None:
+            segments = segments[:, order]
+        x, aux_loss, stats = self._blocks(self.embed(ids), positions, index, segments)  # x: [B, T, D]
         return ForwardOutput(self.head(x) if head else x, order, aux_loss, stats)
 
     # ------------------------------------------------------------------------------------ generation

@@ -137,16 +137,18 @@ class MoELM(DenseLM):
     def prefix_stack(self):
         return "dense_blocks" if self.cfg.first_dense_layers else None
 
-    def run_stack(self, blocks, x, positions, index, active=None):
+    def run_stack(self, blocks, x, positions, index, active=None, segments=None):
         remat = self.execution.remat
-        x, stats = scan_blocks(blocks, x, positions, index, remat, per_layer_outputs=True, active=active)
+        x, stats = scan_blocks(
+            blocks, x, positions, index, remat, per_layer_outputs=True, active=active, segments=segments
+        )
         return x, jnp.sum(stats.aux_loss) + jnp.sum(stats.router_z_loss), stats
 
-    def prefix(self, x, positions, index):
+    def prefix(self, x, positions, index, segments=None):
         """DeepSeek's first dense layers (the pipeline runs them before its schedule)."""
         if not self.cfg.first_dense_layers:
             return x
-        return scan_blocks(self.dense_blocks, x, positions, index, self.execution.remat)
+        return scan_blocks(self.dense_blocks, x, positions, index, self.execution.remat, segments=segments)
 
     def update_router_bias(self, expert_load: jax.Array) -> None:
         """DeepSeek's auxiliary-loss-free balancing for every MoE layer ([L, E] loads); no-op at rate 0."""

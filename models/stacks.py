@@ -26,32 +26,36 @@ def stacked(n: int, make, rngs: nnx.Rngs, axis: str = "layers"):
     return make_blocks(rngs)
 
 
-def scan_blocks(blocks, x, positions, index, remat: Remat, *, per_layer_outputs: bool = False, active=None):
-    """Runs stacked ``blocks`` over x. A block returns x, or with ``per_layer_outputs`` (x, outputs),
+def scan_blocks(
+    blocks, x, positions, index, remat: Remat, *, per_layer_outputs: bool = False, active=None, segments=None
+):
+    """Runs stacked ``blocks`` over x (``segments``: packed documents, see ``DenseLM.forward``). A block
+    returns x, or with ``per_layer_outputs`` (x, outputs),
     and the outputs come back stacked over the layers. ``active`` (a pipeline's padded chunk: ``(rows
     [n] bool, skip)``): a row that is off passes x through with zero outputs, and zero gradients for its
     weights; ``skip`` runs it as a branch (no work), otherwise it is computed and dropped (for programs
     where a branch that differs between devices must not hold a collective)."""
 
-    def body(x, block, positions, index):
-        return block(x, positions, index)
+    def body(x, block, positions, index, segments):
+        return block(x, positions, index, segments=segments)
 
     if remat != Remat.NONE:
         body = nnx.remat(body, policy=remat.policy(), prevent_cse=False)
     out_axes = (nnx.Carry, 0) if per_layer_outputs else nnx.Carry
     if active is None:
-        return nnx.scan(body, in_axes=(nnx.Carry, 0, None, None), out_axes=out_axes)(x, blocks, positions, index)
+        scan = nnx.scan(body, in_axes=(nnx.Carry, 0, None, None, None), out_axes=out_axes)
+        return scan(x, blocks, positions, index, segments)
     rows, skip = active
 
-    def masked(x, block, on, positions, index):
-        off = lambda block, x: _passed_through(nnx.eval_shape(body, x, block, positions, index), x)
+    def masked(x, block, on, positions, index, segments):
+        off = lambda block, x: _passed_through(nnx.eval_shape(body, x, block, positions, index, segments), x)
         if skip:
-            return nnx.cond(on, lambda block, x: body(x, block, positions, index), off, block, x)
-        out = body(x, block, positions, index)
+            return nnx.cond(on, lambda block, x: body(x, block, positions, index, segments), off, block, x)
+        out = body(x, block, positions, index, segments)
         return jax.tree.map(lambda a, b: jnp.where(on, a, b), out, off(block, x))
 
-    scan = nnx.scan(masked, in_axes=(nnx.Carry, 0, 0, None, None), out_axes=out_axes)
-    return scan(x, blocks, rows, positions, index)
+    scan = nnx.scan(masked, in_axes=(nnx.Carry, 0, 0, None, None, None), out_axes=out_axes)
+    return scan(x, blocks, rows, positions, index, segments)
 
 
 def _passed_through(shapes, x):

@@ -1,5 +1,5 @@
 """``execution.loss_chunks``: the loss over pieces of the tokens, one piece's float32 logits alive at a
-time (``train.step.head_losses``).
+time (``train.loss.head_losses``).
 
 * The same training as the whole loss: tiny (with a z-loss) and tiny-moe train 2 steps with 4 pieces,
   losses and every parameter's gradient within the one-device reference's noise bound
@@ -29,7 +29,7 @@ from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_execution_preset, get_model_preset
 from jaxpar.pipeline import build
 from jaxpar.train.config import apply_overrides, default_config
-from jaxpar.train.step import head_losses, next_token_loss
+from jaxpar.train.loss import head_losses, next_token_loss
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])

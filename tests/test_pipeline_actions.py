@@ -37,7 +37,7 @@ from jaxpar.pipeline.actions import (
 )
 from jaxpar.pipeline.executor import own_actions
 from jaxpar.pipeline.stage import Action, ChunkPrograms
-from jaxpar.train.step import head_losses
+from jaxpar.train.loss import head_losses
 
 CASES = [  # (model, schedule, p, m, v, mesh): every schedule, p ∈ {2, 4}, with data, fsdp and tensor
     ("tiny", "gpipe", 4, 4, 1, "stage=4,data=2"),

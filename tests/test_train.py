@@ -18,8 +18,9 @@ from jaxpar.meshes import get_mesh_preset
 from jaxpar.models import ExecutionConfig, build_model, get_model_preset
 from jaxpar.train.config import apply_overrides, default_config
 from jaxpar.train.loop import plan_layout, train
+from jaxpar.train.loss import next_token_loss
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
-from jaxpar.train.step import init_program, init_train_state, make_train_step, next_token_loss
+from jaxpar.train.step import init_program, init_train_state, make_train_step
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "log.eval_every=0", "checkpoint.every=3"]
 

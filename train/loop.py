@@ -42,6 +42,7 @@ from jaxpar.train.config import ConfigError, TrainConfig, to_dict
 from jaxpar.train.guard import NonFinite, NonFiniteError, NonFiniteGuard, Preemption
 from jaxpar.train.layout import batch_slices, pipeline_table, plan_layout, stack_split
 from jaxpar.train.layout import check_process_rows as check_process_rows  # imported from here by callers
+from jaxpar.train.loss import BATCH_KEYS
 from jaxpar.train.metrics import MetricsLog, throughput
 from jaxpar.train.optim import make_optimizer, make_schedule
 from jaxpar.train.rundir import check_init_from, check_out_dir, with_weights_of, write_json
@@ -197,7 +198,7 @@ class _Run:
         self.schedule = make_schedule(cfg.optimizer, cfg.steps)
         self.guard = NonFiniteGuard(cfg.nonfinite, cfg.max_skips, self.checkpoints)
         self.preemption = Preemption()
-        self.shardings = batch_sharding(layout)
+        self.shardings = batch_sharding(layout, BATCH_KEYS)
 
     def _initial_state(self, program: InitProgram, saved: SavedRun | None):
         """The state to start from: created (with ``init_from``'s weights), or restored and resharded."""

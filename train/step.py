@@ -20,13 +20,11 @@ from jax.sharding import NamedSharding
 
 from jaxpar.errors import ConfigError
 from jaxpar.layout import Layout
-from jaxpar.model_api import LanguageModel
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.stack import StackSplit
-from jaxpar.rules import constrain, partly_manual, without_axes
+from jaxpar.rules import constrain, without_axes
 from jaxpar.train.accumulate import GradReduce, batch_axes, check_reduce_once, reduced_once, slice_sums
-
-Batch = dict[str, jax.Array]  # {'inputs': int32 [B, T], 'targets': int32 [B, T]}
+from jaxpar.train.loss import Batch, LossParts, head_losses, next_token_loss, token_weights
 
 
 @jax.tree_util.register_dataclass
@@ -48,65 +46,6 @@ class TrainState:
     state: Any
     shardings: Any
     stack: StackSplit | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LossParts:
-    cross_entropy: jax.Array
-    z_loss: jax.Array
-    moe: Any = None  # MoE statistics of the forward pass (None for dense models)
-
-
-def next_token_loss(model: LanguageModel, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
-    """Objective = mean float32 cross-entropy of the model's logits against ``targets`` plus
-    ``z_loss · mean(log Z²)`` (PaLM's z-loss: keeps the softmax normaliser near 1, so logits don't drift
-    in low precision) plus the model's own weighted auxiliary losses (MoE balancing and router z-loss).
-    Returns ``(objective, LossParts)``."""
-    out = model.forward(batch["inputs"], head=False)  # the final hidden states, in the layout's storage order
-    targets = batch["targets"] if out.order is None else batch["targets"][:, out.order]
-    ce, z = head_losses(model.head, out.logits, targets, z_loss=z_loss, chunks=model.execution.loss_chunks)
-    return ce + z + out.aux_loss, LossParts(ce, z, out.moe)
-
-
-def head_losses(head, x: jax.Array, targets: jax.Array, /, *, z_loss: float = 0.0, chunks: int = 1):
-    """``token_losses`` of ``head(x)`` (x [B, T, D] -> float32 logits [B, T, V]) against ``targets``
-    [B, T]. With ``chunks`` > 1 the tokens go in that many pieces (piece i: tokens i, i + chunks, ...,
-    so a split of T over devices stays where it is), each piece's logits made, reduced and dropped, and
-    made again in the backward (``jax.checkpoint``): one piece's logits live at a time."""
-    if chunks == 1:
-        return token_losses(head(x), targets, z_loss=z_loss)
-    b, t, d = x.shape
-    if t % chunks:
-        raise ConfigError(f"execution.loss_chunks={chunks} does not divide the {t} tokens of a sequence")
-    pieces = lambda a: jnp.moveaxis(a.reshape(b, t // chunks, chunks, *a.shape[2:]), 2, 0)  # [chunks, B, T/c, ...]
-
-    @jax.checkpoint
-    def piece(x, targets):  # the sums over one piece: cross-entropy, log Z²
-        ce, z = token_losses(head(x), targets, z_loss=1.0)
-        return ce * targets.size, z * targets.size
-
-    def add(total, xt):
-        return jax.tree.map(jnp.add, total, piece(*xt)), None
-
-    zero = jnp.zeros((), jnp.float32)
-    (ce, z), _ = jax.lax.scan(add, (zero, zero), (pieces(x), pieces(targets)))
-    return ce / targets.size, (z_loss * z / targets.size if z_loss else zero)
-
-
-def token_losses(logits: jax.Array, targets: jax.Array, /, *, z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """(mean cross-entropy, weighted z-loss) of float32 ``logits`` [B, T, V] against ``targets`` [B, T]."""
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    if partly_manual():
-        # Inside the pipeline's shard_map XLA's partitioner fails on this gather when the vocabulary is
-        # split over `tensor`: take the target's logit as a masked sum (exact: one term is not zero).
-        hit = jnp.arange(logits.shape[-1]) == targets[..., None]
-        target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    else:
-        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    ce = jnp.mean(log_z - target_logit)
-    z = z_loss * jnp.mean(jnp.square(log_z)) if z_loss else jnp.zeros((), jnp.float32)
-    return ce, z
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +147,15 @@ def init_train_state(
         return TrainState(program.graphdef, program.create(), program.shardings, program.stack)
 
 
-def batch_sharding(layout: Layout):
-    return {k: layout.sharding(("batch", "length")) for k in ("inputs", "targets")}
+def batch_sharding(layout: Layout, keys=("inputs", "targets")) -> dict:
+    """The sharding of each array of a batch (``keys`` of ``BATCH_KEYS``): [batch, length]."""
+    return {k: _rows(layout) for k in keys}
+
+
+def _rows(layout: Layout):
+    """Every array of a batch, [batch, length]: a jit takes it as a prefix of the batch, whatever keys
+    the batch holds."""
+    return layout.sharding(("batch", "length"))
 
 
 def _split_slices(batch: Batch, k: int) -> Batch:
@@ -247,6 +193,12 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, 
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP:
         check_reduce_once(model.cfg, layout.mesh.shape)
+    if set(batch) - {"inputs", "targets"}:
+        raise ConfigError(
+            f"a batch with {', '.join(sorted(set(batch) - {'inputs', 'targets'}))} under a pipeline (mesh stage > 1): "
+            "the executor trains unpacked rows with every target counted; pack documents or mask the loss "
+            "on a layout without stage"
+        )
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
     out = pipeline_grads(
@@ -338,6 +290,7 @@ def make_train_step(
         return nnx.state((model, opt))
 
     def step(state, batch):
+        batch = token_weights(batch)
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
             if pipeline is None:
@@ -357,7 +310,7 @@ def make_train_step(
 
     return jax.jit(
         step,
-        in_shardings=(ts.shardings, batch_sharding(layout)),
+        in_shardings=(ts.shardings, _rows(layout)),
         out_shardings=(ts.shardings, layout.sharding(())),
         donate_argnums=0,
     )
@@ -368,12 +321,13 @@ def make_eval_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss
     graphdef = ts.graphdef
 
     def evaluate(state, batch):
+        batch = token_weights(batch)
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
             model, _ = nnx.merge(graphdef, _layer_order(ts, model.pipeline_stack, state)[0])
             return loss_fn(model, batch)[1].cross_entropy
 
-    return jax.jit(evaluate, in_shardings=(ts.shardings, batch_sharding(layout)), out_shardings=layout.sharding(()))
+    return jax.jit(evaluate, in_shardings=(ts.shardings, _rows(layout)), out_shardings=layout.sharding(()))
 
 
 def make_grad_fn(
@@ -393,6 +347,7 @@ def make_grad_fn(
     _check_pipeline_given(ts, layout, pipeline)
 
     def grads(state, batch):
+        batch = token_weights(batch)
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
             if pipeline is None:
@@ -401,4 +356,4 @@ def make_grad_fn(
                 parts, g = _pipelined_grads(model, batch, pipeline, layout, 0.0, fsdp_gather, grad_reduce, ts.stack)
             return parts.cross_entropy, _layer_order(ts, model.pipeline_stack, g)[0]
 
-    return jax.jit(grads, in_shardings=(ts.shardings, batch_sharding(layout)))
+    return jax.jit(grads, in_shardings=(ts.shardings, _rows(layout)))

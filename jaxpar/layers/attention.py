@@ -105,9 +105,11 @@ class Attention(nnx.Module):
         *,
         cache: KVCache | None = None,
         step: Step | None = None,
+        segments: jax.Array | None = None,
     ):
         """x [B, T, D]; positions [B, T] for RoPE; index [B, T]: each stored token's place in the
-        original sequence (differs from the storage order under zig-zag context parallelism).
+        original sequence (differs from the storage order under zig-zag context parallelism);
+        segments [B, T] or None: each token's document (packed rows attend within a document).
         With a ``cache`` (generation, see ``jaxpar.layers.kvcache``) returns (y, the updated cache)."""
         x = constrain(x, ("batch", "inner_length", "act_embed"))  # x: [B, T, D]
         q = apply_rope(self._project(x, "q", "act_heads"), positions, self.inv_freq)  # [B, T, N, H]
@@ -127,6 +129,7 @@ class Attention(nnx.Module):
                 strategy=self.cfg.context_parallel,
                 window=window,
                 implementation=self.cfg.implementation,
+                segments=segments,
             )
             if cache is not None:  # prefill
                 slots = cache.v.shape[slot_axis(KVCache.NAMES[1])]

@@ -170,10 +170,12 @@ class MLA(nnx.Module):
         *,
         cache: LatentCache | None = None,
         step: Step | None = None,
+        segments: jax.Array | None = None,
     ):
         """x [B, T, D]; positions [B, T] for RoPE; index [B, T]: each stored token's place in the original
         sequence (the causal mask; differs from storage order under zig-zag context parallelism). With a
-        ``cache`` (generation, see ``jaxpar.layers.kvcache``) returns (y, the updated cache)."""
+        ``cache`` (generation, see ``jaxpar.layers.kvcache``) returns (y, the updated cache); ``segments``:
+        each token's document in a packed row, or None."""
         cfg = self.cfg
         hn, rkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         x = constrain(x, ("batch", "inner_length", "act_embed"))  # [B, T, D]
@@ -191,7 +193,8 @@ class MLA(nnx.Module):
         if cache is not None and step.mode == DECODE:
             out, cache = self._decode(q_nope, q_rope, latent, k_rope[:, :, 0], cache, positions, scale)
         else:
-            out = self._attention(q_nope, q_rope, latent, k_rope, positions if index is None else index, scale)
+            index = positions if index is None else index
+            out = self._attention(q_nope, q_rope, latent, k_rope, index, scale, segments)
             if cache is not None:  # prefill
                 slots = cache.latent.shape[slot_axis(LatentCache.NAMES[0])]
                 cache = map_arrays(
@@ -201,17 +204,17 @@ class MLA(nnx.Module):
         y = constrain(output_projection(out, self._w(self.o), flat=cache is not None), ("batch", "length", "act_embed"))
         return y if cache is None else (y, cache)
 
-    def _attention(self, q_nope, q_rope, latent, k_rope, index, scale: float) -> jax.Array:
+    def _attention(self, q_nope, q_rope, latent, k_rope, index, scale: float, segments=None) -> jax.Array:
         """Training and prefill: per-head keys and values from the latent, then causal attention."""
         hn = self.cfg.qk_nope_head_dim
         kv = constrain(jnp.einsum("btr,rnh->btnh", latent, self._w(self.kv_b)), HEADS)  # [B, T, N, Hn + Hv]
         k_nope, v = kv[..., :hn], kv[..., hn:]
         if self.attn.context_parallel == "none" and self.attn.implementation is None:
-            return _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale)
+            return _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale, segments)
         k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
         q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), HEADS)
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), HEADS)
-        return self._padded_attention(q, k, v, index, scale)
+        return self._padded_attention(q, k, v, index, scale, segments)
 
     def _decode(self, q_nope, q_rope, latent, rope_key, cache: LatentCache, positions, scale: float):
         """Decoding over the latent cache with kv_b absorbed: keys through the query (q_nope · W_k),
@@ -225,7 +228,7 @@ class MLA(nnx.Module):
         mixed, cache = mla_decode(q_latent, q_rope, latent, rope_key, cache, positions, scale=scale)
         return jnp.einsum("btnr,nrh->btnh", mixed, w_v), cache
 
-    def _padded_attention(self, q, k, v, index, scale: float) -> jax.Array:
+    def _padded_attention(self, q, k, v, index, scale: float, segments=None) -> jax.Array:
         """``context_attention`` with q/k [B, T, N, Hq] and v [B, T, N, Hv] zero-padded to one width H."""
         h = max(q.shape[-1], v.shape[-1])
         pad = lambda a: a if a.shape[-1] == h else jnp.pad(a, [(0, 0)] * 3 + [(0, h - a.shape[-1])])
@@ -238,17 +241,21 @@ class MLA(nnx.Module):
             strategy=self.attn.context_parallel,
             window=None,
             implementation=self.attn.implementation,
+            segments=segments,
         )
         return out[..., : v.shape[-1]]
 
 
-def _causal_attention(q_nope, q_rope, k_nope, k_rope, v, index, scale: float) -> jax.Array:
+def _causal_attention(q_nope, q_rope, k_nope, k_rope, v, index, scale: float, segments=None) -> jax.Array:
     """q_nope/k_nope [B, T, N, Hn], q_rope [B, T, N, Hr], k_rope [B, T, Hr] (shared by the heads),
-    v [B, T, N, Hv], index [B, T]. Scores and softmax in float32; returns [B, T, N, Hv] in v's dtype."""
+    v [B, T, N, Hv], index [B, T], segments [B, T] or None. Scores and softmax in float32; returns
+    [B, T, N, Hv] in v's dtype."""
     f32 = jnp.float32
     s = jnp.einsum("btnh,bsnh->bnts", q_nope, k_nope, preferred_element_type=f32)
     s = s + jnp.einsum("btnh,bsh->bnts", q_rope, k_rope, preferred_element_type=f32)
     visible = index[:, None, :, None] >= index[:, None, None, :]  # [B, 1, T, S]
+    if segments is not None:
+        visible &= segments[:, None, :, None] == segments[:, None, None, :]
     p = jax.nn.softmax(jnp.where(visible, s * scale, jnp.finfo(f32).min), axis=-1)
     return jnp.einsum("bnts,bsnh->btnh", p.astype(v.dtype), v)
 

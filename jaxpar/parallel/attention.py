@@ -88,19 +88,22 @@ def context_attention(
     strategy: str,
     window: int | None = None,
     implementation: str | None = None,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention: q [B, T, N, H], k/v [B, T, K, H], index int [B, T] (each stored token's place
-    in the original sequence). Returns [B, T, N, H]."""
+    in the original sequence), segments int [B, T] or None (packed documents: a token sees only its
+    own document's tokens; every path takes them). Returns [B, T, N, H]."""
     layout = active_layout(q, k, v)
     axis = None if layout is None or strategy == "none" else sequence_axis(layout[1], layout[0].shape)
     if axis is None and str(implementation) == AttentionImpl.SPLASH:
-        return splash_attention(q, k, v, causal=True, window=window)
+        return splash_attention(q, k, v, causal=True, window=window, segments=segments)
     if axis is None:
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(
             q,
             k,
             v,
+            mask=None if segments is None else segments[:, None, :, None] == segments[:, None, None, :],
             is_causal=True,
             local_window_size=local,
             implementation=None if implementation is None else str(implementation),
@@ -117,21 +120,20 @@ def context_attention(
     index_spec = PartitionSpec(batch, axis)
     kernel, impl = _kernel(strategy), None if implementation is None else str(implementation)
 
-    def body(q, k, v, index):  # q: [B/b, T/n, N/h, H]; k, v: [B/b, T/n, K/h or K, H]
+    def body(q, k, v, index, segments):  # q: [B/b, T/n, N/h, H]; k, v: [B/b, T/n, K/h or K, H]
         if heads and not kv_heads:  # kv heads replicated over the head axes: keep this group's one
             k, v = (_own_kv_head(x, heads, mesh.shape, q.shape[2]) for x in (k, v))
-        if kernel is ulysses_attention:
-            return kernel(q, k, v, index, index, axis_name=axis, causal=True, window=window, implementation=impl)
-        return kernel(q, k, v, index, index, axis_name=axis, causal=True, window=window)
+        more = {} if kernel is not ulysses_attention else {"implementation": impl}
+        return kernel(q, k, v, index, index, segments, segments, axis_name=axis, causal=True, window=window, **more)
 
     # A Pallas kernel's outputs carry no varying-axes type (``vma``): shard_map's check is off around it.
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, index_spec),
+        in_specs=(q_spec, kv_spec, kv_spec, index_spec, index_spec),
         out_specs=q_spec,
         check_vma=impl != AttentionImpl.SPLASH,
-    )(q, k, v, index)
+    )(q, k, v, index, segments)
 
 
 def _own_kv_head(x: jax.Array, head_axes, mesh_shape, local_heads: int) -> jax.Array:

@@ -105,7 +105,7 @@ def pipeline_grads(
     ``table``; the same as accumulating over the m microbatches on one device.
 
     ``losses(head, x, targets) -> (cross_entropy, z_loss)``: of the logits ``head(x)`` (float32 scalars, means
-    over the microbatch; ``train.step.head_losses``).
+    over the microbatch; ``train.loss.head_losses``).
     ``mesh``: the layout's mesh, with ``stage`` = ``table.stages``. ``fsdp_gather``: ``step`` gathers
     the weights over ``fsdp`` once, before the schedule (``FsdpGather``). ``grad_reduce``: ``step``
     makes the batch axes manual too, so the weight gradients stay unreduced over them through the whole

@@ -383,6 +383,7 @@ def _report(plan, metas, encoder: _Encoder, dtype: str) -> None:
         )
     hint = f"--set data.source=files --set data.path={plan[0][0]}"
     hint += f" --set data.eval_path={plan[1][0]}" if len(plan) > 1 else ""
+    hint += " --set data.pack=documents" if metas[0]["field"] == "messages" else ""
     hint += " --set data.dtype=uint32" if dtype == "uint32" and plan[0][0].suffix == ".bin" else ""
     hint += f" --set model.vocab_size={encoder.vocab_size}" if encoder.vocab_size != 256 else ""
     print(f"train on it with: {hint}")

@@ -1,0 +1,106 @@
+"""Rows of whole documents (``data.pack=documents``): each row holds ``seq + 1`` tokens of documents laid
+back to back, with per-document positions, segment ids and the loss mask, so that no token attends to
+or is trained on another document (the model honours ``segments`` on every attention path).
+
+The plan (``plan_rows``), made once from the documents' lengths:
+
+* documents are taken in the given order (a seeded shuffle, or the files' order), and each is placed in
+  the current row if it fits in the room left, else it starts the next row (greedy, first fit in order);
+* a document longer than a row is cut into pieces of ``seq + 1`` tokens, each piece a document of its own
+  (its positions restart: the model never sees across the cut);
+* the room a row has left is padding: token 0, a segment of its own, nothing trained.
+
+A row (``PackedRows[i]``) is read from the token files by the plan alone, so rows are random access (grain
+shuffles and checkpoints them by index). The batch a row gives (``batch_of_rows``): ``inputs``/``targets``
+(the row shifted by one), ``positions`` and ``segments`` of the inputs, and ``mask``: 1 where the target
+is the next token of the same document and that token trains (the chat mask of ``jaxpar prepare``, or
+every token of a text document).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """Pieces of documents, row by row: row r holds pieces ``row_ptr[r]`` to ``row_ptr[r + 1]``, piece p
+    the ``length[p]`` tokens from ``start[p]`` of the token stream."""
+
+    start: np.ndarray  # int64 [P]
+    length: np.ndarray  # int64 [P]
+    row_ptr: np.ndarray  # int64 [R + 1]
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_ptr) - 1
+
+    def filled(self, row_tokens: int) -> float:
+        """The share of the rows' tokens that are documents (1 - the share of padding)."""
+        return float(self.length.sum()) / max(1, self.rows * row_tokens)
+
+
+def plan_rows(starts: np.ndarray, lengths: np.ndarray, row_tokens: int) -> RowPlan:
+    """The greedy plan (module docstring) of documents ``starts``/``lengths`` (in that order) into rows of
+    ``row_tokens`` tokens."""
+    starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    starts, lengths = starts[lengths > 0], lengths[lengths > 0]
+    cuts = -(-lengths // row_tokens)  # pieces per document
+    piece_doc = np.repeat(np.arange(len(lengths)), cuts)
+    within = np.arange(len(piece_doc)) - np.repeat(np.cumsum(cuts) - cuts, cuts)  # piece index in its document
+    start = starts[piece_doc] + within * row_tokens
+    length = np.minimum(lengths[piece_doc] - within * row_tokens, row_tokens)
+    row_ptr, room = [0], row_tokens
+    for p, n in enumerate(length.tolist()):  # a piece that does not fit starts the next row
+        if n > room:
+            row_ptr.append(p)
+            room = row_tokens
+        room -= n
+    if len(length):
+        row_ptr.append(len(length))
+    return RowPlan(start, length, np.asarray(row_ptr, np.int64))
+
+
+class PackedRows:
+    """grain random-access source: row ``first + i`` of ``plan`` as ``tokens``, ``positions``, ``segments``
+    and ``trained`` (int32 [seq + 1] each); ``read(start, stop)`` gives ids, ``trained(start, stop)`` the
+    loss mask of the token stream (None: every token trains)."""
+
+    def __init__(self, read, trained, plan: RowPlan, row_tokens: int, first: int, count: int):
+        self.read, self.trained, self.plan = read, trained, plan
+        self.row_tokens, self.first, self.count = row_tokens, first, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        r = self.first + int(index)
+        n = self.row_tokens
+        out = {k: np.zeros(n, np.int32) for k in ("tokens", "positions", "segments", "trained")}
+        at = 0
+        lo, hi = int(self.plan.row_ptr[r]), int(self.plan.row_ptr[r + 1])
+        for s, p in enumerate(range(lo, hi)):
+            start, length = int(self.plan.start[p]), int(self.plan.length[p])
+            out["tokens"][at : at + length] = self.read(start, start + length)
+            out["positions"][at : at + length] = np.arange(length)
+            out["segments"][at : at + length] = s
+            out["trained"][at : at + length] = 1 if self.trained is None else self.trained(start, start + length)
+            at += length
+        out["positions"][at:] = np.arange(n - at)
+        out["segments"][at:] = hi - lo
+        return out
+
+
+def batch_of_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Stacked rows [b, seq + 1] -> the train step's batch [b, seq] (module docstring)."""
+    tokens, segments = rows["tokens"], rows["segments"]
+    same = segments[:, 1:] == segments[:, :-1]
+    return {
+        "inputs": np.ascontiguousarray(tokens[:, :-1]),
+        "targets": np.ascontiguousarray(tokens[:, 1:]),
+        "positions": np.ascontiguousarray(rows["positions"][:, :-1]),
+        "segments": np.ascontiguousarray(segments[:, :-1]),
+        "mask": (same & (rows["trained"][:, 1:] > 0)).astype(np.int32),
+    }

@@ -87,7 +87,10 @@ def carry_bytes(cfg, table, rows: int, seq: int, per_chunk: int) -> dict:
     def kept(sp, op, sr, rest):
         first = lambda t: jax.tree.map(lambda a: a[:per_chunk], t)
         ids = jnp.zeros((1, rows, seq), jnp.int32)
-        chunk = ChunkPrograms(graphdef, model.pipeline_stack, first(sr), rest, ids, ids, head_losses, per_chunk, False)
+        tokens, labels = {"ids": ids}, {"targets": ids}
+        chunk = ChunkPrograms(
+            graphdef, model.pipeline_stack, first(sr), rest, tokens, labels, head_losses, per_chunk, False
+        )
         parts = ModelParts(chunk, first(sp), op)
         x = jnp.zeros(parts.chunk_input().shape, parts.chunk_input().dtype)
         action = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ABSTRACT_ACTION)

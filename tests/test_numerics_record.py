@@ -25,6 +25,7 @@ FAMILIES = (
     "grad_reduce",
     "flash",
     "loss-chunks",
+    "packing",
 )
 
 

@@ -1,13 +1,14 @@
 """Packed documents on every attention path: a packed row's loss and every parameter's gradient equal the
-token-weighted sum over each of its documents run alone, on one device and under the parallel layouts,
-for dense, MoE and MLA models; and no document sees another: changing one document's tokens leaves the
-other documents' logits bit for bit the same.
+token-weighted sum over each of its documents run alone, on one device and under the parallel layouts
+(pipelines included), for dense, MoE and MLA models; and no document sees another: changing one
+document's tokens leaves the other documents' logits bit for bit the same.
 
 The oracle shares no code with the packed path: each document goes through the model alone, in a row of
 its own from position 0 (natural positions, no segments, no mask; the untrained padding after it is never
 read by causal attention), and its cross-entropy is summed here, over the targets that train, and divided
-by the batch's count of them. Its own float noise is measured by running the documents again in longer
-rows (the shapes differ, so the sums round differently): every bound is a multiple of that noise
+by the batch's count of them. Its own float noise is the larger distance to two other valid ways: the
+documents in longer rows (the shapes differ, so every contraction rounds differently) and in the other
+row order (the sums over the batch add in another order); every bound is a multiple of that noise
 (tests/noise.py).
 """
 
@@ -20,12 +21,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from invariance import OPTIMIZER, Run, flat
-from noise import Bound, check_mutation_caught, check_run, measure
+from noise import Bound, Noise, check_mutation_caught, check_run, measure
 
 from jaxpar.execution import ExecutionConfig
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
+from jaxpar.pipeline import build
+from jaxpar.pipeline.executor import check_stack
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.step import init_train_state, make_grad_fn
 
@@ -74,11 +77,11 @@ def pack(rows) -> dict[str, np.ndarray]:
     }
 
 
-def oracle(model, rows, length: int = T) -> tuple[float, dict]:
+def oracle(model, rows, length: int = T, reverse: bool = False) -> tuple[float, dict]:
     """(loss, gradients) of the documents each alone in a row of ``length`` inputs (from position 0,
     untrained padding after it, which causal attention never reads): Σ trained cross-entropy ÷ their
-    count."""
-    docs = [d for docs in rows for d in docs]
+    count; ``reverse``: the documents' rows in the other order."""
+    docs = [d for docs in rows for d in docs][:: -1 if reverse else 1]
     ids, trained = np.zeros((len(docs), length + 1), np.int32), np.zeros((len(docs), length), np.float32)
     for i, (tokens, mask) in enumerate(docs):
         ids[i, : len(tokens)], trained[i, : len(mask)] = tokens, mask
@@ -112,19 +115,28 @@ def reference(model: str, execution: ExecutionConfig) -> tuple[Run, Bound]:
     """The oracle on the model as every layout initialises it (seed 0), and the bound its noise sets."""
     net = build_model(_cfg(model), execution=execution, rngs=nnx.Rngs(params=0))
     run = _run(*oracle(net, ROWS))
-    return run, Bound("packing", measure(run, _run(*oracle(net, ROWS, T + PAD_TAIL))))
+    ways = [measure(run, _run(*oracle(net, ROWS, **kw))) for kw in (dict(length=T + PAD_TAIL), dict(reverse=True))]
+    return run, Bound("packing", Noise(max(w.grad for w in ways), max(w.loss for w in ways)))
 
 
-def packed(model: str, mesh: str, execution: ExecutionConfig, batch=BATCH, grad_accum: int = 1):
-    """(the train step's loss and gradients of ``batch`` under ``mesh`` in ``grad_accum`` slices, a
-    function giving the logits of a packed batch there)."""
+def packed(model: str, mesh: str, execution: ExecutionConfig, batch=BATCH, grad_accum: int = 1, pipeline=None):
+    """(the train step's loss and gradients of ``batch`` under ``mesh`` in ``grad_accum`` slices, or by
+    ``pipeline`` = (schedule, microbatches, grad_reduce), a function giving the logits of a packed batch
+    there)."""
     cfg = _cfg(model)
-    devices = jax.devices()[:1] if mesh == "one device" else None
-    preset = resolve_mesh_arg("data=1" if devices else mesh)
-    layout = make_layout(cfg, preset, batch=B, seq=T, devices=devices, execution=execution)
+    preset = resolve_mesh_arg("data=1" if mesh == "one device" else mesh)
+    devices = jax.devices()[: int(np.prod(dataclasses.astuple(preset.mesh)[:6]))]
+    table = split = None
+    if pipeline is not None:
+        schedule, m, grad_reduce = pipeline
+        table = build(schedule, preset.mesh.stage, m)
+        split = check_stack(cfg, table.stages, table.virtual_stages, None, None, None)
+    dims = None if split is None else split.layout_dims()
+    layout = make_layout(cfg, preset, batch=B, seq=T, devices=devices, execution=execution, extra_dims=dims)
     make = lambda r: build_model(cfg, execution=execution, rngs=r)
-    ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout)
-    loss, grads = make_grad_fn(ts, layout, grad_accum=grad_accum)(ts.state, batch)
+    ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout, stack=split)
+    run = dict(grad_accum=grad_accum) if table is None else dict(pipeline=table, grad_reduce=grad_reduce)
+    loss, grads = make_grad_fn(ts, layout, **run)(ts.state, batch)
 
     @jax.jit
     def logits(state, batch):
@@ -185,3 +197,19 @@ def test_a_packing_bug_is_caught(mutation):
     batch = {k: v for k, v in BATCH.items() if k != mutation}
     ref, bound = reference("tiny", ExecutionConfig())
     check_mutation_caught(packed("tiny", "one device", ExecutionConfig(), batch)[0], ref, bound, f"{mutation} dropped")
+
+
+PIPELINES = [  # (mesh, execution settings, (schedule, microbatches, grad_reduce))
+    ("stage=2,data=2,tensor=2", {}, ("1f1b", 4, "slice")),
+    ("stage=2,data=2,tensor=2", {}, ("1f1b", 4, "step")),  # each stage its own action
+    ("stage=2,data=2", {}, ("zero_bubble", 4, "step")),  # W from the cut pullback
+    ("stage=2,data=2,sequence=2", dict(context_parallel="ring", cp_order="zigzag"), ("gpipe", 4, "slice")),
+]
+
+
+@pytest.mark.parametrize("mesh, settings, pipeline", PIPELINES, ids=[f"{m} {x} {p}" for m, x, p in PIPELINES])
+def test_packed_microbatches_train_as_their_documents_alone(mesh, settings, pipeline):
+    """Each pipeline microbatch carries its rows' positions, segments and token weights."""
+    execution = ExecutionConfig(**settings)
+    ref, bound = reference("tiny", dataclasses.replace(execution, context_parallel="none"))
+    check_run(packed("tiny", mesh, execution, pipeline=pipeline)[0], ref, bound, f"tiny {mesh} {settings} {pipeline}")

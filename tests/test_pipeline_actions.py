@@ -122,7 +122,10 @@ def _parts_of(cfg, run, *, rows: int, seq: int, per_chunk: int) -> ModelParts:
     graphdef, sp, op, sr, orest = nnx.split(model, nnx.All(nnx.Param, in_stack), nnx.Param, in_stack, ...)
     ids = jnp.zeros((1, rows, seq), jnp.int32)
     first = lambda t: jax.tree.map(lambda a: a[:per_chunk], t)
-    chunk = ChunkPrograms(graphdef, model.pipeline_stack, first(sr), orest, ids, ids, head_losses, per_chunk, False)
+    tokens, labels = {"ids": ids}, {"targets": ids}
+    chunk = ChunkPrograms(
+        graphdef, model.pipeline_stack, first(sr), orest, tokens, labels, head_losses, per_chunk, False
+    )
     return ModelParts(chunk, first(sp), op)
 
 

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         default=None,
         metavar="CKPT",
         help="fine-tune: the model (config and "
-        "weights) of a model checkpoint from `jaxpar convert` or a run folder; replaces --model",
+        "weights) of a model checkpoint from `jaxpar convert`, a run folder or a Hugging Face folder; replaces --model",
     )
     parser.add_argument(
         "--mesh",
@@ -126,13 +126,10 @@ def _add_processes(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace, /):
     """The resolved ``TrainConfig``: preset, then flags, then ``--set`` in order."""
     if getattr(args, "init_from", None):
-        # deferred: imports orbax and the converters
-        from jaxpar.convert.store import model_config, saved_execution
-
-        model, _, _ = model_config(args.init_from)
+        model, execution = init_from_config(args.init_from)
         cfg = TrainConfig(
             model=model,
-            execution=saved_execution(args.init_from),
+            execution=execution,
             model_preset=f"init-from:{args.init_from}",
             init_from=str(args.init_from),
         )
@@ -142,6 +139,20 @@ def build_config(args: argparse.Namespace, /):
     log = {k: v for k, v in (("profile_steps", args.profile_steps), ("compile_cache", args.compile_cache)) if v}
     cfg = dataclasses.replace(cfg, **flags, log=dataclasses.replace(cfg.log, **log))
     return apply_overrides(cfg, args.overrides)
+
+
+def init_from_config(path: str, /):
+    """(model config, execution) of ``--init-from``: a model checkpoint or run folder as saved, or a Hugging
+    Face folder as ``jaxpar convert --from-hf`` reads it (the family's execution)."""
+    # deferred: imports orbax and the converters
+    from jaxpar.convert import hf_config
+    from jaxpar.convert.files import is_hf_folder
+    from jaxpar.convert.store import model_config, saved_execution
+
+    if is_hf_folder(path):
+        model, family, hf = hf_config(path)
+        return model, family.execution(hf.config)
+    return model_config(path)[0], saved_execution(path)
 
 
 def run(args: argparse.Namespace, /) -> int:

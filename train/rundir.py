@@ -5,6 +5,7 @@ is refused, listing every difference), and the files the run writes there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 from flax import nnx
 
 from jaxpar.checkpoint import CheckpointError, SavedRun, latest
+from jaxpar.convert import from_hf, hf_config
+from jaxpar.convert.files import is_hf_folder
 from jaxpar.convert.store import load_model
 from jaxpar.identity import Entry, check_fits
 from jaxpar.layout import Layout
@@ -51,6 +54,9 @@ def check_init_from(cfg: TrainConfig) -> None:
     """``cfg.init_from``'s model must be this run's (``jaxpar.identity``: the model config, whole, and
     every array's shape and dtype); checked abstractly, before any write."""
     ckpt = Path(cfg.init_from).resolve()
+    if is_hf_folder(ckpt):
+        _check_hf(cfg, ckpt)
+        return
     saved = latest(ckpt / "checkpoints")
     if saved is None:
         raise CheckpointError(
@@ -71,10 +77,27 @@ def check_init_from(cfg: TrainConfig) -> None:
     )
 
 
+def _check_hf(cfg: TrainConfig, folder: Path) -> None:
+    """A Hugging Face folder's model must be this run's: its config as ``jaxpar convert`` reads it, in the
+    run's parameter dtype (the weights' shapes are checked as they are placed)."""
+    theirs = to_dict(hf_config(folder, param_dtype=cfg.model.param_dtype)[0], DenseConfig)
+    ours = to_dict(cfg.model, DenseConfig)
+    changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    if changed:
+        raise CheckpointError(
+            f"--init-from {folder}: this run's model differs from the folder's in "
+            + ", ".join(f"model.{k} ({ours.get(k)!r}, the folder's {theirs.get(k)!r})" for k in changed)
+        )
+
+
 def with_weights_of(cfg: TrainConfig, state, layout: Layout):
     """``state`` (model, fresh optimizer) with the model replaced by ``cfg.init_from``'s, restored onto
-    the layout (``check_init_from`` has passed)."""
-    model, _ = load_model(cfg.init_from, layout)
+    the layout (``check_init_from`` has passed); a Hugging Face folder's weights placed shard by shard."""
+    if is_hf_folder(cfg.init_from):
+        execution = {f.name: getattr(cfg.execution, f.name) for f in dataclasses.fields(cfg.execution)}
+        model = from_hf(cfg.init_from, param_dtype=cfg.model.param_dtype, execution=execution, layout=layout)
+    else:
+        model, _ = load_model(cfg.init_from, layout)
     state[0] = nnx.state(model)
     return state
 

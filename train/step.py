@@ -193,18 +193,14 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, 
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP:
         check_reduce_once(model.cfg, layout.mesh.shape)
-    if set(batch) - {"inputs", "targets"}:
-        raise ConfigError(
-            f"a batch with {', '.join(sorted(set(batch) - {'inputs', 'targets'}))} under a pipeline (mesh stage > 1): "
-            "the executor trains unpacked rows with every target counted; pack documents or mask the loss "
-            "on a layout without stage"
-        )
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
+    tokens = {"ids": micro["inputs"]} | {k: micro[k] for k in ("positions", "segments") if k in micro}
+    labels = {"targets": micro["targets"]} | ({"weights": micro["weights"]} if "weights" in micro else {})
     out = pipeline_grads(
         model,
-        micro["inputs"],
-        micro["targets"],
+        tokens,
+        labels,
         table,
         mesh=layout.mesh,
         losses=functools.partial(head_losses, z_loss=z_loss, chunks=model.execution.loss_chunks),

@@ -108,17 +108,20 @@ def from_hf(
     *,
     param_dtype: str = "float32",
     execution: Mapping[str, Any] | None = None,
+    layout=None,
     **overrides,
 ):
     """A jaxpar model from a Hugging Face folder, its parameters placed shard by shard on ``mesh`` (a
-    mesh preset name or spec such as ``"fsdp=4,tensor=2"``; None: one device). ``model(ids)`` with int32
+    mesh preset name or spec such as ``"fsdp=4,tensor=2"``; None: one device), or on ``layout`` (a
+    ``jaxpar.layout.Layout``, e.g. a training run's: ``jaxpar train --init-from``). ``model(ids)`` with int32
     ids [B, T] returns float32 logits [B, T, V]. ``overrides`` set model config fields; the model runs as
     the family's HF implementation does (``Family.execution``) with the ``execution`` changes (e.g.
     ``{"remat": "none"}``)."""
     cfg, fam, hf = hf_config(folder, param_dtype=param_dtype, **overrides)
     run = dataclasses.replace(fam.execution(hf.config), **dict(execution or {}))
     try:
-        layout = default_layout(cfg, mesh or "dp", devices=None if mesh else jax.devices()[:1], execution=run)
+        if layout is None:
+            layout = default_layout(cfg, mesh or "dp", devices=None if mesh else jax.devices()[:1], execution=run)
         with layout.activate():
             abstract = nnx.eval_shape(lambda: build_model(cfg, execution=run, rngs=nnx.Rngs(0)))
             graphdef, state = nnx.split(abstract)

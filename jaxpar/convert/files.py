@@ -73,6 +73,16 @@ def _header(path: Path) -> dict:
     return header
 
 
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """A Hugging Face model folder (config.json beside safetensors files), not a jaxpar checkpoint."""
+    path = Path(path)
+    return (
+        (path / "config.json").is_file()
+        and not (path / "checkpoints").is_dir()
+        and any(p.suffix == ".safetensors" for p in path.iterdir())
+    )
+
+
 class HFFolder:
     """The tensors of a Hugging Face folder: ``shape(name)``, ``read(name, box)`` (a tuple of slices)."""
 

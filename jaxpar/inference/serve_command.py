@@ -187,6 +187,14 @@ def check_budget(cfg, args, max_length: int) -> None:
             raise ConfigError(f"--memory-budget: {err}") from None
 
 
+def tokenizer_eos(tokenizer, special: dict, eos) -> tuple[int, ...]:
+    """The tokenizer's own end token (``eos_token`` of tokenizer_config.json, e.g. a chat template's
+    end-of-turn ``<|im_end|>``) as one more EOS id, when the model's files name another or none: a model
+    fine-tuned on chat (``jaxpar train --init-from``) and exported ends its replies with it."""
+    found = tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
+    return () if found is None or found in eos else (found,)
+
+
 def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     # deferred: jax, and modules that import it, the model zoo and the HTTP stack
     import jax
@@ -200,6 +208,7 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     max_length, group = check_args(args, cfg)
     check_budget(cfg, args, max_length)
     template, special = load_chat_template(tokenizer_file, args.chat_template)
+    eos = tuple(eos) + tokenizer_eos(tokenizer, special, eos)
     parser = Parser(
         model_name=args.model_name or Path(args.source).resolve().name,
         vocab_size=cfg.vocab_size,

@@ -242,7 +242,7 @@ class ModelParts:
 
     def chunk_input(self) -> jax.ShapeDtypeStruct:
         """The shape and dtype of a chunk's input (and output) for one microbatch."""
-        b, t = self.chunk.ids.shape[1:]
+        b, t = self.chunk.rows
         model = self._model(self._any_rows(), self.op, 0)
         return jax.ShapeDtypeStruct((b, t, model.cfg.embed_dim), model.execution.dtype)
 
@@ -252,19 +252,18 @@ class ModelParts:
 
     def forward(self, w, x, a):
         model = self._model(w, self.op, a.local_chunk)
-        _, positions, index, _ = model.inputs(self.chunk.ids[a.microbatch], stored=True)
+        _, positions, index, segments = self.chunk.tokens(model, a.microbatch)
         x = constrain(x, ("batch", "length", "act_embed"))
         stack = getattr(model, self.chunk.stack_name)
-        x, aux, stats = model.run_stack(stack, x, positions, index, self.chunk.rows_active(a.local_chunk))
+        x, aux, stats = model.run_stack(stack, x, positions, index, self.chunk.rows_active(a.local_chunk), segments)
         return (x, aux), stats
 
     def embed(self, o, a):
         model = self._model(self._any_rows(), o, 0)
-        ids, _, _, _ = model.inputs(self.chunk.ids[a.microbatch], stored=True)
-        return model.embed(ids)
+        return model.embed(self.chunk.tokens(model, a.microbatch)[0])
 
     def loss(self, o, x, a):
-        ce, z = self.chunk.losses(self._model(self._any_rows(), o, 0).head, x, self.chunk.targets[a.microbatch])
+        ce, z = self.chunk.loss(self._model(self._any_rows(), o, 0).head, x, a.microbatch)
         return ce + z, (ce, z)
 
 

@@ -90,8 +90,8 @@ def check_stack(
 
 def pipeline_grads(
     model: LanguageModel,
-    ids: jax.Array,
-    targets: jax.Array,
+    ids,
+    targets,
     table,
     /,
     *,
@@ -102,10 +102,12 @@ def pipeline_grads(
     split: StackSplit | None = None,
 ) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
-    ``table``; the same as accumulating over the m microbatches on one device.
+    ``table``; the same as accumulating over the m microbatches on one device. Packed rows and masked
+    losses: ``ids`` a dict of ``ids`` with ``positions`` and ``segments``, ``targets`` a dict of
+    ``targets`` with ``weights`` (``train.loss.token_weights``), each [m, b, T].
 
-    ``losses(head, x, targets) -> (cross_entropy, z_loss)``: of the logits ``head(x)`` (float32 scalars, means
-    over the microbatch; ``train.loss.head_losses``).
+    ``losses(head, x, targets, weights=None) -> (cross_entropy, z_loss)``: of the logits ``head(x)``
+    (float32 scalars, means over the microbatch; ``train.loss.head_losses``).
     ``mesh``: the layout's mesh, with ``stage`` = ``table.stages``. ``fsdp_gather``: ``step`` gathers
     the weights over ``fsdp`` once, before the schedule (``FsdpGather``). ``grad_reduce``: ``step``
     makes the batch axes manual too, so the weight gradients stay unreduced over them through the whole
@@ -123,9 +125,11 @@ def pipeline_grads(
             f"{split.rows} rows) stores {split.order.size}: create the state with the same split"
         )
     active = None if split.active.all() else split.active
-    stored = model.storage_order(ids.shape[-1])
+    ids = ids if isinstance(ids, dict) else {"ids": ids}
+    targets = targets if isinstance(targets, dict) else {"targets": targets}
+    stored = model.storage_order(ids["ids"].shape[-1])
     if stored is not None:  # zig-zag: tokens and targets in storage order, once, outside the stages
-        ids, targets = ids[..., stored], targets[..., stored]
+        ids, targets = jax.tree.map(lambda a: a[..., stored], (ids, targets))
     prefixed = model.prefix_stack is not None
     body = stage_body(graphdef, model.pipeline_stack, table, split.rows, losses, prefixed, active)
     specs = (P(AXIS), P(), P(AXIS), P(), P(), P())
@@ -220,10 +224,10 @@ def _prologue(graphdef, sp, op, sr, orest, ids, *, mesh):
     batch axis here); the result is gathered for stage 0."""
 
     def local(sp, op, sr, orest, ids):
-        def one(ids_i):
+        def one(tokens):
             model = nnx.merge(graphdef, *here((sp, op, sr, orest)))
-            ids_i, positions, index, _ = model.inputs(ids_i, stored=True)
-            return model.prefix(model.embed(ids_i), positions, index)
+            ids_i, positions, index, _ = model.inputs(tokens["ids"], tokens.get("positions"), stored=True)
+            return model.prefix(model.embed(ids_i), positions, index, tokens.get("segments"))
 
         return jax.lax.map(one, ids)
 

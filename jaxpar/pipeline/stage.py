@@ -176,20 +176,37 @@ def stats_zeros(stats, rows: int):
 class ChunkPrograms:
     """The forward and the objective of one model chunk on this stage, for an ``Action``: the model's
     pipelined stack ``stack_name`` (the stage's rows ``sr`` of its non-trained state, the replicated rest
-    ``orest``), microbatches ``ids``/``targets`` [m, b, T] in storage order, ``per_chunk`` layers a chunk.
+    ``orest``), microbatches ``ids``/``targets`` (dicts of [m, b, T] arrays: ``pipeline_grads``) in storage
+    order, ``per_chunk`` layers a chunk.
     ``prefixed``: chunk 0's input comes from the prologue, not the embedding."""
 
     graphdef: object
     stack_name: str
     sr: object
     orest: object
-    ids: jax.Array
-    targets: jax.Array
+    ids: dict
+    targets: dict
     losses: Callable
     per_chunk: int
     prefixed: bool
     active: object = None  # this stage's storage rows that hold a layer [v · per_chunk] (None: all)
     skip: bool = False  # padding rows are skipped by a branch (else computed and dropped)
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """(rows, tokens) of a microbatch."""
+        return self.ids["ids"].shape[1:]
+
+    def tokens(self, model, microbatch):
+        """(ids, positions, index, segments) of a microbatch, as the model's layers see them."""
+        mb = jax.tree.map(lambda a: a[microbatch], self.ids)
+        ids, positions, index, _ = model.inputs(mb["ids"], mb.get("positions"), stored=True)
+        return ids, positions, index, mb.get("segments")
+
+    def loss(self, head, x, microbatch):
+        """(cross-entropy, z-loss) of a microbatch's targets (weighed by its ``weights`` when given)."""
+        mb = jax.tree.map(lambda a: a[microbatch], self.targets)
+        return self.losses(head, x, mb["targets"], weights=mb.get("weights"))
 
     def rows_active(self, j):
         """``run_stack``'s ``active`` for local chunk j (None when every row holds a layer)."""
@@ -200,18 +217,18 @@ class ChunkPrograms:
         (model, x_out, weighted auxiliary loss, MoE statistics)."""
         rest = rows_of(self.sr, a.local_chunk, self.per_chunk)
         model = nnx.merge(self.graphdef, *here((stack_params, other_params, rest, self.orest)))
-        ids, positions, index, _ = model.inputs(self.ids[a.microbatch], stored=True)
+        ids, positions, index, segments = self.tokens(model, a.microbatch)
         x = x_in if self.prefixed else jnp.where(a.first, model.embed(ids), x_in)
         x = constrain(x, ("batch", "length", "act_embed"))
         stack = getattr(model, self.stack_name)
-        x, aux, stats = model.run_stack(stack, x, positions, index, self.rows_active(a.local_chunk))
+        x, aux, stats = model.run_stack(stack, x, positions, index, self.rows_active(a.local_chunk), segments)
         return model, x, aux, stats
 
     def objective(self, stack_params, other_params, x_in, a: Action):
         """``forward`` and the loss on the last model chunk:
         ((x_out, objective), (cross_entropy, z_loss, MoE statistics))."""
         model, x, aux, stats = self.forward(stack_params, other_params, x_in, a)
-        ce, z = self.losses(model.head, x, self.targets[a.microbatch])
+        ce, z = self.loss(model.head, x, a.microbatch)
         ce, z = jnp.where(a.last, ce, 0.0), jnp.where(a.last, z, 0.0)
         return (x, ce + z + aux), (ce, z, stats)
 
@@ -288,7 +305,7 @@ def initial_carry(chunk: ChunkPrograms, sp, op, table, start) -> Carry:
     n, name = chunk.per_chunk, chunk.stack_name
     parts = (rows_of(sp, 0, n), op, rows_of(chunk.sr, 0, n), chunk.orest)
     model = nnx.merge(chunk.graphdef, *here(parts))
-    b, t = chunk.ids.shape[1:]
+    b, t = chunk.rows
     x = jax.ShapeDtypeStruct((b, t, model.cfg.embed_dim), model.execution.dtype)
 
     def stack_stats(parts):

@@ -85,6 +85,7 @@ class TokenDtype(Choice):
 
 SPLITS = ("train", "eval")
 DOCUMENT_ORDER = 0x7061636B  # mixed into the loader seed for the order packed documents are placed in
+MIXTURE_SEED = 1_000_003  # source i of a mixture shuffles with seed + i × this
 ENDLESS = 2**62  # records a loader can yield: grain's repeat() makes len sys.maxsize, whose
 # batch(1) length ceil(maxsize / 1.0) = 2**63 overflows len(); repeat finitely
 
@@ -102,9 +103,13 @@ class DataConfig:
     shuffle: bool = True
     num_threads: int = 2  # grain read threads
     prefetch: int = 4  # grain prefetch buffer
+    # a mixture: data.path names several sources, "A,B,...", each held out and shuffled on its own
+    weights: str = ""  # each source's share of the rows, e.g. "3,1" ("": by size, as one stream would)
+    epochs: str = ""  # or: passes over each source per pass over the mixture, e.g. "1,4" (shares ∝ epochs × size)
 
     def __post_init__(self):
         check_choices(self, "data")
+        _mixture_numbers(self)  # (defined below)
         if not 0 < self.eval_fraction < 1:
             raise DataError(f"data.eval_fraction={self.eval_fraction}: must be between 0 and 1 (exclusive)")
         if self.markov_branching < 1:
@@ -181,6 +186,56 @@ def _packed_rows(cfg: DataConfig, *, vocab_size: int, seq: int, seed: int, split
     )
     identity = f"packed:{len(files.paths)}:{files.total}:{len(starts)}:{plan.rows}"
     return PackedRows(files.read, trained, plan, seq + 1, 0, plan.rows), text, identity
+
+
+# ---------------------------------------------------------------------------------- mixtures
+def _numbers(cfg: DataConfig, name: str) -> list[float] | None:
+    text = getattr(cfg, name)
+    if not text:
+        return None
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise DataError(f"data.{name}={text!r}: expected numbers separated by commas, e.g. 3,1") from None
+    if not all(v > 0 and np.isfinite(v) for v in values):
+        raise DataError(f"data.{name}={text!r}: every entry must be a positive number")
+    return values
+
+
+def _mixture_numbers(cfg: DataConfig) -> tuple[list[float] | None, list[float] | None]:
+    """(weights, epochs) of a mixture, checked against ``data.path``'s sources."""
+    weights, epochs = _numbers(cfg, "weights"), _numbers(cfg, "epochs")
+    sources = len(cfg.path.split(",")) if cfg.path else 0
+    if weights and epochs:
+        raise DataError("data.weights and data.epochs both given: a mixture's shares come from one of them")
+    for name, values in (("weights", weights), ("epochs", epochs)):
+        if values is not None and len(values) != sources:
+            raise DataError(
+                f"data.{name} has {len(values)} entries, data.path names {sources} source(s) "
+                f"({cfg.path!r}); give one entry per source (a mixture: data.path=A,B)"
+            )
+    if sources > 1 and cfg.eval_path and len(cfg.eval_path.split(",")) != sources:
+        raise DataError(
+            f"data.eval_path names {len(cfg.eval_path.split(','))} source(s), data.path {sources}: one held-out "
+            "source per source, or none (each source then holds out data.eval_fraction of its own)"
+        )
+    return weights, epochs
+
+
+def _parts(cfg: DataConfig) -> list[DataConfig]:
+    """One config per source of a mixture (``data.path`` with commas), else ``[cfg]``."""
+    paths = cfg.path.split(",") if cfg.source == DataSource.FILES and cfg.path else [cfg.path]
+    if len(paths) == 1:
+        return [cfg]
+    evals = cfg.eval_path.split(",") if cfg.eval_path else [""] * len(paths)
+    return [dataclasses.replace(cfg, path=p, eval_path=e, weights="", epochs="") for p, e in zip(paths, evals)]
+
+
+def _shares(cfg: DataConfig, sizes: list[int]) -> list[float]:
+    """Each source's share of a mixture's rows: ``data.weights``, or epochs × size, or size."""
+    weights, epochs = _mixture_numbers(cfg)
+    raw = weights or [e * n for e, n in zip(epochs or [1.0] * len(sizes), sizes)]
+    return [w / sum(raw) for w in raw]
 
 
 # ---------------------------------------------------------------------------------- loader
@@ -278,12 +333,20 @@ def make_loader(
             f"--batch {global_batch}: must be a positive multiple of the process count "
             f"({process_count}), each process loads an equal share"
         )
-    found = _source(cfg, vocab_size=vocab_size, seq=seq, seed=seed, split=split)
-    source, shuffle, text, identity, entropy, to_batch = found
-    ds = grain.MapDataset.source(source)
-    if split == "train" and shuffle:
-        ds = ds.shuffle(seed=seed % 2**32)  # grain's lazy index shuffle, reseeded every epoch by repeat
-    ds = ds.repeat(ENDLESS // len(source)).batch(global_batch // process_count)
+    found = [_source(part, vocab_size=vocab_size, seq=seq, seed=seed, split=split) for part in _parts(cfg)]
+    datasets = []
+    for i, (source, shuffle, *_) in enumerate(found):
+        ds = grain.MapDataset.source(source)
+        if split == "train" and shuffle:  # grain's lazy index shuffle, reseeded every epoch by repeat
+            ds = ds.shuffle(seed=(seed + MIXTURE_SEED * i) % 2**32)
+        datasets.append(ds.repeat(ENDLESS // len(found) // len(source)))
+    _, _, text, identity, entropy, to_batch = found[0]
+    if len(found) > 1:  # each row from source i with its share, in grain's fixed interleaving
+        shares = _shares(cfg, [len(f[0]) for f in found])
+        text = "mixture: " + "; ".join(f"{w:.1%} {f[2]}" for w, f in zip(shares, found))
+        identity = "mixture:" + "|".join(f"{w:.6f}:{f[3]}" for w, f in zip(shares, found))
+        ds, entropy = grain.MapDataset.mix(datasets, shares), None
+    ds = (ds if len(found) > 1 else datasets[0]).batch(global_batch // process_count)
     ds = ds[process_index::process_count].map(to_batch)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch))
     keys = {"source": identity, "split": split, "seq": seq, "batch": global_batch, "seed": seed}

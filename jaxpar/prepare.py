@@ -338,6 +338,30 @@ def _write(out: Path, docs, encoder: _Encoder, dtype: str, temps: dict[Path, Pat
     return meta
 
 
+def prepare(
+    inputs: list[str], out: str | Path, *, tokenizer: str, field: str = Field.TEXT, chat_template: str | None = None
+) -> int:
+    """``jaxpar prepare INPUTS --out OUT --tokenizer TOKENIZER --field FIELD`` (``jaxpar train --data``)."""
+    args = argparse.Namespace(
+        inputs=[str(p) for p in inputs],
+        out=str(out),
+        tokenizer=str(tokenizer),
+        bytes=False,
+        eos_token=None,
+        field=str(field),
+        chat_template=chat_template,
+        reader=Reader.NATIVE.value,
+        skip_bad=False,
+        eval_fraction=0.0,
+    )
+    return run(args)
+
+
+def outputs(out: Path, field: str) -> list[Path]:
+    """The files ``prepare`` writes for ``out`` (ids, sidecar, document offsets, and a chat's mask)."""
+    return _outputs(Path(out), field == Field.MESSAGES)
+
+
 def run(args) -> int:
     if args.eos_token and not args.tokenizer:
         raise DataError("--eos-token goes with --tokenizer; --bytes always uses EOS = 256")

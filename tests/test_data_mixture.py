@@ -94,3 +94,29 @@ def test_a_mixture_resumes_and_splits_as_one_process(tmp_path, processes):
 def test_a_mixture_that_cannot_be_is_refused(fields, words):
     with pytest.raises(DataError, match=words.replace("(", r"\(").replace(")", r"\)")):
         DataConfig(source="files", path="a.bin,b.bin", **fields)
+
+
+def test_a_run_on_a_packed_masked_mixture_resumes_bit_for_bit(tmp_path):
+    """``jaxpar train``'s loop on two chat-like sources (packed rows, loss masks, weights 2:1): stopped
+    after step 4 and run again, it resumes from the step-3 checkpoint with the losses of a run never
+    stopped, bit for bit (the loader's position is saved with every checkpoint)."""
+    from test_train import _cfg
+
+    from jaxpar.train.loop import train
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for name, n_docs in (("a", 150), ("b", 60)):
+        folder = tmp_path / name
+        folder.mkdir()
+        lengths = rng.integers(3, 30, n_docs)
+        np.save(folder / "t.npy", rng.integers(1, 256, lengths.sum()).astype(np.uint16))
+        np.save(folder / "t.docs.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        np.save(folder / "t.mask.npy", (rng.random(lengths.sum()) < 0.5).astype(np.uint8))
+        paths.append(str(folder / "t.npy"))
+    data = ["data.source=files", f"data.path={','.join(paths)}", "data.pack=documents", "data.weights=2,1"]
+    whole = train(_cfg(*data), tmp_path / "whole")
+    first = train(_cfg(*data), tmp_path / "run", stop_after=4)
+    second = train(_cfg(*data), tmp_path / "run")
+    assert first.last_step == 4 and second.start_step == 3 and whole.losses[6] < whole.losses[1]
+    assert [second.losses[s] for s in (4, 5, 6)] == [whole.losses[s] for s in (4, 5, 6)]

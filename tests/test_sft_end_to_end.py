@@ -1,12 +1,13 @@
-"""Supervised fine-tuning end to end, as docs/fine-tuning.md tells it: a chat jsonl, prepared with the
-tokenizer's template and mask; a random Hugging Face Llama fine-tuned from its folder (``jaxpar train
---init-from HF_DIR``) on packed rows until it reverses strings of letters; exported (``jaxpar convert
---to-hf``) and served (``jaxpar serve``), where the ``openai`` client's chat gets held-out strings
-(never in the training data) reversed. The user's turns were never trained: the prefix every user
-turn opens with ("reverse: ") stays as unlikely as chance would have it, though the model saw it
-3,000 times."""
+"""Supervised fine-tuning end to end, as docs/fine-tuning.md tells it: a random Hugging Face Llama
+fine-tuned from its folder on a chat jsonl (``jaxpar train --init-from HF_DIR --data chat.jsonl``: the
+records prepared on the fly with the folder's tokenizer, template and mask) on packed rows until it
+reverses strings of letters; exported (``jaxpar convert --to-hf``) and served (``jaxpar serve``), where
+the ``openai`` client's chat gets held-out strings (never in the training data) reversed. The user's
+turns were never trained: the prefix every user turn opens with ("reverse: ") stays no likelier than
+before, though the model saw it in every conversation."""
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -84,39 +85,19 @@ def _user_prefix_nll(folder) -> float:
     return float(-np.mean(logp[3:-1][np.arange(len(targets)), targets]))
 
 
-def test_fine_tune_a_hugging_face_model_on_chat_and_serve_it(tmp_path, capsys):
+def test_fine_tune_a_hugging_face_model_on_chat_and_serve_it(tmp_path):
     hf = _hf_folder(tmp_path / "hf")
     held = _chats(tmp_path / "chat.jsonl")
-    prepared = [
-        "prepare",
-        str(tmp_path / "chat.jsonl"),
-        "--field",
-        "messages",
-        "--tokenizer",
-        str(hf / "tokenizer.json"),
-    ]
-    assert main([*prepared, "--out", str(tmp_path / "chat.bin")]) == 0
-    capsys.readouterr()
     before = _user_prefix_nll(hf)
     train = [sys.executable, "-m", "jaxpar", "train", "--init-from", str(hf), "--out", str(tmp_path / "run")]
+    train += ["--data", str(tmp_path / "chat.jsonl")]  # tokenized on the fly with hf's tokenizer and template
     train += ["--batch", "16", "--seq", "64", "--steps", str(STEPS), "--cpu-devices", "1", "--mesh", "data=1"]
-    for item in (
-        "data.source=files",
-        f"data.path={tmp_path / 'chat.bin'}",
-        "data.pack=documents",
-        "log.progress=false",
-    ):
-        train += ["--set", item]
-    train += [
-        "--set",
-        "optimizer.learning_rate=3e-3",
-        "--set",
-        "log.eval_every=0",
-        "--set",
-        f"checkpoint.every={STEPS}",
-    ]
-    done = subprocess.run(train, capture_output=True, text=True, timeout=600)
+    train += ["--set", "log.progress=false", "--set", "optimizer.learning_rate=3e-3", "--set", "log.eval_every=0"]
+    train += ["--set", f"checkpoint.every={STEPS}"]
+    env = os.environ | {"JAXPAR_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(train, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "--data: prepared into" in done.stdout and "with loss masks" in done.stdout
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == STEPS and last["loss"] < 0.05, last
     assert main(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "ft")]) == 0

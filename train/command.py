@@ -14,12 +14,13 @@ import os
 
 import jax
 
-from jaxpar.errors import LaunchError
+from jaxpar.errors import ConfigError, LaunchError
 from jaxpar.mesh import simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
 from jaxpar.models import PRESETS as MODEL_PRESETS
 from jaxpar.settings import add_set_argument, positive_int
 from jaxpar.train.config import TrainConfig, apply_overrides, default_config
+from jaxpar.train.prepared import cached_path, ensure_prepared, field_of, tokenizer_of
 
 HELP = "train a model preset on a mesh layout (resumes from --out)"
 
@@ -86,6 +87,22 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         default=None,
         help="simulate this many CPU devices (per process when there are several)",
     )
+    data = parser.add_argument_group("records tokenized on the fly (docs/fine-tuning.md)")
+    data.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        metavar="INPUT",
+        help="text, jsonl, parquet or datasets inputs, prepared once into a cache (jaxpar prepare); "
+        "sets data.source=files data.pack=documents",
+    )
+    data.add_argument("--tokenizer", default=None, metavar="FILE", help="--data's tokenizer (default: --init-from's)")
+    data.add_argument(
+        "--data-field",
+        default=None,
+        choices=["text", "messages"],
+        help="--data's record field (default: messages when the records have them, else text)",
+    )
     _add_processes(parser)
     add_set_argument(parser, default_config(), note=" (with their defaults for --model tiny)")
     parser.add_argument("--profile-steps", default=None, metavar="A:B", help="jax.profiler trace of steps A..B")
@@ -138,7 +155,19 @@ def build_config(args: argparse.Namespace, /):
     flags = {k: getattr(args, k) for k in ("mesh", "steps", "batch", "seq") if getattr(args, k) is not None}
     log = {k: v for k, v in (("profile_steps", args.profile_steps), ("compile_cache", args.compile_cache)) if v}
     cfg = dataclasses.replace(cfg, **flags, log=dataclasses.replace(cfg.log, **log))
-    return apply_overrides(cfg, args.overrides)
+    return apply_overrides(cfg, [*data_settings(args), *args.overrides])
+
+
+def data_settings(args: argparse.Namespace, /) -> list[str]:
+    """The ``--set`` items ``--data`` stands for: the cache's prepared files, as packed documents."""
+    if not getattr(args, "data", None):
+        if getattr(args, "tokenizer", None) or getattr(args, "data_field", None):
+            raise ConfigError("--tokenizer and --data-field go with --data")
+        return []
+    tokenizer = tokenizer_of(args.tokenizer, args.init_from)
+    field = field_of(args.data, args.data_field)
+    args.prepared = (tokenizer, field, cached_path(args.data, tokenizer, field))
+    return ["data.source=files", f"data.path={args.prepared[2]}", "data.pack=documents"]
 
 
 def init_from_config(path: str, /):
@@ -162,6 +191,10 @@ def run(args: argparse.Namespace, /) -> int:
     from jaxpar.train.loop import train  # deferred: imports optax, orbax and the converters
 
     cfg = build_config(args).validate()
+    if getattr(args, "prepared", None):
+        tokenizer, field, path = args.prepared
+        if ensure_prepared(args.data, tokenizer, field, path, processes=jax.process_count()):
+            print(f"--data: prepared into {path.parent} (the cache)")
     result = train(cfg, args.out)
     if jax.process_index() != 0:
         return 0

@@ -5,8 +5,8 @@ notes with ``<!-- value: NAME FORMAT -->``; ``docs/hooks.py`` substitutes both w
 Every table here is a function of files in the repository (``benchmarks/results/*.json``,
 ``benchmarks/published_runs.json``, ``tests/golden/``, the notebooks' metadata) or of the presets in the
 code, so no measured number is typed into a page by hand. The tables live in the modules beside this file,
-by topic (``render_layout``, ``render_serving``, ``render_lab``, ``render_arch``, ``render_gpu``; their shared
-helpers in ``render_kit``).
+by topic (``render_layout``, ``render_serving``, ``render_lab``, ``render_arch``, ``render_gpu``,
+``render_data``; their shared helpers in ``render_kit``).
 
     python docs/render.py                  # the names of the tables
     python docs/render.py moe-dropped      # one table, as the site shows it
@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the table modules beside this file
 
 import render_arch  # noqa: E402
+import render_data  # noqa: E402
 import render_gpu  # noqa: E402
 import render_lab  # noqa: E402
 import render_layout  # noqa: E402
@@ -41,6 +42,7 @@ MODULES = (
     render_lab,
     render_arch,
     render_gpu,
+    render_data,
 )  # importing them registered their tables in TABLES
 
 # --- Markers ------------------------------------------------------------------------------------------------

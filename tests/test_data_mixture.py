@@ -5,11 +5,10 @@ documents, the mixture resumes bit for bit and splits over processes as one stre
 that cannot describe a mixture are refused by name."""
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
-from test_data_packing import _prepared
+from test_data_packing import _prepared, resumes_and_splits_as_one_process
 
 from jaxpar.data import DataConfig, DataError, make_loader
 
@@ -65,18 +64,7 @@ def test_epochs_repeat_each_source_that_many_times_per_pass(tmp_path):
 def test_a_mixture_resumes_and_splits_as_one_process(tmp_path, processes):
     cfg = dataclasses.replace(_two_sources(tmp_path, "documents"), weights="2,1")
     kw = dict(vocab_size=3_000_000, seq=SEQ, global_batch=4, seed=7)
-    single = [next(it) for it in [make_loader(cfg, **kw)] for _ in range(6)]
-    parts = [make_loader(cfg, **kw, process_index=p, process_count=processes) for p in range(processes)]
-    for k in range(3):
-        got = [next(p) for p in parts]
-        for key in single[k]:
-            np.testing.assert_array_equal(np.concatenate([g[key] for g in got]), single[k][key])
-    state = json.loads(json.dumps(parts[0].get_state()))
-    resumed = make_loader(cfg, **kw, process_index=0, process_count=processes)
-    resumed.set_state(state)
-    nxt = next(resumed)
-    for key in nxt:
-        np.testing.assert_array_equal(nxt[key], single[3][key][: 4 // processes])
+    state = resumes_and_splits_as_one_process(cfg, processes, **kw)
     with pytest.raises(DataError, match="saved with source="):  # other shares: another stream
         make_loader(dataclasses.replace(cfg, weights="1,1"), **kw).set_state(state)
 

@@ -70,11 +70,10 @@ def test_rows_hold_whole_documents_with_their_mask(tmp_path):
     assert len(set(placed)) > 10  # many documents' first tokens, each from the start
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_packed_loader_resumes_and_splits_as_one_process(tmp_path, processes):
-    cfg, _, _ = _prepared(tmp_path / "d", LENGTHS * 4)
-    cfg = dataclasses.replace(cfg, shuffle=True)
-    kw = dict(vocab_size=1_000_000, seq=SEQ, global_batch=4, seed=5)
+def resumes_and_splits_as_one_process(cfg: DataConfig, processes: int, **kw) -> dict:
+    """Asserts ``processes`` loaders of ``cfg`` give, together, the batches of one, and that a loader
+    resumed from process 0's state goes on where it stopped; returns that state."""
+    kw = dict(seq=SEQ, global_batch=4) | kw
     single = [next(it) for it in [make_loader(cfg, **kw)] for _ in range(6)]
     parts = [make_loader(cfg, **kw, process_index=p, process_count=processes) for p in range(processes)]
     for k in range(3):
@@ -87,6 +86,13 @@ def test_packed_loader_resumes_and_splits_as_one_process(tmp_path, processes):
     nxt = next(resumed)
     for key in nxt:
         np.testing.assert_array_equal(nxt[key], single[3][key][: 4 // processes])
+    return state
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_packed_loader_resumes_and_splits_as_one_process(tmp_path, processes):
+    cfg, _, _ = _prepared(tmp_path / "d", LENGTHS * 4)
+    resumes_and_splits_as_one_process(dataclasses.replace(cfg, shuffle=True), processes, vocab_size=10**6, seed=5)
 
 
 def test_what_cannot_be_packed_is_refused(tmp_path):

@@ -106,5 +106,5 @@ def test_a_run_on_a_packed_masked_mixture_resumes_bit_for_bit(tmp_path):
     whole = train(_cfg(*data), tmp_path / "whole")
     first = train(_cfg(*data), tmp_path / "run", stop_after=4)
     second = train(_cfg(*data), tmp_path / "run")
-    assert first.last_step == 4 and second.start_step == 3 and whole.losses[6] < whole.losses[1]
+    assert first.last_step == 4 and second.start_step == 3
     assert [second.losses[s] for s in (4, 5, 6)] == [whole.losses[s] for s in (4, 5, 6)]

@@ -4,10 +4,11 @@ or is trained on another document (the model honours ``segments`` on every atten
 
 The plan (``plan_rows``), made once from the documents' lengths:
 
-* documents are taken in the given order (a seeded shuffle, or the files' order), and each is placed in
-  the current row if it fits in the room left, else it starts the next row (greedy, first fit in order);
-* a document longer than a row is cut into pieces of ``seq + 1`` tokens, each piece a document of its own
-  (its positions restart: the model never sees across the cut);
+* documents are taken in the given order (a seeded shuffle, or the files' order); a document longer than
+  a row is cut into pieces of ``seq + 1`` tokens, each piece a document of its own (its positions restart:
+  the model never sees across the cut);
+* each piece goes to the open row with the least room that still fits it (best fit), or opens a new
+  row; at most ``OPEN_ROWS`` rows are open, and beyond that the fullest is closed;
 * the room a row has left is padding: token 0, a segment of its own, nothing trained.
 
 A row (``PackedRows[i]``) is read from the token files by the plan alone, so rows are random access (grain
@@ -19,9 +20,12 @@ every token of a text document).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import numpy as np
+
+OPEN_ROWS = 64  # rows the plan keeps open for documents to fill (best fit among them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +46,9 @@ class RowPlan:
         return float(self.length.sum()) / max(1, self.rows * row_tokens)
 
 
-def plan_rows(starts: np.ndarray, lengths: np.ndarray, row_tokens: int) -> RowPlan:
-    """The greedy plan (module docstring) of documents ``starts``/``lengths`` (in that order) into rows of
-    ``row_tokens`` tokens."""
+def plan_rows(starts: np.ndarray, lengths: np.ndarray, row_tokens: int, window: int = OPEN_ROWS) -> RowPlan:
+    """The plan (module docstring) of documents ``starts``/``lengths``, taken in that order, into rows of
+    ``row_tokens`` tokens, with at most ``window`` rows open at a time."""
     starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
     starts, lengths = starts[lengths > 0], lengths[lengths > 0]
     cuts = -(-lengths // row_tokens)  # pieces per document
@@ -52,15 +56,23 @@ def plan_rows(starts: np.ndarray, lengths: np.ndarray, row_tokens: int) -> RowPl
     within = np.arange(len(piece_doc)) - np.repeat(np.cumsum(cuts) - cuts, cuts)  # piece index in its document
     start = starts[piece_doc] + within * row_tokens
     length = np.minimum(lengths[piece_doc] - within * row_tokens, row_tokens)
-    row_ptr, room = [0], row_tokens
-    for p, n in enumerate(length.tolist()):  # a piece that does not fit starts the next row
-        if n > room:
-            row_ptr.append(p)
-            room = row_tokens
-        room -= n
-    if len(length):
-        row_ptr.append(len(length))
-    return RowPlan(start, length, np.asarray(row_ptr, np.int64))
+    rows: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []  # the open rows as (room, row), sorted
+    for p, n in enumerate(length.tolist()):
+        at = bisect.bisect_left(rooms, (n, -1))  # the open row with the least room that fits (best fit)
+        if at < len(rooms):
+            room, r = rooms.pop(at)
+        else:
+            room, r = row_tokens, len(rows)
+            rows.append([])
+        rows[r].append(p)
+        if room > n:
+            bisect.insort(rooms, (room - n, r))
+        if len(rooms) > window:  # close the fullest
+            rooms.pop(0)
+    order = np.asarray([p for row in rows for p in row], np.int64)
+    row_ptr = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int64)
+    return RowPlan(start[order], length[order], row_ptr)
 
 
 class PackedRows:

@@ -15,6 +15,7 @@ Parameter names:
     norm       scale vectors of norms over D
     experts    the expert axis E of MoE expert weights
     q_lora / kv_lora   the low-rank latent widths of Multi-head Latent Attention (DeepSeek)
+    lora_rank  the rank of a LoRA adapter (``jaxpar.layers.lora``; replicated in every table)
 Activation names:
     batch        sequences B
     length       positions T of the residual stream *between* blocks (Megatron sequence parallelism
@@ -55,6 +56,7 @@ PARAM_AXES = (
     "experts",
     "q_lora",
     "kv_lora",
+    "lora_rank",
 )
 ACTIVATION_AXES = (
     "batch",

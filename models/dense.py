@@ -33,6 +33,7 @@ from jaxpar.execution import ATTN_NAMES, ExecutionConfig, Remat  # noqa: F401  (
 from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
+from jaxpar.layers.lora import LoraConfig
 from jaxpar.model_api import ForwardOutput
 from jaxpar.models.stacks import scan_blocks, split_stack, stacked
 from jaxpar.parallel.attention import storage_order
@@ -72,6 +73,7 @@ class DenseConfig:
     param_dtype: DType = DType.FLOAT32  # storage dtype of parameters (and so of optimizer state)
     vocab_multiple: int = 128  # the embedding is padded to a multiple of this (shardable vocab)
     max_seq_len: int = 2048  # longest sequence the model is meant for (HF max_position_embeddings)
+    lora: LoraConfig = LoraConfig()  # adapters on named projections (rank 0: none; jaxpar.layers.lora)
 
     # The parts other families add, as every family answers them (plain class attributes, not fields:
     # the dense config's data holds none of them). ``MoEModelConfig`` declares them as fields.
@@ -124,6 +126,7 @@ class DenseConfig:
             sliding_window=self.sliding_window,
             implementation=execution.attention_impl,
             context_parallel=execution.context_parallel,
+            lora=self.lora,
         )
 
     def attention_module(self, execution: ExecutionConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -172,7 +175,7 @@ class Block(nnx.Module):
     def _init_feed_forward(self, cfg, execution: ExecutionConfig, rngs: nnx.Rngs) -> None:
         """The block's second half (families with another feed-forward override this)."""
         kw = dict(dtype=execution.dtype, param_dtype=cfg.param_dtype)
-        self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, **kw)
+        self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, lora=cfg.lora, **kw)
 
     def _attend(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None, segments=None):
         """x plus attention; (x, cache) with a KV cache (generation)."""

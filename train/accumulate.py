@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
+from jaxpar.layers.lora import trainable
 from jaxpar.layout import Layout
 from jaxpar.parallel.manual import GradReduce, batch_axes, gathered, manual_spec, reduced  # noqa: F401  (re-exported)
 from jaxpar.rules import constrain
@@ -64,7 +65,7 @@ def reduced_once(model, batch, loss_fn, grad_accum: int, layout: Layout, slices)
     """(mean loss parts, mean gradient) of ``model`` over ``batch`` in ``grad_accum`` slices per device
     (``slices(batch, k)``: [k, rows/k, ...]), the gradients reduced once (module docstring)."""
     axes = batch_axes(layout.mesh, layout.rules)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, trainable(model), ...)
     variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     specs = [manual_spec(v.out_sharding, layout.rules, axes) for v in variables]
     leaves, treedef = jax.tree.flatten(params)

@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxpar.config import Choice, check_choices
 from jaxpar.errors import ConfigError
+from jaxpar.layers.lora import trainable
 
 
 class Schedule(Choice):
@@ -83,10 +84,11 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int | None, /) -> optax.Sch
 def decay_mask(model: nnx.Module):
     """Weight decay on weight matrices and embeddings (parameters with an ``embed`` dimension); none on
     norm scales and biases. Decided by logical names, so a stacked ``[layers, D]`` norm is not a matrix.
-    A static tree of bools shaped like ``nnx.state(model, nnx.Param)``."""
+    A static tree of bools shaped like ``nnx.state(model, trainable(model))``: a LoRA adapter's A and B
+    (``lora_rank`` with an ``embed`` side, or the other) decay as the matrices they stand for."""
     return jax.tree.map(
-        lambda v: "embed" in (v.get_metadata().get("out_sharding") or ()),
-        nnx.state(model, nnx.Param),
+        lambda v: bool({"embed", "lora_rank"} & set(v.get_metadata().get("out_sharding") or ())),
+        nnx.state(model, trainable(model)),
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxpar.errors import ConfigError
+from jaxpar.layers.lora import trainable
 from jaxpar.layout import Layout
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.stack import StackSplit
@@ -104,7 +105,7 @@ def init_program(
 
     def create():
         model = make_model(nnx.Rngs(params=seed))
-        return model, nnx.Optimizer(model, make_tx(model), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, make_tx(model), wrt=trainable(model))  # adapters alone, with LoRA
 
     with layout.activate():
         abstract_model = nnx.eval_shape(create)
@@ -172,7 +173,7 @@ def _accumulated_grads(model, batch: Batch, loss_fn, grad_accum: int, grad_reduc
     if grad_accum > 1 and once and batch_axes(layout.mesh, layout.rules):
         check_reduce_once(model.cfg, layout.mesh.shape)
         return reduced_once(model, batch, loss_fn, grad_accum, layout, _split_slices)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # rest: non-trained state (router bias)
+    graphdef, params, rest = nnx.split(model, trainable(model), ...)  # rest: the router bias, a LoRA base
     rest, rest_def = jax.tree.flatten(rest)  # plain arrays: the Variables are rebuilt inside the
 
     # differentiated function, at its trace level
@@ -193,6 +194,11 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, 
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP:
         check_reduce_once(model.cfg, layout.mesh.shape)
+    if model.cfg.lora.rank:
+        raise ConfigError(
+            f"model.lora.rank={model.cfg.lora.rank} under a pipeline (mesh stage > 1): the executor trains every "
+            "parameter; train adapters on a layout without stage"
+        )
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
     tokens = {"ids": micro["inputs"]} | {k: micro[k] for k in ("positions", "segments") if k in micro}

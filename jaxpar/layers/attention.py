@@ -29,6 +29,7 @@ from jaxpar.layers.kvcache import (
     slot_axis,
     values_layout,
 )
+from jaxpar.layers.lora import SPECS, LoraConfig, add_adapter, delta, project
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.layers.rope import RopeScaling, YarnScaling, apply_rope, rope_frequencies
 from jaxpar.parallel.attention import ContextParallel, context_attention
@@ -49,9 +50,13 @@ class AttentionConfig:
     sliding_window: int | None = None  # a token sees itself and the (window - 1) tokens before it
     implementation: AttentionImpl | None = None
     context_parallel: ContextParallel = ContextParallel.NONE  # attention over a split sequence
+    lora: LoraConfig | None = None  # adapters on q, k, v, o (``jaxpar.layers.lora``)
 
     def __post_init__(self):
         check_choices(self, "execution")  # its choices are execution settings
+
+
+PROJECT, OUTPUT = SPECS["q"], SPECS["o"]  # q, k, v; o
 
 
 def output_projection(out: jax.Array, o: jax.Array, *, flat: bool) -> jax.Array:
@@ -79,6 +84,9 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, eps=cfg.norm_eps, name="head_dim", param_dtype=param_dtype)
             self.k_norm = RMSNorm(h, eps=cfg.norm_eps, name="head_dim", param_dtype=param_dtype)
+        for name in ("q", "k", "v"):
+            add_adapter(self, name, PROJECT, cfg.lora, rngs)
+        add_adapter(self, "o", OUTPUT, cfg.lora, rngs)
 
     @property
     def inv_freq(self) -> np.ndarray:
@@ -89,8 +97,7 @@ class Attention(nnx.Module):
         return rope_frequencies(cfg.head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
 
     def _project(self, x, name: str, heads_axis: str):
-        w = getattr(self, name)[...].astype(self.dtype)
-        y = jnp.einsum("btd,dnh->btnh", x, w)
+        y = project(self, name, PROJECT, x, getattr(self, name)[...].astype(self.dtype))
         if self.cfg.qkv_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(self.dtype)
         if self.cfg.qk_norm and name != "v":
@@ -138,5 +145,7 @@ class Attention(nnx.Module):
                 cache = map_arrays(KVCache(keys_layout(k), values_layout(v)), constrain)
         out = checkpoint_name(constrain(out, ("batch", "inner_length", "act_heads", None)), "attn_ctx")  # [B, T, N, H]
         o = self.o[...].astype(self.dtype)
-        y = constrain(output_projection(out, o, flat=cache is not None), ("batch", "length", "act_embed"))
+        y = output_projection(out, o, flat=cache is not None)
+        extra = delta(self, "o", OUTPUT, out)
+        y = constrain(y if extra is None else y + extra, ("batch", "length", "act_embed"))
         return y if cache is None else (y, cache)

@@ -8,23 +8,27 @@ reduces one input gradient per MLP instead of two (Megatron's fused column-paral
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.layers.common import param
+from jaxpar.layers.lora import SPECS, LoraConfig, add_adapter, project
 from jaxpar.rules import constrain
+
+GATE_UP, DOWN = SPECS["gate_up"], SPECS["down"]
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.dtype = dtype
         self.gate_up = param(rngs, (dim, 2, hidden), ("embed", None, "mlp"), dtype=param_dtype)  # column-parallel
         self.down = param(rngs, (hidden, dim), ("mlp", "embed"), dtype=param_dtype)  # row-parallel
+        add_adapter(self, "gate_up", GATE_UP, lora, rngs)  # (jaxpar.layers.lora)
+        add_adapter(self, "down", DOWN, lora, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(x, ("batch", "inner_length", "act_embed"))  # x: [B, T, D]
-        h = jnp.einsum("btd,dgf->btgf", x, self.gate_up[...].astype(self.dtype))
+        h = project(self, "gate_up", GATE_UP, x, self.gate_up[...].astype(self.dtype))
         h = constrain(h, ("batch", "inner_length", None, "act_mlp"))  # h: [B, T, 2, F]
         h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "inner_length", "act_mlp"))  # [B, T, F]
-        y = jnp.einsum("btf,fd->btd", h, self.down[...].astype(self.dtype))
+        y = project(self, "down", DOWN, h, self.down[...].astype(self.dtype))
         return constrain(y, ("batch", "length", "act_embed"))

@@ -1,0 +1,156 @@
+"""LoRA adapters (Hu et al. 2021) on a model's named projections.
+
+A projection ``y = einsum(spec, x, W)`` with an adapter becomes ``y + (alpha / rank) · (x A) B``: ``A``
+maps the dimensions ``W`` contracts to ``rank``, ``B`` maps ``rank`` to ``W``'s output dimensions
+(per expert, or per any dimension ``W`` shares with both ``x`` and ``y``). The adapter path is computed
+apart, so the backward pass forms only adapter-sized weight gradients, never ``W``'s.
+
+* ``A`` starts as PEFT's (Kaiming-uniform with a = √5, over its fan-in), ``B`` at zero: a fresh adapter
+  leaves every logit bit for bit the base model's.
+* Sharding: ``A`` carries ``W``'s input axis names and ``lora_rank``, ``B`` carries ``lora_rank`` and
+  ``W``'s output names; ``lora_rank`` is replicated in every rules table.
+* Only adapters train: they are ``LoraParam``s, and ``trainable(model)`` is the filter the optimizer and
+  the gradients take (``nnx.Param`` for a model without adapters).
+
+``model.lora.targets`` names the projections: ``q``, ``k``, ``v``, ``o`` (GQA attention), ``gate_up``,
+``down`` (the dense SwiGLU MLPs: every layer of a dense model, the dense layers and shared experts of an
+MoE model). ``model.lora.rank=0`` (the default) means no adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.errors import ConfigError
+
+# Each target's projection, einsum(spec, x, W), as the layers compute it
+SPECS = {
+    "q": "btd,dnh->btnh",
+    "k": "btd,dnh->btnh",
+    "v": "btd,dnh->btnh",
+    "o": "btnh,nhd->btd",
+    "gate_up": "btd,dgf->btgf",
+    "down": "btf,fd->btd",
+}
+TARGETS = tuple(SPECS)
+RANK_AXIS = "lora_rank"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0  # 0: no adapters
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    targets: str = "q,k,v,o"  # comma-separated projection names (``TARGETS``)
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ConfigError(f"model.lora.rank={self.rank}: must be ≥ 1 (or 0: no adapters)")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ConfigError(f"model.lora.alpha={self.alpha}: must be a positive number")
+        names = [t.strip() for t in self.targets.split(",") if t.strip()]
+        if not names or any(t not in TARGETS for t in names):
+            raise ConfigError(f"model.lora.targets={self.targets!r}: name projections among {', '.join(TARGETS)}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The targeted projections (none without a rank)."""
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip()) if self.rank else ()
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraParam(nnx.Param):
+    """An adapter's weights: the only parameters a run with adapters trains."""
+
+
+def trainable(model) -> type:
+    """The parameters training updates: the adapters when the model has any, else every parameter."""
+    has = any(isinstance(v, LoraParam) for _, v in nnx.iter_graph(model))
+    return LoraParam if has else nnx.Param
+
+
+def _letters(spec: str):
+    """(x, w, y letters, W's contracted, shared and output letters) of an einsum ``x,w->y``."""
+    if "z" in spec:
+        raise ValueError(f"lora: {spec!r} uses z, the adapter's rank letter")
+    ins, y = spec.split("->")
+    x, w = ins.split(",")
+    contracted = "".join(c for c in w if c in x and c not in y)
+    shared = "".join(c for c in w if c in x and c in y)
+    out = "".join(c for c in w if c not in x)
+    return x, w, y, contracted, shared, out
+
+
+def add_adapter(module: nnx.Module, name: str, spec: str, lora: LoraConfig | None, rngs: nnx.Rngs) -> None:
+    """Adds ``{name}_lora_a``/``_b`` to ``module`` for its weight ``name`` used as ``einsum(spec, x, W)``,
+    when ``lora`` targets ``name``."""
+    if lora is None or name not in lora.names:
+        return
+    weight = getattr(module, name)
+    _, w, _, contracted, shared, out = _letters(spec)
+    dims = dict(zip(w, zip(weight.shape, weight.get_metadata()["out_sharding"])))
+    a_dims = [dims[c] for c in shared + contracted] + [(lora.rank, RANK_AXIS)]
+    b_dims = [dims[c] for c in shared] + [(lora.rank, RANK_AXIS)] + [dims[c] for c in out]
+    fan_in = math.prod(dims[c][0] for c in contracted)
+    bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=√5): √(6 / ((1 + 5) · fan_in))
+    a = jax.random.uniform(rngs.params(), [n for n, _ in a_dims], weight.dtype, -bound, bound)
+    b = jnp.zeros([n for n, _ in b_dims], weight.dtype)
+    for suffix, value, names in (("a", a, a_dims), ("b", b, b_dims)):
+        var = LoraParam(value, out_sharding=tuple(n for _, n in names), eager_sharding=False)
+        setattr(module, f"{name}_lora_{suffix}", var)
+    module.lora_scale = lora.scale  # static: alpha / rank
+
+
+def delta(module: nnx.Module, name: str, spec: str, x: jax.Array) -> jax.Array | None:
+    """The adapter of weight ``name`` on ``x``, ``scale · einsum(x A) B`` shaped as ``einsum(spec, x, W)``,
+    or None when ``module`` has none."""
+    if not hasattr(module, f"{name}_lora_a"):
+        return None
+    xs, _, ys, contracted, shared, out = _letters(spec)
+    a = getattr(module, f"{name}_lora_a")[...].astype(x.dtype)
+    b = getattr(module, f"{name}_lora_b")[...].astype(x.dtype)
+    low = "".join(c for c in xs if c not in contracted) + "z"  # x's dimensions but the contracted, and rank
+    xa = jnp.einsum(f"{xs},{shared}{contracted}z->{low}", x, a)
+    return jnp.einsum(f"{low},{shared}z{out}->{ys}", xa, b) * jnp.asarray(module.lora_scale, x.dtype)
+
+
+def project(module: nnx.Module, name: str, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum(spec, x, w)``, plus the adapter of weight ``name`` when ``module`` has one."""
+    y = jnp.einsum(spec, x, w)
+    extra = delta(module, name, spec, x)
+    return y if extra is None else y + extra
+
+
+def _merge(w: jax.Array, a: jax.Array, b: jax.Array, *, spec: str, scale: float) -> jax.Array:
+    _, ws, _, contracted, shared, out = _letters(spec)
+    ab = jnp.einsum(f"{shared}{contracted}z,{shared}z{out}->{ws}", a.astype(jnp.float32), b.astype(jnp.float32))
+    return (w.astype(jnp.float32) + scale * ab).astype(w.dtype)
+
+
+def merged_state(model: nnx.Module) -> nnx.State:
+    """The state of the same model without adapters: every targeted weight with its adapter folded in,
+    ``W + scale · A B`` (computed in float32, stored in W's dtype), the adapters dropped. Stacked layers
+    merge layer by layer."""
+    model = nnx.clone(model)
+    for _, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Module) or not hasattr(module, "lora_scale"):
+            continue
+        for name, spec in SPECS.items():
+            if not hasattr(module, f"{name}_lora_a"):
+                continue
+            weight = getattr(module, name)
+            merge = functools.partial(_merge, spec=spec, scale=module.lora_scale)
+            for _ in range(weight.ndim - len(spec.split(",")[1].split("->")[0])):  # stacked: over the layers
+                merge = jax.vmap(merge)
+            weight[...] = merge(
+                weight[...], getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
+            )
+    return nnx.state(model, nnx.Not(LoraParam))

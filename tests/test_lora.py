@@ -1,0 +1,132 @@
+"""LoRA adapters (jaxpar.layers.lora): a fresh adapter leaves the base model's logits bit for bit, a
+merged adapter gives the unmerged logits, training moves the adapters alone (the optimizer holds
+nothing else and the base is bit for bit unchanged), and the adapters' gradients are the one-device
+ones on the parallel layouts, within the measured noise."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from invariance import OPTIMIZER, reference, train_steps
+from noise import check_mutation_caught, check_run
+
+from jaxpar.errors import ConfigError
+from jaxpar.execution import ExecutionConfig
+from jaxpar.layers.lora import LoraConfig, LoraParam, merged_state
+from jaxpar.layout import make_layout
+from jaxpar.meshes import resolve_mesh_arg
+from jaxpar.models import build_model, get_model_preset
+from jaxpar.train.optim import make_optimizer
+from jaxpar.train.step import init_train_state, make_train_step
+
+ALL = "q,k,v,o,gate_up,down"
+IDS = np.random.default_rng(0).integers(0, 256, (4, 16)).astype(np.int32)
+B, T, STEPS = 8, 16, 3
+TOKENS = np.random.default_rng(1).integers(0, 256, (STEPS, B, T + 1), dtype=np.int32)
+
+
+def _lora(name: str = "tiny", **fields):
+    cfg = get_model_preset(name)
+    return dataclasses.replace(cfg, lora=LoraConfig(**({"rank": 4, "targets": ALL} | fields)))
+
+
+def _with_random_b(model, seed: int = 1):
+    """``model`` with every adapter's B drawn at random (a trained adapter, as far as logits go)."""
+    rng = np.random.default_rng(seed)
+    flat = [
+        (p, v.replace(rng.normal(0, 0.05, v.get_value().shape).astype(np.float32)) if str(p[-1]).endswith("_b") else v)
+        for p, v in nnx.to_flat_state(nnx.state(model, LoraParam))
+    ]
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+def test_a_fresh_adapter_leaves_the_base_logits_bit_for_bit():
+    model = build_model(_lora(), rngs=nnx.Rngs(params=0))
+    base = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(params=1))
+    nnx.update(base, nnx.state(model, nnx.Not(LoraParam)))  # the same base weights, no adapters
+    assert np.array_equal(np.asarray(model(IDS)), np.asarray(base(IDS)))
+    assert not np.array_equal(np.asarray(_with_random_b(model)(IDS)), np.asarray(base(IDS)))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_merged_adapters_give_the_unmerged_logits(name):
+    targets = ALL if name == "tiny" else "q,k,v,o"
+    model = _with_random_b(build_model(_lora(name, targets=targets), rngs=nnx.Rngs(params=0)))
+    base = build_model(get_model_preset(name), rngs=nnx.Rngs(params=1))
+    nnx.update(base, merged_state(model))
+    np.testing.assert_allclose(np.asarray(base(IDS)), np.asarray(model(IDS)), rtol=0, atol=1e-5)
+
+
+def test_training_moves_the_adapters_alone():
+    cfg, execution = _lora(), ExecutionConfig()
+    layout = make_layout(cfg, resolve_mesh_arg("fsdp=8"), batch=B, seq=T, execution=execution)
+    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OPTIMIZER), layout)
+    model, opt = nnx.merge(ts.graphdef, ts.state)
+    base = jax.tree.map(np.asarray, nnx.state(model, nnx.Not(LoraParam)))
+    adapters = {p: v.get_value().shape for p, v in nnx.to_flat_state(nnx.state(model, LoraParam))}
+    moments = [x.shape for x in jax.tree.leaves(nnx.state(opt, nnx.OptState)) if x.ndim]
+    assert sorted(moments) == sorted(2 * list(adapters.values()))  # Adam's two moments, of adapters only
+    step, state, losses = make_train_step(ts, layout), ts.state, []
+    for i in range(STEPS):
+        state, metrics = step(state, {"inputs": TOKENS[i, :, :-1], "targets": TOKENS[i, :, 1:]})
+        losses.append(float(metrics.loss))
+    model, _ = nnx.merge(ts.graphdef, state)
+    after = jax.tree.map(np.asarray, nnx.state(model, nnx.Not(LoraParam)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(base)))
+    moved = [
+        np.abs(np.asarray(v.get_value())).max()
+        for p, v in nnx.to_flat_state(nnx.state(model, LoraParam))
+        if str(p[-1]).endswith("_b")
+    ]
+    assert min(moved) > 0  # every B left zero
+
+
+@pytest.fixture(scope="module")
+def lora_reference():
+    return reference(_lora(), TOKENS, "lora")
+
+
+@pytest.mark.parametrize(
+    "mesh, settings",
+    [
+        ("fsdp=8", {}),
+        ("data=2,tensor=4", {}),
+        ("data=2,sequence=4", dict(context_parallel="ring")),
+        ("data=4,sequence=2", dict(context_parallel="ulysses")),
+    ],
+)
+def test_adapter_gradients_equal_one_device(lora_reference, mesh, settings):
+    ref, bound = lora_reference
+    run = train_steps(_lora(), resolve_mesh_arg(mesh), TOKENS, execution=ExecutionConfig(**settings))
+    assert set(ref.grads[0]) == set(run.grads[0]) and all("lora" in p for p in run.grads[0])
+    check_run(run, ref, bound, f"lora {mesh} {settings}")
+
+
+def test_a_wrong_adapter_gradient_is_caught(lora_reference):
+    """The bound catches an adapter scaled wrong (alpha 32 for 16: the update's size doubles)."""
+    ref, bound = lora_reference
+    check_mutation_caught(
+        train_steps(_lora(alpha=32.0), resolve_mesh_arg("fsdp=8"), TOKENS), ref, bound, "alpha doubled"
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (dict(rank=-1), "model.lora.rank=-1"),
+        (dict(targets="q,attn"), "model.lora.targets='q,attn'"),
+        (dict(alpha=0.0), "model.lora.alpha=0.0"),
+    ],
+)
+def test_bad_adapters_are_refused_by_name(fields, words):
+    with pytest.raises(ConfigError, match=words):
+        _lora(**fields)
+
+
+def test_mla_attention_has_no_qkvo_adapters():
+    with pytest.raises(ConfigError, match="MLA attention has no q, k, v, o adapters"):
+        _lora("tiny-deepseek", targets="q")

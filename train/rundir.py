@@ -17,6 +17,7 @@ from jaxpar.convert import from_hf, hf_config
 from jaxpar.convert.files import is_hf_folder
 from jaxpar.convert.store import load_model
 from jaxpar.identity import Entry, check_fits
+from jaxpar.layers.lora import LoraConfig
 from jaxpar.layout import Layout
 from jaxpar.models import DenseConfig, build_model
 from jaxpar.train.config import TrainConfig, to_dict
@@ -64,11 +65,12 @@ def check_init_from(cfg: TrainConfig) -> None:
         )
     model = saved.config.get("model") if isinstance(saved.config, dict) else None
     is_run = isinstance(saved.config, dict) and saved.config.get("format") != "jaxpar-model"
-    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, execution=cfg.execution, rngs=nnx.Rngs(0))))
+    base = _base(cfg, model)
+    abstract = nnx.state(nnx.eval_shape(lambda: build_model(base, execution=cfg.execution, rngs=nnx.Rngs(0))))
     check_fits(
         Entry.INIT_FROM,
         saved_config=model,
-        current=to_dict(cfg.model, DenseConfig),
+        current=to_dict(base, DenseConfig),
         step=saved.step,
         where=ckpt,
         checkpoints=ckpt / "checkpoints",
@@ -81,7 +83,7 @@ def _check_hf(cfg: TrainConfig, folder: Path) -> None:
     """A Hugging Face folder's model must be this run's: its config as ``jaxpar convert`` reads it, in the
     run's parameter dtype (the weights' shapes are checked as they are placed)."""
     theirs = to_dict(hf_config(folder, param_dtype=cfg.model.param_dtype)[0], DenseConfig)
-    ours = to_dict(cfg.model, DenseConfig)
+    ours = to_dict(_base(cfg, theirs), DenseConfig)
     changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
     if changed:
         raise CheckpointError(
@@ -90,15 +92,25 @@ def _check_hf(cfg: TrainConfig, folder: Path) -> None:
         )
 
 
+def _base(cfg: TrainConfig, saved: dict | None):
+    """The model ``--init-from`` must hold: the run's, without the LoRA adapters the run adds to a base
+    saved without any (they start fresh; a base with adapters of its own is compared whole)."""
+    lora = (saved or {}).get("lora") if isinstance(saved, dict) else None
+    if cfg.model.lora.rank and not (isinstance(lora, dict) and lora.get("rank")):
+        return dataclasses.replace(cfg.model, lora=LoraConfig())
+    return cfg.model
+
+
 def with_weights_of(cfg: TrainConfig, state, layout: Layout):
     """``state`` (model, fresh optimizer) with the model replaced by ``cfg.init_from``'s, restored onto
-    the layout (``check_init_from`` has passed); a Hugging Face folder's weights placed shard by shard."""
+    the layout (``check_init_from`` has passed); a Hugging Face folder's weights placed shard by shard.
+    LoRA on a base without adapters: the base's weights, the run's fresh adapters."""
     if is_hf_folder(cfg.init_from):
         execution = {f.name: getattr(cfg.execution, f.name) for f in dataclasses.fields(cfg.execution)}
         model = from_hf(cfg.init_from, param_dtype=cfg.model.param_dtype, execution=execution, layout=layout)
     else:
         model, _ = load_model(cfg.init_from, layout)
-    state[0] = nnx.state(model)
+    state[0] = nnx.merge_state(state[0], nnx.state(model))  # the loaded weights over the fresh ones
     return state
 
 

@@ -28,6 +28,7 @@ from jaxpar.convert.families import FAMILIES, Family, check_fields, family_of, g
 from jaxpar.convert.files import ConvertError, HFFolder, ShardWriter
 from jaxpar.convert.mapping import read_shard, write_pieces
 from jaxpar.errors import JaxparError
+from jaxpar.layers.lora import LoraConfig, merged_state
 from jaxpar.models import build_model
 from jaxpar.shardings import default_layout
 
@@ -194,11 +195,13 @@ def to_hf(
 ) -> Path:
     """Write ``model`` as a Hugging Face folder (config.json, safetensors, index when sharded) that
     ``transformers`` loads. ``family``: a model_type of ``FAMILIES`` (default: inferred from the config);
-    ``dtype``: the tensors' dtype (default: the parameters'). ``folder`` must not exist."""
+    ``dtype``: the tensors' dtype (default: the parameters'). ``folder`` must not exist. A model with LoRA
+    adapters is written merged: each adapted weight with its adapter folded in (``merged_state``)."""
     cfg = model.cfg
+    state = merged_state(model) if cfg.lora.rank else nnx.state(model)
+    cfg = dataclasses.replace(cfg, lora=LoraConfig())
     fam = FAMILIES[family] if family else guess_family(cfg)
     config = fam.to_hf(cfg, model.execution)
-    state = nnx.state(model)
     table = sources(cfg, fam)
     writer = ShardWriter(folder, max_shard_bytes=max_shard_bytes)
     try:

@@ -26,6 +26,7 @@ FAMILIES = (
     "flash",
     "loss-chunks",
     "packing",
+    "lora",
 )
 
 

@@ -125,11 +125,7 @@ def pipeline_grads(
             f"{split.rows} rows) stores {split.order.size}: create the state with the same split"
         )
     active = None if split.active.all() else split.active
-    ids = ids if isinstance(ids, dict) else {"ids": ids}
-    targets = targets if isinstance(targets, dict) else {"targets": targets}
-    stored = model.storage_order(ids["ids"].shape[-1])
-    if stored is not None:  # zig-zag: tokens and targets in storage order, once, outside the stages
-        ids, targets = jax.tree.map(lambda a: a[..., stored], (ids, targets))
+    ids, targets = _stored(model, ids, targets)
     prefixed = model.prefix_stack is not None
     body = stage_body(graphdef, model.pipeline_stack, table, split.rows, losses, prefixed, active)
     specs = (P(AXIS), P(), P(AXIS), P(), P(), P())
@@ -161,6 +157,17 @@ def pipeline_grads(
     grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, nnx.merge_state(sp, op))  # seeded with 1/m
     stats = None if stats is None else jax.tree.map(lambda a: a / m, stats)
     return PipelineResult(ce / m, z / m, stats, grads)
+
+
+def _stored(model, ids, targets) -> tuple[dict, dict]:
+    """The microbatches as dicts (``pipeline_grads``), in the layout's storage order: under zig-zag, the
+    tokens and targets permuted once, outside the stages."""
+    ids = ids if isinstance(ids, dict) else {"ids": ids}
+    targets = targets if isinstance(targets, dict) else {"targets": targets}
+    stored = model.storage_order(ids["ids"].shape[-1])
+    if stored is not None:
+        ids, targets = jax.tree.map(lambda a: a[..., stored], (ids, targets))
+    return ids, targets
 
 
 def own_actions(mesh, rules, context_parallel: str = "none") -> bool:

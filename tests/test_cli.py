@@ -5,6 +5,7 @@ import json
 import pytest
 
 from jaxpar.cli import main
+from jaxpar.rules import ACTIVATION_AXES, LOGICAL_AXES, PARAM_AXES
 
 
 def test_shardings_table(capsys):
@@ -81,14 +82,16 @@ def _rule_lines(out: str) -> list[str]:
 
 def test_rules_table(capsys):
     """No model: the preset's table as written in meshes/ (fsdp_tp: embed/batch over fsdp, Megatron over
-    tensor), parameters, activations and the KV cache, 12 + 9 + 3 lines; the -1 axis filled from --devices."""
+    tensor), parameters, activations and the KV cache, one line per logical axis; the -1 axis filled from
+    --devices."""
     assert main(["shardings", "--rules", "fsdp_tp", "--devices", "64"]) == 0
     out = capsys.readouterr().out
     assert "mesh fsdp=-1,tensor=2 on 64 devices: fsdp=32, tensor=2" in out
-    assert out.index("parameters (12 logical axes)") < out.index("activations (9 logical axes)")
+    params, acts = len(PARAM_AXES), len(ACTIVATION_AXES)
+    assert out.index(f"parameters ({params} logical axes)") < out.index(f"activations ({acts} logical axes)")
     lines = [" ".join(line.split()) for line in _rule_lines(out)]
-    assert lines[:3] == ["vocab -> tensor", "embed -> fsdp", "heads -> tensor"] and len(lines) == 24
-    assert lines[12:14] == ["batch -> fsdp", "length -> tensor"]
+    assert lines[:3] == ["vocab -> tensor", "embed -> fsdp", "heads -> tensor"] and len(lines) == len(LOGICAL_AXES)
+    assert lines[params : params + 2] == ["batch -> fsdp", "length -> tensor"]
     assert "experts -> replicated" in lines and "*" not in out
 
 

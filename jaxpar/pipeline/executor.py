@@ -90,8 +90,8 @@ def check_stack(
 
 def pipeline_grads(
     model: LanguageModel,
-    ids,
-    targets,
+    ids: dict,
+    targets: dict,
     table,
     /,
     *,
@@ -102,9 +102,9 @@ def pipeline_grads(
     split: StackSplit | None = None,
 ) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
-    ``table``; the same as accumulating over the m microbatches on one device. Packed rows and masked
-    losses: ``ids`` a dict of ``ids`` with ``positions`` and ``segments``, ``targets`` a dict of
-    ``targets`` with ``weights`` (``train.loss.token_weights``), each [m, b, T].
+    ``table``; the same as accumulating over the m microbatches on one device. ``ids``: a dict of ``ids``
+    (and, for packed rows, ``positions`` and ``segments``); ``targets``: a dict of ``targets`` (and, for a
+    masked loss, ``weights``: ``train.loss.token_weights``); each [m, b, T].
 
     ``losses(head, x, targets, weights=None) -> (cross_entropy, z_loss)``: of the logits ``head(x)``
     (float32 scalars, means over the microbatch; ``train.loss.head_losses``).
@@ -160,10 +160,8 @@ def pipeline_grads(
 
 
 def _stored(model, ids, targets) -> tuple[dict, dict]:
-    """The microbatches as dicts (``pipeline_grads``), in the layout's storage order: under zig-zag, the
+    """The microbatches (``pipeline_grads``' dicts) in the layout's storage order: under zig-zag, the
     tokens and targets permuted once, outside the stages."""
-    ids = ids if isinstance(ids, dict) else {"ids": ids}
-    targets = targets if isinstance(targets, dict) else {"targets": targets}
     stored = model.storage_order(ids["ids"].shape[-1])
     if stored is not None:
         ids, targets = jax.tree.map(lambda a: a[..., stored], (ids, targets))

@@ -1,7 +1,9 @@
 """LoRA on a Hugging Face model, in and out: ``jaxpar train --init-from HF_DIR --set model.lora.rank=4``
-trains adapters on the folder's weights (left bit for bit as they were), and ``jaxpar convert --to-hf``
-writes the run merged, so that ``transformers`` gives the adapted model's logits, within the bound the
-Hugging Face model's own float noise sets (tests/hf_models.py)."""
+trains adapters on the folder's weights (left bit for bit as they were); ``jaxpar convert --to-hf``
+writes the run merged, so that ``transformers`` gives the adapted model's logits, and ``--to-peft`` its
+adapters alone, which ``peft`` loads onto the folder's model with the same logits, within the bound the
+Hugging Face model's own float noise sets (tests/hf_models.py). ``--from-hf --adapter`` reads them
+back: the run's model, bit for bit."""
 
 import jax
 import numpy as np
@@ -19,6 +21,7 @@ LORA = ["model.lora.rank=4", "model.lora.targets=q,k,v,o,gate_up,down", "optimiz
 
 
 def test_adapters_on_a_hugging_face_model_train_and_export_merged(tmp_path):
+    import peft
     import transformers
 
     save(build("llama"), tmp_path / "hf")
@@ -45,3 +48,11 @@ def test_adapters_on_a_hugging_face_model_train_and_export_merged(tmp_path):
     got = logits(theirs, IDS)
     assert np.max(np.abs(got - want)) <= logit_bound(own_noise(theirs, IDS))
     assert np.max(np.abs(want - logits(build("llama"), IDS))) > 100 * logit_bound(own_noise(theirs, IDS))  # adapted
+    assert main(["convert", "--to-peft", str(tmp_path / "run"), "--out", str(tmp_path / "adapter")]) == 0
+    adapted = peft.PeftModel.from_pretrained(build("llama"), tmp_path / "adapter").eval()
+    assert np.max(np.abs(logits(adapted, IDS) - want)) <= logit_bound(own_noise(adapted, IDS))
+    back = ["convert", "--from-hf", str(tmp_path / "hf"), "--adapter", str(tmp_path / "adapter")]
+    assert main([*back, "--out", str(tmp_path / "ckpt")]) == 0
+    again, _ = load_model(tmp_path / "ckpt", layout)
+    with layout.activate():
+        assert np.array_equal(np.asarray(again(IDS)), np.asarray(run(IDS)))  # the same weights and program

@@ -27,12 +27,13 @@ from flax import nnx
 from jaxpar.convert.families import FAMILIES, Family, check_fields, family_of, guess_family, sources
 from jaxpar.convert.files import ConvertError, HFFolder, ShardWriter
 from jaxpar.convert.mapping import read_shard, write_pieces
+from jaxpar.convert.peft import adapter_config, load_adapter, save_adapter
 from jaxpar.errors import JaxparError
-from jaxpar.layers.lora import LoraConfig, merged_state
+from jaxpar.layers.lora import LoraConfig, LoraParam, merged_state
 from jaxpar.models import build_model
 from jaxpar.shardings import default_layout
 
-__all__ = ["from_hf", "to_hf", "hf_config", "ConvertError", "FAMILIES"]
+__all__ = ["from_hf", "to_hf", "hf_config", "save_adapter", "ConvertError", "FAMILIES"]
 
 # A layer-stacked parameter whose shard per device is larger than this is placed one layer at a time
 # (smaller ones in one go: one compiled update per parameter costs more than it saves).
@@ -69,6 +70,9 @@ def _plan(cfg, fam: Family, hf: HFFolder, state) -> dict:
     hf_sizes = {"v": cfg.vocab_size}
     for keys, var in nnx.to_flat_state(state):
         path = _path(keys)
+        if isinstance(var, LoraParam):  # the adapters: fresh, or a PEFT folder's (from_hf)
+            plan[path] = None
+            continue
         if path not in table:
             if path[-1] == "router_bias":  # families without a selection bias: it stays zero
                 plan[path] = None
@@ -110,6 +114,7 @@ def from_hf(
     param_dtype: str = "float32",
     execution: Mapping[str, Any] | None = None,
     layout=None,
+    adapter: str | os.PathLike | None = None,
     **overrides,
 ):
     """A jaxpar model from a Hugging Face folder, its parameters placed shard by shard on ``mesh`` (a
@@ -117,8 +122,11 @@ def from_hf(
     ``jaxpar.layout.Layout``, e.g. a training run's: ``jaxpar train --init-from``). ``model(ids)`` with int32
     ids [B, T] returns float32 logits [B, T, V]. ``overrides`` set model config fields; the model runs as
     the family's HF implementation does (``Family.execution``) with the ``execution`` changes (e.g.
-    ``{"remat": "none"}``)."""
+    ``{"remat": "none"}``). ``adapter``: a PEFT LoRA folder (``jaxpar.convert.peft``) whose adapters the
+    model carries; or ``lora=LoraConfig(...)`` among ``overrides`` for fresh ones."""
     cfg, fam, hf = hf_config(folder, param_dtype=param_dtype, **overrides)
+    if adapter is not None:
+        cfg = dataclasses.replace(cfg, lora=adapter_config(adapter, cfg, family=fam.model_type))
     run = dataclasses.replace(fam.execution(hf.config), **dict(execution or {}))
     try:
         if layout is None:
@@ -138,10 +146,22 @@ def from_hf(
             )
             hf.close()  # unmap what this parameter read
         model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+        if adapter is not None:
+            load_adapter(model, adapter, family=fam.model_type)
+        elif cfg.lora.rank:
+            _fresh_adapters(model, lambda: build_model(cfg, execution=run, rngs=nnx.Rngs(0)), layout)
     finally:
         hf.close()
     model.layout = layout
     return model
+
+
+def _fresh_adapters(model, build, layout) -> None:
+    """Initializes ``model``'s adapters as ``build`` does, compiling only their part of it (the base
+    weights it would make are unused outputs, which XLA drops)."""
+    with layout.activate():
+        shardings = nnx.get_named_sharding(nnx.state(model, LoraParam), layout.mesh)
+        nnx.update(model, jax.jit(lambda: nnx.state(build(), LoraParam), out_shardings=shardings)())
 
 
 def _place(src, shape, dtype, sharding, hf: HFFolder, hf_sizes) -> jax.Array:

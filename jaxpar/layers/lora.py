@@ -12,9 +12,9 @@ apart, so the backward pass forms only adapter-sized weight gradients, never ``W
 * Only adapters train: they are ``LoraParam``s, and ``trainable(model)`` is the filter the optimizer and
   the gradients take (``nnx.Param`` for a model without adapters).
 
-``model.lora.targets`` names the projections: ``q``, ``k``, ``v``, ``o`` (GQA attention), ``gate_up``,
-``down`` (the dense SwiGLU MLPs: every layer of a dense model, the dense layers and shared experts of an
-MoE model). ``model.lora.rank=0`` (the default) means no adapters.
+``model.lora.targets`` names the projections: ``q``, ``k``, ``v``, ``o`` (GQA attention), ``gate_up``
+(an adapter each for gate and up, as PEFT has), ``down`` (the dense SwiGLU MLPs: every layer of a dense
+model, the dense layers and shared experts of an MoE model). ``model.lora.rank=0`` (the default) means no adapters.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ SPECS = {
 }
 TARGETS = tuple(SPECS)
 RANK_AXIS = "lora_rank"
+# Output dimensions of W that the adapter keeps apart: gate and up get an adapter each (A and B both
+# carry the part), as PEFT's separate gate_proj and up_proj adapters do
+PARTS = {"gate_up": "g"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +80,16 @@ def trainable(model) -> type:
     return LoraParam if has else nnx.Param
 
 
-def _letters(spec: str):
-    """(x, w, y letters, W's contracted, shared and output letters) of an einsum ``x,w->y``."""
+def letters(spec: str, parts: str = ""):
+    """(x, w, y letters, W's contracted, shared and output letters) of an einsum ``x,w->y``; ``parts``
+    (output letters of W kept apart, ``PARTS``) count as shared: A and B both carry them."""
     if "z" in spec:
         raise ValueError(f"lora: {spec!r} uses z, the adapter's rank letter")
     ins, y = spec.split("->")
     x, w = ins.split(",")
     contracted = "".join(c for c in w if c in x and c not in y)
-    shared = "".join(c for c in w if c in x and c in y)
-    out = "".join(c for c in w if c not in x)
+    shared = "".join(c for c in w if (c in x and c in y) or c in parts)
+    out = "".join(c for c in w if c not in x and c not in parts)
     return x, w, y, contracted, shared, out
 
 
@@ -95,7 +99,7 @@ def add_adapter(module: nnx.Module, name: str, spec: str, lora: LoraConfig | Non
     if lora is None or name not in lora.names:
         return
     weight = getattr(module, name)
-    _, w, _, contracted, shared, out = _letters(spec)
+    _, w, _, contracted, shared, out = letters(spec, PARTS.get(name, ""))
     dims = dict(zip(w, zip(weight.shape, weight.get_metadata()["out_sharding"])))
     a_dims = [dims[c] for c in shared + contracted] + [(lora.rank, RANK_AXIS)]
     b_dims = [dims[c] for c in shared] + [(lora.rank, RANK_AXIS)] + [dims[c] for c in out]
@@ -114,10 +118,11 @@ def delta(module: nnx.Module, name: str, spec: str, x: jax.Array) -> jax.Array |
     or None when ``module`` has none."""
     if not hasattr(module, f"{name}_lora_a"):
         return None
-    xs, _, ys, contracted, shared, out = _letters(spec)
+    parts = PARTS.get(name, "")
+    xs, _, ys, contracted, shared, out = letters(spec, parts)
     a = getattr(module, f"{name}_lora_a")[...].astype(x.dtype)
     b = getattr(module, f"{name}_lora_b")[...].astype(x.dtype)
-    low = "".join(c for c in xs if c not in contracted) + "z"  # x's dimensions but the contracted, and rank
+    low = "".join(c for c in xs if c not in contracted) + parts + "z"  # x's but the contracted, parts, rank
     xa = jnp.einsum(f"{xs},{shared}{contracted}z->{low}", x, a)
     return jnp.einsum(f"{low},{shared}z{out}->{ys}", xa, b) * jnp.asarray(module.lora_scale, x.dtype)
 
@@ -129,8 +134,8 @@ def project(module: nnx.Module, name: str, spec: str, x: jax.Array, w: jax.Array
     return y if extra is None else y + extra
 
 
-def _merge(w: jax.Array, a: jax.Array, b: jax.Array, *, spec: str, scale: float) -> jax.Array:
-    _, ws, _, contracted, shared, out = _letters(spec)
+def _merge(w: jax.Array, a: jax.Array, b: jax.Array, *, spec: str, parts: str, scale: float) -> jax.Array:
+    _, ws, _, contracted, shared, out = letters(spec, parts)
     ab = jnp.einsum(f"{shared}{contracted}z,{shared}z{out}->{ws}", a.astype(jnp.float32), b.astype(jnp.float32))
     return (w.astype(jnp.float32) + scale * ab).astype(w.dtype)
 
@@ -147,7 +152,7 @@ def merged_state(model: nnx.Module) -> nnx.State:
             if not hasattr(module, f"{name}_lora_a"):
                 continue
             weight = getattr(module, name)
-            merge = functools.partial(_merge, spec=spec, scale=module.lora_scale)
+            merge = functools.partial(_merge, spec=spec, parts=PARTS.get(name, ""), scale=module.lora_scale)
             for _ in range(weight.ndim - len(spec.split(",")[1].split("->")[0])):  # stacked: over the layers
                 merge = jax.vmap(merge)
             weight[...] = merge(

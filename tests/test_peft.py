@@ -42,7 +42,10 @@ def llama(tmp_path_factory):
     return tmp / "hf", tmp / "adapter", logits(theirs, IDS), logit_bound(own_noise(theirs, IDS))
 
 
-@pytest.mark.parametrize("family, mesh", [("llama", "fsdp=4,tensor=2"), ("qwen2", None), ("mixtral", "data=4,tensor=2")])
+MESHES = [("llama", "fsdp=4,tensor=2"), ("qwen2", None), ("mixtral", "data=4,tensor=2")]
+
+
+@pytest.mark.parametrize("family, mesh", MESHES)
 def test_a_peft_adapter_imports_with_its_logits_and_exports_as_it_was(tmp_path, family, mesh):
     save(build(family), tmp_path / "hf")
     theirs = _peft_adapter(family, tmp_path / "adapter")

@@ -42,6 +42,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class Field(Choice):
     TEXT = "text"
     MESSAGES = "messages"
+    PREFERENCE = "preference"  # a record's prompt, chosen and rejected: texts, or chats
+
+
+PAIR = ("prompt", "chosen", "rejected")  # the fields of a preference record
 
 
 class Reader(Choice):
@@ -55,6 +59,7 @@ class Document:
     where: str  # "file:line", "file row n", or the text file itself
     text: str | None = None  # a text record
     messages: list | None = None  # a chat record
+    pair: tuple | None = None  # a preference record: (prompt, chosen, rejected), three texts or three chats
     path: Path | None = None  # a whole text file, read in pieces by the caller
 
 
@@ -120,19 +125,25 @@ class Parquet(Source):
         except Exception as err:  # pyarrow raises ArrowInvalid / OSError subclasses
             raise DataError(f"{path}: not a parquet file ({err})") from None
         names = self.file.schema_arrow.names
-        if field not in names:
-            raise DataError(f"{path}: has no column {field!r} (columns: {', '.join(names)}); choose --field")
-        self.field = field
+        self.columns = _columns(field)
+        for column in self.columns:
+            if column not in names:
+                raise DataError(f"{path}: has no column {column!r} (columns: {', '.join(names)}); choose --field")
 
     def count(self) -> int:
         return self.file.metadata.num_rows
 
     def records(self):
         row = 0
-        for batch in self.file.iter_batches(batch_size=PARQUET_ROWS, columns=[self.field]):
-            for value in batch.column(0).to_pylist():
+        for batch in self.file.iter_batches(batch_size=PARQUET_ROWS, columns=self.columns):
+            for record in batch.to_pylist():
                 row += 1
-                yield f"{self.path} row {row}", {self.field: value}
+                yield f"{self.path} row {row}", record
+
+
+def _columns(field: str) -> list[str]:
+    """The columns a record's ``field`` is read from."""
+    return list(PAIR) if field == Field.PREFERENCE else [field]
 
 
 class Datasets(Source):
@@ -174,8 +185,9 @@ class Datasets(Source):
         with tempfile.TemporaryDirectory(prefix="jaxpar-datasets-") as cache:
             dataset = self._dataset(cache)
             names = dataset.column_names or []
-            if names and self.field not in names:
-                raise DataError(f"{self.path}: has no column {self.field!r} (columns: {', '.join(names)})")
+            for column in _columns(self.field) if names else ():
+                if column not in names:
+                    raise DataError(f"{self.path}: has no column {column!r} (columns: {', '.join(names)})")
             for row, record in enumerate(dataset, 1):
                 yield f"{self.path} row {row}", record
 
@@ -199,8 +211,8 @@ def open_sources(inputs: list[str], *, field: str, reader: str = Reader.NATIVE) 
                 out.append(Datasets(path, field, reader))
             else:
                 out.append(Parquet(path, field) if path.suffix == ".parquet" else JsonLines(path))
-        elif field == Field.MESSAGES:
-            raise DataError(f"{path}: a plain text file has no 'messages'; chat data comes as jsonl or parquet")
+        elif field != Field.TEXT:
+            raise DataError(f"{path}: a plain text file has no {field!r} records; they come as jsonl or parquet")
         else:
             out.append(TextFile(path))
     return out
@@ -227,6 +239,8 @@ def document(where: str, record, field: str, path: Path | None = None) -> Docume
         raise record
     if not isinstance(record, dict):
         raise BadRecord(where, "not a JSON object", f" (a {type(record).__name__})")
+    if field == Field.PREFERENCE:
+        return _preference(where, record)
     if record.get(field) is None:
         raise BadRecord(where, f"missing field {field!r}", f" (it has {', '.join(map(repr, record)) or 'none'})")
     value = record[field]
@@ -236,8 +250,12 @@ def document(where: str, record, field: str, path: Path | None = None) -> Docume
         if not value:
             raise BadRecord(where, "empty record")
         return Document(where, text=value)
+    return Document(where, messages=_messages(where, value, field))
+
+
+def _messages(where: str, value, field: str) -> list[dict]:
     if not isinstance(value, list):
-        raise BadRecord(where, "'messages' is not a list", f" (a {type(value).__name__})")
+        raise BadRecord(where, f"{field!r} is not a list", f" (a {type(value).__name__})")
     if not value:
         raise BadRecord(where, "empty record")
     for i, message in enumerate(value):
@@ -246,7 +264,24 @@ def document(where: str, record, field: str, path: Path | None = None) -> Docume
         if message.get("role") not in ROLES:
             known = ", ".join(ROLES)
             raise BadRecord(where, "unknown role", f" (message {i}: {message.get('role')!r}; known: {known})")
-    return Document(where, messages=[{"role": m["role"], "content": m["content"]} for m in value])
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _preference(where: str, record: dict) -> Document:
+    """A preference record: ``prompt``, ``chosen`` and ``rejected``, all three strings, or all three chats
+    (the completions: the assistant's turns that follow the prompt's messages)."""
+    missing = [k for k in PAIR if record.get(k) is None]
+    if missing:
+        raise BadRecord(where, f"missing field {missing[0]!r}", f" (it has {', '.join(map(repr, record)) or 'none'})")
+    values = [record[k] for k in PAIR]
+    if all(isinstance(v, str) for v in values):
+        if not all(values[1:]):
+            raise BadRecord(where, "empty record", " (an empty completion)")
+        return Document(where, pair=tuple(values))
+    if not all(isinstance(v, list) for v in values):
+        kinds = ", ".join(f"{k}: {type(v).__name__}" for k, v in zip(PAIR, values))
+        raise BadRecord(where, "prompt, chosen and rejected are not all strings or all chats", f" ({kinds})")
+    return Document(where, pair=tuple(_messages(where, v, k) for k, v in zip(PAIR, values)))
 
 
 def documents(

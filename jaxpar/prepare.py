@@ -4,10 +4,13 @@
     jaxpar prepare notes.txt --out tokens.npy --bytes
     jaxpar prepare corpus.jsonl.zst shard-*.parquet --field text --out tokens.bin --tokenizer tokenizer.json
     jaxpar prepare chat.jsonl --field messages --out sft.bin --tokenizer model/tokenizer.json
+    jaxpar prepare prefs.jsonl --field preference --out dpo.bin --tokenizer model/tokenizer.json
 
 Inputs (``jaxpar.corpus``): a text file is one document; jsonl (``.gz``, ``.zst``), parquet and a
 ``datasets`` folder hold one record per line or row, whose ``--field`` is the document: ``text``, or
-``messages`` (a chat, rendered with the tokenizer's chat template). ``--reader datasets|streaming``
+``messages`` (a chat, rendered with the tokenizer's chat template), or ``preference`` (``prompt``,
+``chosen``, ``rejected``: texts or chats; two documents per record, ``jaxpar.pairs``, each with a
+loss mask on its completion, for ``objective=dpo``). ``--reader datasets|streaming``
 reads jsonl and parquet through ``datasets.load_dataset``; every reader gives the same documents.
 
 A text document's tokens are followed by the EOS id. A chat is the template's rendering, its special
@@ -26,11 +29,11 @@ tokenizer, field, documents, tokens, trained tokens, skipped records) that the l
 ``data.eval_path``: a held-out split at document boundaries. A bad record stops the command with its
 file and line, or with ``--skip-bad`` is skipped and counted (printed, and in the sidecar).
 
-Memory stays bounded: text is read in pieces of about ``PIECE_BYTES``, cut after a newline that starts
-a line with a non-space character, and encoded ``BATCH_BYTES`` at a time with ``encode_batch``. Such cuts
-change no token for tokenizers whose pre-tokenizer splits there (byte-level BPE such as GPT-2 or
-Llama 3, whitespace splitters); a SentencePiece-style tokenizer that prepends "▁" to every input sees one
-extra "▁" per piece of a longer document.
+Memory stays bounded (``jaxpar.encoder``): text is read in pieces of about ``PIECE_BYTES``, cut after a
+newline that starts a line with a non-space character, and encoded ``BATCH_BYTES`` at a time with
+``encode_batch``. Such cuts change no token for tokenizers whose pre-tokenizer splits there (byte-level
+BPE such as GPT-2 or Llama 3, whitespace splitters); a SentencePiece-style tokenizer that prepends "▁" to
+every input sees one extra "▁" per piece of a longer document.
 
 Nothing is overwritten: the command refuses an existing output, writes temporary files next to it and
 moves them into place only when everything succeeded.
@@ -48,15 +51,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.chat import ChatTemplate, load_chat_template, token_mask
 from jaxpar.corpus import Field, Reader, documents, open_sources
 from jaxpar.data import DataError
+from jaxpar.encoder import EOS_CANDIDATES, Encoder
 
 HELP = "tokenize documents (text files, jsonl, parquet, datasets; text or chat) into a token file for data.source=files"
-EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
-PIECE_BYTES = 1 << 20  # text read (and encoded) per piece of a document
-BATCH_BYTES = 8 << 20  # text per encode_batch call
-REFUSED = "the chat template refused it"  # the skipped-record reason of a template's own refusal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--field",
         default=Field.TEXT.value,
         choices=[f.value for f in Field],
-        help="the records' field: text, or messages (a chat, with a loss mask on the assistant's replies)",
+        help="the records' field: text, messages (a chat, with a loss mask on the assistant's replies), or "
+        "preference (prompt, chosen, rejected: two documents per record, for objective=dpo)",
     )
     parser.add_argument(
         "--chat-template",
@@ -99,135 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="write the last F of the records to OUT.eval.bin|.npy (for data.eval_path)",
     )
-
-
-class _Encoder:
-    """Turns documents into (ids, loss mask or None, ends a document) pieces."""
-
-    def __init__(self, args, skipped: Counter):
-        self.tokenizer, self.chat, self.skip_bad, self.skipped = None, None, args.skip_bad, skipped
-        if args.chat_template and args.field != Field.MESSAGES:
-            raise DataError("--chat-template goes with --field messages")
-        if args.tokenizer is None:
-            if args.field == Field.MESSAGES:
-                raise DataError("--field messages needs --tokenizer: a chat is rendered with the tokenizer's template")
-            self.name, self.vocab_size, self.eos_id = "bytes", 257, 256
-            return
-        from tokenizers import Tokenizer  # deferred: only when a tokenizer is named
-
-        if not Path(args.tokenizer).is_file():
-            raise DataError(f"--tokenizer {args.tokenizer}: no such file")
-        try:
-            self.tokenizer = Tokenizer.from_file(args.tokenizer)
-        except Exception as err:  # tokenizers raises a bare Exception on bad JSON
-            raise DataError(f"--tokenizer {args.tokenizer}: not a tokenizers file ({err})") from None
-        self.name, self.vocab_size = str(Path(args.tokenizer).resolve()), self.tokenizer.get_vocab_size()
-        self.eos_id = _eos_id(self.tokenizer, args.tokenizer, args.eos_token)
-        if args.field == Field.MESSAGES:
-            self.chat = _chat(args)
-
-    def chunks(self, docs):
-        """Yields the pieces of ``docs`` in order; each text document ends with EOS, each chat with its mask."""
-        eos = np.array([self.eos_id], np.int64)
-        if self.tokenizer is None:  # bytes (text only)
-            for doc in docs:
-                blocks = _blocks(doc.path) if doc.path else [doc.text.encode("utf-8")]
-                for block in blocks:
-                    yield np.frombuffer(block, np.uint8), None, False
-                yield eos, None, True
-            return
-        batch, size = [], 0
-        for doc in docs:
-            for item in self._items(doc):
-                batch.append(item)
-                size += len(item[0])
-                if size >= BATCH_BYTES:
-                    yield from self._encode(batch, eos)
-                    batch, size = [], 0
-        yield from self._encode(batch, eos)
-
-    def _items(self, doc):
-        """(text, assistant spans or None, last piece of the document) of one document."""
-        if doc.path:
-            for text, last in _text_pieces(doc.path):
-                yield text, None, last
-        elif doc.messages is None:
-            yield doc.text, None, True
-        else:
-            import jinja2  # deferred: only for chat
-
-            try:
-                text, spans = self.chat.assistant_spans(doc.messages)
-            except (DataError, jinja2.TemplateError, TypeError) as err:
-                if not self.skip_bad:
-                    raise DataError(f"{doc.where}: {REFUSED}: {err}") from None
-                self.skipped[REFUSED] += 1
-                return
-            yield text, spans, True
-
-    def _encode(self, batch, eos):
-        encodings = self.tokenizer.encode_batch([text for text, _, _ in batch], add_special_tokens=False)
-        for (_, spans, last), encoding in zip(batch, encodings):
-            ids = np.asarray(encoding.ids, np.int64)
-            if spans is not None:
-                yield ids, np.asarray(token_mask(encoding.offsets, spans), np.uint8), True
-                continue
-            yield ids, None, False
-            if last:
-                yield eos, None, True
-
-
-def _chat(args) -> ChatTemplate:
-    template, special = load_chat_template(args.tokenizer, args.chat_template)
-    if template is None:
-        raise DataError(
-            f"--field messages: no chat template beside {args.tokenizer} (chat_template.jinja, or chat_template "
-            "in tokenizer_config.json); name one with --chat-template FILE"
-        )
-    return ChatTemplate(template, special)
-
-
-def _eos_id(tokenizer, name: str, eos_token: str | None) -> int:
-    names = [eos_token] if eos_token else [t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None]
-    if not names or tokenizer.token_to_id(names[0]) is None:
-        raise DataError(
-            f"--tokenizer {name}: "
-            + (
-                f"--eos-token {eos_token!r} is not in its vocabulary"
-                if eos_token
-                else f"none of {' '.join(EOS_CANDIDATES)} is in its vocabulary; "
-                "name the end-of-document token with --eos-token"
-            )
-        )
-    return tokenizer.token_to_id(names[0])
-
-
-def _blocks(path: Path):
-    with open(path, "rb") as f:
-        while block := f.read(PIECE_BYTES):
-            yield block
-
-
-def _text_pieces(path: Path):
-    """(text, is_last_piece) of one UTF-8 document, cut after newlines that start a non-space line."""
-
-    def decode(raw: bytes) -> str:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {done + err.start}); try --bytes") from None
-
-    carry, done = b"", 0
-    with open(path, "rb") as f:
-        while block := f.read(PIECE_BYTES):
-            carry += block
-            cut = len(carry) - 1
-            while (cut := carry.rfind(b"\n", 0, cut)) >= 0 and carry[cut + 1 : cut + 2] in b" \t\r\n":
-                pass
-            if cut >= 0:
-                yield decode(carry[: cut + 1]), False
-                carry, done = carry[cut + 1 :], done + cut + 1
-    yield decode(carry), True
 
 
 def _write_ids(chunks, dtype: str, raw: Path, mask: Path | None) -> tuple[int, list[int], int]:
@@ -303,10 +174,10 @@ def _umask() -> int:
     return mask
 
 
-def _write(out: Path, docs, encoder: _Encoder, dtype: str, temps: dict[Path, Path]) -> dict:
+def _write(out: Path, docs, encoder: Encoder, dtype: str, temps: dict[Path, Path]) -> dict:
     """Writes ``out``, its mask, offsets and sidecar to temporary files (registered in ``temps``); returns
     the sidecar."""
-    chat = encoder.chat is not None
+    chat = encoder.field != Field.TEXT  # a loss mask
     mask = out.with_suffix(".mask" + out.suffix) if chat else None
     raws = {out: out.with_suffix(".raw")} | ({mask: out.with_suffix(".mask.raw")} if chat else {})
     for final in _outputs(out, chat) + (list(raws.values()) if out.suffix == ".npy" else []):
@@ -328,7 +199,7 @@ def _write(out: Path, docs, encoder: _Encoder, dtype: str, temps: dict[Path, Pat
         "eos_id": encoder.eos_id,
         "dtype": dtype,
         "tokenizer": encoder.name,
-        "field": "messages" if chat else "text",
+        "field": encoder.field.value,
         "documents": len(offsets) - 1,
         "tokens": count,
         "trained_tokens": trained,
@@ -359,7 +230,7 @@ def prepare(
 
 def outputs(out: Path, field: str) -> list[Path]:
     """The files ``prepare`` writes for ``out`` (ids, sidecar, document offsets, and a chat's mask)."""
-    return _outputs(Path(out), field == Field.MESSAGES)
+    return _outputs(Path(out), field != Field.TEXT)
 
 
 def run(args) -> int:
@@ -367,13 +238,13 @@ def run(args) -> int:
         raise DataError("--eos-token goes with --tokenizer; --bytes always uses EOS = 256")
     sources = open_sources(args.inputs, field=args.field, reader=args.reader)
     plan = _plan(args, sources)
-    chat = args.field == Field.MESSAGES
+    chat = args.field != Field.TEXT
     finals = [p for out, _, _ in plan for p in _outputs(out, chat)]
     for path in finals:
         if path.exists():
             raise DataError(f"--out: {path} already exists; not overwritten (remove it or choose another --out)")
     skipped = Counter()
-    encoder = _Encoder(args, skipped)
+    encoder = Encoder(args, skipped)
     dtype = "uint16" if encoder.vocab_size <= 65536 else "uint32"
     temps: dict[Path, Path] = {}
     published: list[Path] = []
@@ -397,9 +268,9 @@ def run(args) -> int:
     return 0
 
 
-def _report(plan, metas, encoder: _Encoder, dtype: str) -> None:
+def _report(plan, metas, encoder: Encoder, dtype: str) -> None:
     for (out, _, _), meta in zip(plan, metas):
-        trained = f", {meta['trained_tokens']:,} trained" if meta["field"] == "messages" else ""
+        trained = f", {meta['trained_tokens']:,} trained" if meta["field"] != "text" else ""
         skipped = "".join(f"; skipped {n} ({why})" for why, n in meta["skipped"].items())
         print(
             f"wrote {out}: {meta['documents']} documents, {meta['tokens']:,} tokens ({dtype}){trained}, "
@@ -407,7 +278,9 @@ def _report(plan, metas, encoder: _Encoder, dtype: str) -> None:
         )
     hint = f"--set data.source=files --set data.path={plan[0][0]}"
     hint += f" --set data.eval_path={plan[1][0]}" if len(plan) > 1 else ""
-    hint += " --set data.pack=documents" if metas[0]["field"] == "messages" else ""
+    hint += {"messages": " --set data.pack=documents", "preference": " --set data.pack=pairs --set objective=dpo"}.get(
+        metas[0]["field"], ""
+    )
     hint += " --set data.dtype=uint32" if dtype == "uint32" and plan[0][0].suffix == ".bin" else ""
     hint += f" --set model.vocab_size={encoder.vocab_size}" if encoder.vocab_size != 256 else ""
     print(f"train on it with: {hint}")

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import prepare
+from jaxpar import encoder
 from jaxpar.cli import main
 from jaxpar.data import (
     DataConfig,
@@ -327,9 +327,9 @@ def test_prepare_tokenizer_round_trips(tmp_path, capsys, monkeypatch):
     docs = ["the cat sat\non the mat\n" * 20, "a dog ran\nthe end", "the mat"]
     for n, doc in enumerate(docs):
         (tmp_path / f"{n}.txt").write_text(doc)
-    monkeypatch.setattr(prepare, "PIECE_BYTES", 16)  # many pieces per document, tiny batches
-    monkeypatch.setattr(prepare, "BATCH_BYTES", 40)
-    assert len(list(prepare._text_pieces(tmp_path / "0.txt"))) > 10
+    monkeypatch.setattr(encoder, "PIECE_BYTES", 16)  # many pieces per document, tiny batches
+    monkeypatch.setattr(encoder, "BATCH_BYTES", 40)
+    assert len(list(encoder._text_pieces(tmp_path / "0.txt"))) > 10
     rc, out, _ = _prepare(
         capsys,
         *(tmp_path / f"{n}.txt" for n in range(3)),

@@ -159,7 +159,8 @@ def build_config(args: argparse.Namespace, /):
 
 
 def data_settings(args: argparse.Namespace, /) -> list[str]:
-    """The ``--set`` items ``--data`` stands for: the cache's prepared files, as packed documents."""
+    """The ``--set`` items ``--data`` stands for: the cache's prepared files, as packed documents (as
+    pairs with objective=dpo, for preference records)."""
     if not getattr(args, "data", None):
         if getattr(args, "tokenizer", None) or getattr(args, "data_field", None):
             raise ConfigError("--tokenizer and --data-field go with --data")
@@ -167,6 +168,8 @@ def data_settings(args: argparse.Namespace, /) -> list[str]:
     tokenizer = tokenizer_of(args.tokenizer, args.init_from)
     field = field_of(args.data, args.data_field)
     args.prepared = (tokenizer, field, cached_path(args.data, tokenizer, field))
+    if field == "preference":  # pairs, for DPO
+        return ["data.source=files", f"data.path={args.prepared[2]}", "data.pack=pairs", "objective=dpo"]
     return ["data.source=files", f"data.path={args.prepared[2]}", "data.pack=documents"]
 
 

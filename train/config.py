@@ -8,7 +8,8 @@
       data         DataConfig      (--set data.source=files --set data.path=tokens.bin ...)
       checkpoint   CheckpointConfig
       log          LogConfig
-      mesh, steps, batch, seq, seed, grad_accum, z_loss, pipeline
+      dpo          PreferenceConfig (objective=dpo: --set dpo.beta=0.1 --set dpo.loss=ipo ...)
+      mesh, steps, batch, seq, seed, grad_accum, z_loss, pipeline, objective
 
 ``apply_overrides(cfg, ["optimizer.learning_rate=1e-3"])`` parses each value by the field's annotated
 type (int, float, str, bool, enums, ``X | None`` where ``none`` means None) and refuses unknown paths
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar import settings
-from jaxpar.config import check_choices, from_dict, to_dict  # noqa: F401  (re-exported: the run's serializer)
+from jaxpar.config import Choice, check_choices, from_dict, to_dict  # noqa: F401  (re-exported: the run's serializer)
 from jaxpar.data import DataConfig
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig, moved_field
@@ -32,6 +33,14 @@ from jaxpar.settings import field_paths  # noqa: F401  (re-exported)
 from jaxpar.train.accumulate import GradReduce
 from jaxpar.train.guard import NonFinite
 from jaxpar.train.optim import OptimizerConfig
+from jaxpar.train.preference import PreferenceConfig
+
+
+class Objective(Choice):
+    """What a run trains (``objective``)."""
+
+    LM = "lm"  # next-token cross-entropy (pretraining, SFT with the loss mask)
+    DPO = "dpo"  # preference pairs (jaxpar.train.preference; data.pack=pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +79,8 @@ class TrainConfig:
     nonfinite: NonFinite = NonFinite.STOP  # a step whose loss or gradient norm is NaN/inf: stop, or skip its update
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many skipped steps in a row
     pipeline: PipelineConfig = PipelineConfig()
+    objective: Objective = Objective.LM
+    dpo: PreferenceConfig = PreferenceConfig()  # objective=dpo's loss, beta and reference
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=30)
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -109,6 +120,15 @@ class TrainConfig:
             raise ConfigError(f"execution.loss_chunks={self.execution.loss_chunks} does not divide seq={self.seq}")
         if self.model.moe is not None:
             check_execution(self.model.moe, self.execution)
+        if self.objective == Objective.DPO:
+            if self.data.pack != "pairs":
+                raise ConfigError(
+                    f"objective=dpo: data.pack={self.data.pack} gives no pairs; set data.pack=pairs (files from "
+                    "`jaxpar prepare --field preference`)"
+                )
+            self.dpo.resolved(self.model.lora.rank)  # refuses adapters_off without adapters
+        elif self.data.pack == "pairs":
+            raise ConfigError("data.pack=pairs: preference pairs train with objective=dpo")
         self.optimizer.validate()
         return self
 

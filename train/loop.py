@@ -27,6 +27,7 @@ an unfinished one is never listed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -38,13 +39,15 @@ from jaxpar.checkpoint import Checkpointer, SavedRun, abstract_like
 from jaxpar.data import make_loader, to_global
 from jaxpar.layout import Layout
 from jaxpar.models import build_model
-from jaxpar.train.config import ConfigError, TrainConfig, to_dict
+from jaxpar.train.config import ConfigError, Objective, TrainConfig, to_dict
 from jaxpar.train.guard import NonFinite, NonFiniteError, NonFiniteGuard, Preemption
 from jaxpar.train.layout import batch_slices, pipeline_table, plan_layout, stack_split
 from jaxpar.train.layout import check_process_rows as check_process_rows  # imported from here by callers
-from jaxpar.train.loss import BATCH_KEYS
+from jaxpar.train.loss import BATCH_KEYS, next_token_loss
 from jaxpar.train.metrics import MetricsLog, throughput
 from jaxpar.train.optim import make_optimizer, make_schedule
+from jaxpar.train.preference import Reference, preference_loss
+from jaxpar.train.reference import ensure_reference, readers
 from jaxpar.train.rundir import check_init_from, check_out_dir, with_weights_of, write_json
 from jaxpar.train.step import InitProgram, TrainState, batch_sharding, init_program, make_eval_step, make_train_step
 
@@ -83,8 +86,9 @@ def all_processes_reach(name: str, /) -> None:
         ocp.multihost.get_barrier_sync_fn()(key=f"jaxpar-{name}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
 
 
-def _make_loaders(cfg: TrainConfig) -> dict:
-    """The train loader, and the eval loader when the run evaluates: both check their token files now."""
+def _make_loaders(cfg: TrainConfig, references: dict) -> dict:
+    """The train loader, and the eval loader when the run evaluates: both check their token files now.
+    ``references``: {split: reader} of DPO's precomputed reference log-probs (``reference.py``)."""
     loaders = {}
     try:
         for split in ("train", "eval") if cfg.log.eval_every else ("train",):
@@ -95,12 +99,27 @@ def _make_loaders(cfg: TrainConfig) -> dict:
                 global_batch=cfg.batch,
                 seed=cfg.seed,
                 split=split,
+                reference=references.get(split),
             )
     except BaseException:
         for loader in loaders.values():
             loader.close()
         raise
     return loaders
+
+
+def precomputed_reference(cfg: TrainConfig, layout: Layout) -> bool:
+    """Whether the run is DPO with a reference computed before the first step (refused on a pipeline)."""
+    if cfg.objective != Objective.DPO:
+        return False
+    if layout.mesh.shape["stage"] > 1:
+        raise ConfigError("objective=dpo on a pipeline (mesh stage > 1): the executor computes next-token loss only")
+    return cfg.dpo.resolved(cfg.model.lora.rank) == Reference.PRECOMPUTED
+
+
+def loss_of(cfg: TrainConfig):
+    """The run's loss function (``make_train_step``'s ``loss_fn``)."""
+    return functools.partial(preference_loss, cfg=cfg.dpo) if cfg.objective == Objective.DPO else next_token_loss
 
 
 def _profile_window(spec: str) -> tuple[int, int] | None:
@@ -133,7 +152,7 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
     saved = check_out_dir(out, config, program.checkpoint_abstract)
     if cfg.init_from and saved is None:
         check_init_from(cfg)
-    loaders = _make_loaders(cfg)
+    loaders = _make_loaders(cfg, readers(cfg, out) if precomputed_reference(cfg, layout) else {})
     all_processes_reach("run-directory-read")  # before any process writes to it, every process has read it
     # ---- nothing was written before this line
     if cfg.log.compile_cache:
@@ -191,6 +210,8 @@ class _Run:
         )
         if saved is not None:
             self.metrics.message(f"resumed from {out / 'checkpoints'} at step {saved.step}")
+        if precomputed_reference(cfg, layout):  # before the loaders read their first row
+            ensure_reference(cfg, out, self.ts, layout, resumed=saved is not None, message=self.metrics.message)
         self.metrics.message(
             f"{cfg.model_preset}: {cfg.model.num_params():,} params | mesh {dict(layout.mesh.shape)} "
             f"rules {layout.rules.name!r} | data: {self.loader.describe()}"
@@ -226,6 +247,7 @@ class _Run:
         step = make_train_step(
             self.ts,
             self.layout,
+            loss_fn=loss_of(self.cfg),
             grad_accum=self.cfg.grad_accum,
             grad_reduce=self.cfg.grad_reduce,
             z_loss=self.cfg.z_loss,
@@ -235,7 +257,7 @@ class _Run:
         )
         step = step.lower(self.ts.state, batch).compile()
         evaluate = (
-            make_eval_step(self.ts, self.layout).lower(self.ts.state, batch).compile()
+            make_eval_step(self.ts, self.layout, loss_fn=loss_of(self.cfg)).lower(self.ts.state, batch).compile()
             if self.cfg.log.eval_every
             else None
         )
@@ -346,6 +368,7 @@ class _Run:
             record["z_loss"] = float(metrics.z_loss)
         if metrics.moe is not None:
             record.update(moe_record(metrics.moe, slices=batch_slices(cfg, self.layout)))
+        record.update({name: float(value) for name, value in (metrics.extra or {}).items()})
         return record
 
     def close(self) -> None:

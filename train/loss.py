@@ -15,9 +15,11 @@ from jaxpar.model_api import LanguageModel
 from jaxpar.rules import partly_manual
 
 # {'inputs': int32 [B, T], 'targets': int32 [B, T]} and, for packed documents and masked losses,
-# 'positions' and 'segments' int32 [B, T] (``DenseLM.forward``) and 'mask' [B, T] (1: a trained target)
+# 'positions' and 'segments' int32 [B, T] (``DenseLM.forward``) and 'mask' [B, T] (1: a trained target);
+# for preference pairs (``jaxpar.train.preference``) 'pairs' [B, T] (1 at each pair's first token) and
+# 'reference' float32 [B, T] (precomputed reference log-probs of the targets)
 Batch = dict[str, jax.Array]
-BATCH_KEYS = ("inputs", "targets", "positions", "segments", "mask")
+BATCH_KEYS = ("inputs", "targets", "positions", "segments", "mask", "pairs", "reference")
 
 
 @jax.tree_util.register_dataclass
@@ -26,6 +28,7 @@ class LossParts:
     cross_entropy: jax.Array
     z_loss: jax.Array
     moe: Any = None  # MoE statistics of the forward pass (None for dense models)
+    extra: Any = None  # an objective's own logged means ({name: scalar}), e.g. DPO's rewards
 
 
 def next_token_loss(model: LanguageModel, batch: Batch, /, *, z_loss: float = 0.0) -> tuple[jax.Array, LossParts]:
@@ -49,12 +52,14 @@ def token_weights(batch: Batch, /) -> Batch:
     over the whole (global) batch is 1: mask × (B·T) ÷ Σ mask. A loss that takes the mean of weighted
     token terms over any equal slices of the batch (gradient accumulation, pipeline microbatches, data
     shards) and averages the slices then divides by the global count of trained tokens, never by a
-    slice's own (no mean of means). Without a mask, the batch as it is."""
-    if "mask" not in batch:
-        return batch
-    rest = {k: v for k, v in batch.items() if k != "mask"}
-    mask = batch["mask"].astype(jnp.float32)
-    return rest | {"weights": mask * (mask.size / jnp.maximum(jnp.sum(mask), 1.0))}
+    slice's own (no mean of means). Preference ``pairs`` [B, T] become ``pair_weights`` the same way.
+    Without a mask, the batch as it is."""
+    out = dict(batch)
+    for key, weights in (("mask", "weights"), ("pairs", "pair_weights")):
+        if key in out:
+            marks = out.pop(key).astype(jnp.float32)
+            out[weights] = marks * (marks.size / jnp.maximum(jnp.sum(marks), 1.0))
+    return out
 
 
 def head_losses(head, x: jax.Array, targets: jax.Array, /, *, z_loss: float = 0.0, chunks: int = 1, weights=None):

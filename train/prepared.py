@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from jaxpar.corpus import JSONL_SUFFIXES, Field
+from jaxpar.corpus import JSONL_SUFFIXES, PAIR, Field
 from jaxpar.errors import ConfigError, LaunchError
 from jaxpar.prepare import outputs, prepare
 
@@ -41,8 +41,16 @@ def tokenizer_of(tokenizer: str | None, init_from: str | None) -> str:
     return str(beside)
 
 
+def _field_in(names) -> str:
+    """The field of records with these keys (or columns): preference pairs, chats, or text."""
+    if all(k in names for k in PAIR):
+        return Field.PREFERENCE.value
+    return Field.MESSAGES.value if "messages" in names else Field.TEXT.value
+
+
 def field_of(inputs: list[str], field: str | None) -> str:
-    """``--data-field``, or ``messages`` when the first jsonl record or parquet schema has them, else ``text``."""
+    """``--data-field``, or what the first jsonl record or parquet schema holds: ``preference`` (prompt,
+    chosen, rejected), ``messages``, else ``text``."""
     if field:
         return Field.parse(field, field="--data-field").value
     for name in inputs:
@@ -54,11 +62,11 @@ def field_of(inputs: list[str], field: str | None) -> str:
                 record = json.loads(first)
             except ValueError:
                 continue
-            return Field.MESSAGES.value if isinstance(record, dict) and "messages" in record else Field.TEXT.value
+            return _field_in(record if isinstance(record, dict) else {})
         if path.suffix == ".parquet" and path.is_file():
             import pyarrow.parquet as pq  # deferred: only for parquet inputs
 
-            return Field.MESSAGES.value if "messages" in pq.read_schema(path).names else Field.TEXT.value
+            return _field_in(pq.read_schema(path).names)
     return Field.TEXT.value
 
 

@@ -35,6 +35,7 @@ class StepMetrics:
     grad_norm: jax.Array  # global norm of the gradient of the whole objective, before clipping
     z_loss: jax.Array  # the z-loss term that was added to the objective (0 when off)
     moe: Any = None  # MoE models: jaxpar.layers.MoEStats stacked over the MoE layers [L, ...]
+    extra: Any = None  # the objective's own logged means ({name: scalar}), e.g. DPO's rewards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +304,11 @@ def make_train_step(
             # the metrics' statistics in layer order; the state's own order stays for the router bias
             moe = _layer_order(ts, model.pipeline_stack, stats=parts.moe)[1]
             metrics = StepMetrics(
-                loss=parts.cross_entropy, grad_norm=optax.tree.norm(grads), z_loss=parts.z_loss, moe=moe
+                loss=parts.cross_entropy,
+                grad_norm=optax.tree.norm(grads),
+                z_loss=parts.z_loss,
+                moe=moe,
+                extra=parts.extra,
             )
             if not skip_nonfinite:
                 return apply(state, grads, parts), metrics
@@ -320,16 +325,22 @@ def make_train_step(
 
 def make_eval_step(ts: TrainState, layout: Layout, /, *, loss_fn=next_token_loss):
     """``evaluate(state, batch) -> cross-entropy`` (float32 scalar); the state is not donated."""
+    return make_model_fn(ts, layout, lambda model, batch: loss_fn(model, batch)[1].cross_entropy, layout.sharding(()))
+
+
+def make_model_fn(ts: TrainState, layout: Layout, fn, out_shardings):
+    """``run(state, batch) -> fn(model, batch)``, jitted on the layout, the model in layer order and the
+    batch's masks turned into weights (``token_weights``); the state is not donated."""
     graphdef = ts.graphdef
 
-    def evaluate(state, batch):
+    def run(state, batch):
         batch = token_weights(batch)
         with layout.activate_trace():
             model, _ = nnx.merge(graphdef, state)
             model, _ = nnx.merge(graphdef, _layer_order(ts, model.pipeline_stack, state)[0])
-            return loss_fn(model, batch)[1].cross_entropy
+            return fn(model, batch)
 
-    return jax.jit(evaluate, in_shardings=(ts.shardings, _rows(layout)), out_shardings=layout.sharding(()))
+    return jax.jit(run, in_shardings=(ts.shardings, _rows(layout)), out_shardings=out_shardings)
 
 
 def make_grad_fn(

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import numpy as np
 
 from jaxpar.config import Choice, check_choices
 from jaxpar.data.files import COMPANIONS, TokenFiles, WindowSource, resolve_files
 from jaxpar.data.markov import MarkovChain, MarkovSource, markov_chain
-from jaxpar.data.packing import PackedRows, RowPlan, batch_of_rows, plan_rows
+from jaxpar.data.packing import PackedRows, RowPlan, batch_of_rows, plan_pairs, plan_rows
 from jaxpar.errors import DataError
 
 __all__ = [  # what callers import from jaxpar.data
@@ -58,6 +59,7 @@ __all__ = [  # what callers import from jaxpar.data
     "batch_of_rows",
     "make_loader",
     "markov_chain",
+    "plan_pairs",
     "plan_rows",
     "resolve_files",
     "to_global",
@@ -74,6 +76,7 @@ class PackMode(Choice):
 
     STREAM = "stream"  # windows of the token stream at stride seq, across documents (no masks)
     DOCUMENTS = "documents"  # whole documents per row, segments and loss masks (jaxpar.data.packing)
+    PAIRS = "pairs"  # preference pairs (jaxpar prepare --field preference): chosen and rejected in one row
 
 
 class TokenDtype(Choice):
@@ -159,33 +162,56 @@ def _file_windows(cfg: DataConfig, *, vocab_size: int, seq: int, split: str) -> 
     return WindowSource(files, seq, windows - n_eval, n_eval)
 
 
-def _packed_rows(cfg: DataConfig, *, vocab_size: int, seq: int, seed: int, split: str):
-    """(rows of whole documents of ``split``, description, identity): held out at document boundaries,
-    the training documents placed in a seeded order (``data.shuffle``)."""
+def _packed_rows(cfg: DataConfig, *, vocab_size: int, seq: int, seed: int, split: str, reference=None):
+    """(rows of whole documents of ``split``, description, identity): held out at document boundaries
+    (pair boundaries for ``data.pack=pairs``), the training documents placed in a seeded order
+    (``data.shuffle``). ``reference(start, stop)``: the pairs' reference log-probs per token."""
     files, held_out, field = _split_files(cfg, vocab_size=vocab_size, split=split)
     starts, lengths = files.documents()
+    pairs = cfg.pack == PackMode.PAIRS
+    unit = _check_pairs(files, field, len(starts)) if pairs else 1  # documents per unit (a pair: 2)
+    units = len(starts) // unit
+    keep = np.arange(units)
     if held_out:
-        if len(starts) < 2:
+        if units < 2:
             raise DataError(
-                f"{field}: {len(starts)} document(s); holding out data.eval_fraction of them needs at least two "
-                "(or name held-out files in data.eval_path)"
+                f"{field}: {units} {'pair' if pairs else 'document'}(s); holding out data.eval_fraction of them "
+                "needs at least two (or name held-out files in data.eval_path)"
             )
-        n_eval = min(len(starts) - 1, max(1, int(len(starts) * cfg.eval_fraction)))
-        part = slice(0, len(starts) - n_eval) if split == "train" else slice(len(starts) - n_eval, None)
-        starts, lengths = starts[part], lengths[part]
+        n_eval = min(units - 1, max(1, int(units * cfg.eval_fraction)))
+        keep = keep[: units - n_eval] if split == "train" else keep[units - n_eval :]
     if split == "train" and cfg.shuffle:
-        order = np.random.default_rng([seed, DOCUMENT_ORDER]).permutation(len(starts))
-        starts, lengths = starts[order], lengths[order]
-    plan = plan_rows(starts, lengths, seq + 1)
+        keep = keep[np.random.default_rng([seed, DOCUMENT_ORDER]).permutation(len(keep))]
+    docs = (unit * keep[:, None] + np.arange(unit)).reshape(-1)
+    starts, lengths = starts[docs], lengths[docs]
+    plan, dropped = plan_pairs(starts, lengths, seq + 1) if pairs else (plan_rows(starts, lengths, seq + 1), 0)
     masks = files.masks()
     trained = None if masks is None else functools.partial(files.trained, masks)
+    what = f"{len(keep):,} pairs" + (f" ({dropped:,} longer than a row, dropped)" if dropped else "")
     text = (
-        f"files: {len(files.paths)} file(s), {files.total:,} tokens, {split}: {len(starts):,} documents in "
+        f"files: {len(files.paths)} file(s), {files.total:,} tokens, {split}: "
+        f"{what if pairs else f'{len(starts):,} documents'} in "
         f"{plan.rows:,} rows of {seq + 1} tokens ({plan.filled(seq + 1):.1%} documents, the rest padding)"
         + (", with loss masks" if masks is not None else "")
     )
-    identity = f"packed:{len(files.paths)}:{files.total}:{len(starts)}:{plan.rows}"
-    return PackedRows(files.read, trained, plan, seq + 1, 0, plan.rows), text, identity
+    identity = f"{'pairs' if pairs else 'packed'}:{len(files.paths)}:{files.total}:{len(starts)}:{plan.rows}"
+    rows = PackedRows(files.read, trained, plan, seq + 1, 0, plan.rows, pairs=pairs, reference=reference)
+    return rows, text, identity
+
+
+def _check_pairs(files: TokenFiles, field: str, documents: int) -> int:
+    """2 (documents per pair), once ``files`` are checked to hold preference pairs."""
+    for path in files.paths:
+        sidecar = path.with_suffix(".json")
+        kind = json.loads(sidecar.read_text()).get("field") if sidecar.exists() else None
+        if kind != "preference":
+            raise DataError(
+                f"data.pack=pairs: {path} holds {kind or 'unknown'} documents, not preference pairs (prepare it "
+                "with `jaxpar prepare --field preference`)"
+            )
+    if documents % 2:
+        raise DataError(f"{field}: {documents} documents, not whole pairs (prompt + chosen, prompt + rejected)")
+    return 2
 
 
 # ---------------------------------------------------------------------------------- mixtures
@@ -277,7 +303,7 @@ def _inputs_targets(windows: np.ndarray) -> dict[str, np.ndarray]:
     return {"inputs": np.ascontiguousarray(windows[:, :-1]), "targets": np.ascontiguousarray(windows[:, 1:])}
 
 
-def _source(cfg: DataConfig, *, vocab_size: int, seq: int, seed: int, split: str):
+def _source(cfg: DataConfig, *, vocab_size: int, seq: int, seed: int, split: str, reference=None):
     """(grain source, shuffle?, description, identity, entropy rate, records -> batch) of one split."""
     if cfg.source == "markov":
         chain = markov_chain(vocab_size, branching=cfg.markov_branching, seed=cfg.markov_seed)
@@ -290,8 +316,10 @@ def _source(cfg: DataConfig, *, vocab_size: int, seq: int, seed: int, split: str
         # records are independent draws already: nothing to shuffle (and grain's index_shuffle over 2**40
         # indices leaves them clustered near one value)
         return MarkovSource(chain, seq, stream), False, text, identity, chain.entropy_rate, _inputs_targets
-    if cfg.pack == PackMode.DOCUMENTS:
-        rows, text, identity = _packed_rows(cfg, vocab_size=vocab_size, seq=seq, seed=seed, split=split)
+    if cfg.pack in (PackMode.DOCUMENTS, PackMode.PAIRS):
+        rows, text, identity = _packed_rows(
+            cfg, vocab_size=vocab_size, seq=seq, seed=seed, split=split, reference=reference
+        )
         return rows, cfg.shuffle, text, identity, None, batch_of_rows
     src = _file_windows(cfg, vocab_size=vocab_size, seq=seq, split=split)
     text = (
@@ -313,8 +341,11 @@ def make_loader(
     split: str = "train",
     process_index: int | None = None,
     process_count: int | None = None,
+    reference=None,
 ) -> Loader:
-    """This process's batches of ``split`` (see the module docstring for the pipeline and guarantees)."""
+    """This process's batches of ``split`` (see the module docstring for the pipeline and guarantees).
+    ``reference(start, stop)``: float32 per token of the split's stream, given with the rows of
+    ``data.pack=pairs`` (a DPO run's precomputed reference log-probs)."""
     import grain  # deferred: grain (and the jax it imports) only when a loader is made
 
     if split not in SPLITS:
@@ -333,7 +364,12 @@ def make_loader(
             f"--batch {global_batch}: must be a positive multiple of the process count "
             f"({process_count}), each process loads an equal share"
         )
-    found = [_source(part, vocab_size=vocab_size, seq=seq, seed=seed, split=split) for part in _parts(cfg)]
+    parts = _parts(cfg)
+    if reference is not None and len(parts) > 1:
+        raise DataError("data.path: precomputed reference log-probs are kept for one source, not a mixture")
+    found = [
+        _source(part, vocab_size=vocab_size, seq=seq, seed=seed, split=split, reference=reference) for part in parts
+    ]
     datasets = []
     for i, (source, shuffle, *_) in enumerate(found):
         ds = grain.MapDataset.source(source)

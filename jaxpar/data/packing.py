@@ -75,14 +75,32 @@ def plan_rows(starts: np.ndarray, lengths: np.ndarray, row_tokens: int, window: 
     return RowPlan(start[order], length[order], row_ptr)
 
 
+def plan_pairs(starts: np.ndarray, lengths: np.ndarray, row_tokens: int) -> tuple[RowPlan, int]:
+    """(the plan, pairs dropped) of preference pairs: documents 2i (prompt + chosen) and 2i + 1 (prompt +
+    rejected) of ``starts``/``lengths``, placed as ``plan_rows`` places documents but as one unit, chosen
+    then rejected, never cut: a pair longer than a row is dropped. A row's pair k is then its pieces 2k
+    (chosen) and 2k + 1 (rejected)."""
+    starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    both = lengths[0::2] + lengths[1::2]
+    fits = np.flatnonzero(both <= row_tokens)
+    units = plan_rows(fits, both[fits], row_tokens)  # a unit's "start" is its pair's index
+    docs = np.stack([2 * units.start, 2 * units.start + 1], axis=1).reshape(-1)
+    return RowPlan(starts[docs], lengths[docs], 2 * units.row_ptr), len(both) - len(fits)
+
+
 class PackedRows:
     """grain random-access source: row ``first + i`` of ``plan`` as ``tokens``, ``positions``, ``segments``
     and ``trained`` (int32 [seq + 1] each); ``read(start, stop)`` gives ids, ``trained(start, stop)`` the
-    loss mask of the token stream (None: every token trains)."""
+    loss mask of the token stream (None: every token trains). With ``pairs`` (``plan_pairs``' plan),
+    ``pairs`` is 1 at the first token of each chosen document; with ``reference(start, stop)`` (float32
+    per token of the stream), the row's ``reference``."""
 
-    def __init__(self, read, trained, plan: RowPlan, row_tokens: int, first: int, count: int):
+    def __init__(
+        self, read, trained, plan: RowPlan, row_tokens: int, first: int, count: int, *, pairs=False, reference=None
+    ):
         self.read, self.trained, self.plan = read, trained, plan
         self.row_tokens, self.first, self.count = row_tokens, first, count
+        self.pairs, self.reference = pairs, reference
 
     def __len__(self) -> int:
         return self.count
@@ -91,6 +109,8 @@ class PackedRows:
         r = self.first + int(index)
         n = self.row_tokens
         out = {k: np.zeros(n, np.int32) for k in ("tokens", "positions", "segments", "trained")}
+        out |= {"pairs": np.zeros(n, np.int32)} if self.pairs else {}
+        out |= {"reference": np.zeros(n, np.float32)} if self.reference is not None else {}
         at = 0
         lo, hi = int(self.plan.row_ptr[r]), int(self.plan.row_ptr[r + 1])
         for s, p in enumerate(range(lo, hi)):
@@ -99,6 +119,10 @@ class PackedRows:
             out["positions"][at : at + length] = np.arange(length)
             out["segments"][at : at + length] = s
             out["trained"][at : at + length] = 1 if self.trained is None else self.trained(start, start + length)
+            if self.pairs and s % 2 == 0:
+                out["pairs"][at] = 1
+            if self.reference is not None:
+                out["reference"][at : at + length] = self.reference(start, start + length)
             at += length
         out["positions"][at:] = np.arange(n - at)
         out["segments"][at:] = hi - lo
@@ -106,13 +130,18 @@ class PackedRows:
 
 
 def batch_of_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Stacked rows [b, seq + 1] -> the train step's batch [b, seq] (module docstring)."""
+    """Stacked rows [b, seq + 1] -> the train step's batch [b, seq] (module docstring); a pair row's
+    ``pairs`` marks inputs, its ``reference`` (a log-prob per token) the targets."""
     tokens, segments = rows["tokens"], rows["segments"]
     same = segments[:, 1:] == segments[:, :-1]
-    return {
-        "inputs": np.ascontiguousarray(tokens[:, :-1]),
-        "targets": np.ascontiguousarray(tokens[:, 1:]),
-        "positions": np.ascontiguousarray(rows["positions"][:, :-1]),
-        "segments": np.ascontiguousarray(segments[:, :-1]),
-        "mask": (same & (rows["trained"][:, 1:] > 0)).astype(np.int32),
-    }
+    return (
+        {
+            "inputs": np.ascontiguousarray(tokens[:, :-1]),
+            "targets": np.ascontiguousarray(tokens[:, 1:]),
+            "positions": np.ascontiguousarray(rows["positions"][:, :-1]),
+            "segments": np.ascontiguousarray(segments[:, :-1]),
+            "mask": (same & (rows["trained"][:, 1:] > 0)).astype(np.int32),
+        }
+        | {k: np.ascontiguousarray(rows[k][:, :-1]) for k in ("pairs",) if k in rows}
+        | ({"reference": np.ascontiguousarray(rows["reference"][:, 1:])} if "reference" in rows else {})
+    )

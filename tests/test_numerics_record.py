@@ -27,6 +27,8 @@ FAMILIES = (
     "loss-chunks",
     "packing",
     "lora",
+    "dpo",
+    "grpo",
 )
 
 

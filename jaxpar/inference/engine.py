@@ -36,6 +36,7 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.inference import logprobs
 from jaxpar.inference.generate import bucket, for_generation
+from jaxpar.inference.layouts import placed_state
 from jaxpar.inference.pages import PagedAllocator
 from jaxpar.inference.placement import Weights, engine_layout, pages_for_budget
 from jaxpar.inference.sampling import SamplingParams
@@ -207,6 +208,20 @@ class Engine:
         program = self._program(which, t, every, self._needed(logprobs.Features.of(params, extras), every))
         out, m.pools = program(m.state, m.pools, *host)
         return logprobs.fetch(out, extras, rows=self.record_logits)
+
+    def load_weights(self, model: LanguageModel) -> None:
+        """Serve ``model``'s weights from now on: the same architecture (the graph the programs were
+        compiled for), e.g. a training run's model after an update, copied onto the decode layout (the
+        engine owns its buffers: a train step may donate the model's). The prefix cache is dropped: its
+        pages hold keys and values of the old weights. Refused while requests run."""
+        if not self.idle:
+            raise ConfigError("load_weights: requests are running; wait until the engine is idle")
+        fresh = for_generation(model)
+        target = self.models["target"]
+        if nnx.graphdef(fresh) != target.graphdef:
+            raise ConfigError("load_weights: the model is not the one the engine was built for (another graph)")
+        target.state = placed_state(fresh, self.layout.phase("decode"), own=True)
+        self.pages.forget()
 
     # ----------------------------------------------------------------------------------- serving
     def submit(self, request: Request, sampling: dict | None = None) -> None:

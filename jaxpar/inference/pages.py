@@ -97,6 +97,14 @@ class PagedAllocator:
             else:
                 self._free.append(page)
 
+    def forget(self) -> None:
+        """Drop the prefix index: every cached page goes back to the free pool unnamed (the weights that
+        computed them changed). Pages in use keep their contents, unnamed."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._index.clear()
+        self._name.clear()
+
     def _pages_for(self, length: int) -> int:
         return -(-length // self.page_size)
 

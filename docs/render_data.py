@@ -52,3 +52,59 @@ def data_loader() -> str:
         ["machine", f"{data['cpus']} CPUs ({data['host']}), 8 simulated devices"],
     ]
     return markdown(["", "measured"], rows)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@table("lora-vs-full")
+def lora_vs_full() -> str:
+    """LoRA against full fine-tuning (``benchmarks/lora.py``): step time and compiled memory per device."""
+    data = load("lora_cpu8.json")
+    rows = []
+    for r in data["runs"]:
+        name = "full" if r["lora"] is None else f"LoRA rank {r['lora']['rank']} on {r['lora']['targets']}"
+        rows.append(
+            [
+                name,
+                f"{r['step_s']} s",
+                _mib(r["params_bytes"]),
+                _mib(r["trained_bytes"]),
+                _mib(r["optimizer_bytes"]),
+                _mib(r["temp_bytes"]),
+            ]
+        )
+    ratio = data["lora_over_full"]
+    rows.append(
+        ["LoRA ÷ full", f"{ratio['step_s']}×", "", "", f"{ratio['optimizer_bytes']}×", f"{ratio['temp_bytes']}×"]
+    )
+    header = ["", "step", "parameters", "trained", "optimizer state", "temporaries"]
+    note = (
+        f"\n\n{data['model']}, `{data['mesh']}` on 8 simulated devices of {data['cpus']} CPUs ({data['host']}), "
+        f"batch {data['batch']} × {data['seq']} tokens; bytes per device, from the compiled step."
+    )
+    return markdown(header, rows, "lrrrrr") + note
+
+
+@table("grpo-time")
+def grpo_time() -> str:
+    """GRPO on the toy task (``benchmarks/grpo.py``): the reward, the time split and the rollouts' rate."""
+    data = load("grpo_cpu8.json")
+    steady, engine = data["steady"], data["engine"]
+    rows = [
+        [
+            "reward, first rollout batch → mean of the last 5",
+            f"{data['reward']['first']:.3f} → {data['reward']['last5']}",
+        ],
+        [
+            f"time over {steady['iterations']} rollout batches (after the first, which compiles)",
+            f"rollouts {steady['rollout_s']} s (of which the weights onto the engine {steady['sync_s']} s), "
+            f"updates {steady['update_s']} s ({pct(steady['rollout_share'])} rollouts)",
+        ],
+        ["rollout tokens/s in training (median)", f"{steady['rollout_tokens_per_s']}"],
+        ["the serving engine alone, same model and requests", f"{engine['tokens_per_s']} tokens/s"],
+        ["rollouts ÷ engine alone", f"{data['rollout_over_engine']}×"],
+        ["machine", f"{data['cpus']} CPUs ({data['host']}), 8 simulated devices; engine on one"],
+    ]
+    return markdown(["", "measured"], rows)

@@ -5,9 +5,8 @@ sigmoid and IPO, with its rewards (TRL, PEFT, transformers and torch: test-only)
 
 import numpy as np
 import pytest
-from hf_build import build, save
-from test_chat_mask import CHATML
-from test_corpus import _bpe, _jsonl, _prepare
+from test_corpus import _jsonl, _prepare
+from test_sft_peer import chat_llama
 
 from jaxpar.convert import from_hf
 from jaxpar.data import PackedRows, batch_of_rows, plan_pairs
@@ -29,15 +28,9 @@ PAIRS = [
 def folder(tmp_path_factory):
     """A tiny random Llama with a byte-level BPE tokenizer and a ChatML template, and a PEFT adapter."""
     import peft
-    import transformers
 
     folder = tmp_path_factory.mktemp("hf")
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(_bpe(folder / "tokenizer.json")))
-    tokenizer.chat_template, tokenizer.eos_token, tokenizer.pad_token = CHATML, "<|im_end|>", "<|endoftext|>"
-    tokenizer.save_pretrained(folder)
-    model = build("llama")
-    model.resize_token_embeddings(len(tokenizer))
-    save(model, folder)
+    model = chat_llama(folder)
     config = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
     )

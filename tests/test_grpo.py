@@ -59,7 +59,8 @@ def _engine_against_training(name: str, engine_mesh):
         ours = np.asarray(logps(state, batch))
         mask = batch["mask"] > 0
         errors.append(float(np.max(np.abs(ours[mask] - batch["old_logps"][mask]))))
-        state, _ = step(state, batch)
+        state, _ = step(state, batch)  # donates the state the engine's weights were copied from
+    assert all(r.finish_reason for group in _rollouts(engine, PROMPTS, CFG, 0, 2, ()) for r in group)  # its own
     return errors
 
 

@@ -85,6 +85,28 @@ def test_training_moves_the_adapters_alone():
     assert min(moved) > 0  # every B left zero
 
 
+def _device_bytes(arrays, shardings) -> int:
+    """Bytes of device 0's shards of ``arrays`` under ``shardings`` (matching pytrees)."""
+    pairs = zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))
+    return sum(int(np.prod(s.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x, s in pairs)
+
+
+def test_the_compiled_step_holds_an_adapter_sized_optimizer_state():
+    """Read from the compiled program's input shardings: Adam's state on a device is two adapters'
+    worth and its step counts, nothing of the base weights."""
+    cfg = _lora("tiny")
+    layout = make_layout(cfg, resolve_mesh_arg("fsdp=8"), batch=B, seq=T)
+    ts = init_train_state(lambda r: build_model(cfg, rngs=r), functools.partial(make_optimizer, OPTIMIZER), layout)
+    batch = {"inputs": TOKENS[0, :, :-1], "targets": TOKENS[0, :, 1:]}
+    compiled = make_train_step(ts, layout).lower(ts.state, batch).compile()
+    model, opt = nnx.merge(ts.graphdef, ts.state)
+    model_sh, opt_sh = nnx.merge(ts.graphdef, compiled.input_shardings[0][0])
+    adapters = _device_bytes(nnx.state(model, LoraParam), nnx.state(model_sh, LoraParam))
+    moments = _device_bytes(nnx.state(opt, nnx.OptState), nnx.state(opt_sh, nnx.OptState))
+    counts = sum(x.dtype.itemsize for x in jax.tree.leaves(nnx.state(opt, nnx.OptState)) if x.ndim == 0)
+    assert moments == 2 * adapters + counts  # Adam's two moments of each adapter, its step counts
+
+
 @pytest.fixture(scope="module")
 def lora_reference():
     return reference(_lora(), TOKENS, "lora")

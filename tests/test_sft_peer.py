@@ -17,18 +17,24 @@ from jaxpar.train.loss import next_token_loss, token_weights
 TRL_BOUND = 1e-5  # the issue's bound on |jaxpar - TRL| (float32 on both sides)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny random Llama with a byte-level BPE tokenizer and a ChatML template marked for transformers."""
+def chat_llama(folder):
+    """Writes a tiny random Llama with a byte-level BPE tokenizer and a ChatML template marked for
+    transformers into ``folder``; returns the model (torch)."""
     import transformers
 
-    folder = tmp_path_factory.mktemp("hf")
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(_bpe(folder / "tokenizer.json")))
     tokenizer.chat_template, tokenizer.eos_token, tokenizer.pad_token = CHATML, "<|im_end|>", "<|endoftext|>"
     tokenizer.save_pretrained(folder)
     model = build("llama")
     model.resize_token_embeddings(len(tokenizer))
     save(model, folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    chat_llama(folder)
     return folder
 
 

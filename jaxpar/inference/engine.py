@@ -36,7 +36,6 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.inference import logprobs
 from jaxpar.inference.generate import bucket, for_generation
-from jaxpar.inference.layouts import placed_state
 from jaxpar.inference.pages import PagedAllocator
 from jaxpar.inference.placement import Weights, engine_layout, pages_for_budget
 from jaxpar.inference.sampling import SamplingParams
@@ -211,16 +210,24 @@ class Engine:
 
     def load_weights(self, model: LanguageModel) -> None:
         """Serve ``model``'s weights from now on: the same architecture (the graph the programs were
-        compiled for), e.g. a training run's model after an update, copied onto the decode layout (the
-        engine owns its buffers: a train step may donate the model's). The prefix cache is dropped: its
-        pages hold keys and values of the old weights. Refused while requests run."""
+        compiled for), e.g. a training run's model after an update. One compiled program (made on the
+        first call for this graph) unstacks the layers where the model lies, into new buffers (the
+        engine's own: a train step may donate the model's); they then move onto the decode layout. The
+        prefix cache is dropped: its pages hold keys and values of the old weights. Refused while
+        requests run."""
         if not self.idle:
             raise ConfigError("load_weights: requests are running; wait until the engine is idle")
-        fresh = for_generation(model)
         target = self.models["target"]
-        if nnx.graphdef(fresh) != target.graphdef:
-            raise ConfigError("load_weights: the model is not the one the engine was built for (another graph)")
-        target.state = placed_state(fresh, self.layout.phase("decode"), own=True)
+        graphdef, state = nnx.split(model)
+        if getattr(self, "_sync_graph", None) != graphdef:
+            if nnx.graphdef(for_generation(model)) != target.graphdef:
+                raise ConfigError("load_weights: the model is not the one the engine was built for (another graph)")
+
+            def convert(state):
+                return nnx.state(for_generation(nnx.merge(graphdef, state)))
+
+            self._sync, self._sync_graph = jax.jit(convert), graphdef
+        target.state = jax.device_put(self._sync(state), jax.tree.map(lambda x: x.sharding, target.state))
         self.pages.forget()
 
     # ----------------------------------------------------------------------------------- serving

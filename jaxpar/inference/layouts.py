@@ -183,14 +183,13 @@ def _ways(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def placed_state(model, layout: Layout, *, own: bool = False):
+def placed_state(model, layout: Layout):
     """A copy of ``model``'s state with every parameter on ``layout`` (one ``jax.device_put``); the
-    model itself is left where it is. ``own``: new buffers even where the sharding is already right
-    (the caller's arrays may be donated later, e.g. a training step's)."""
+    model itself is left where it is."""
     with layout.activate():
         state = nnx.state(model)
         shardings = nnx.get_named_sharding(state, layout.mesh)
-    return jax.device_put(state, shardings, may_alias=False if own else None)
+    return jax.device_put(state, shardings)
 
 
 def reshard(model, layout: Layout):

@@ -11,8 +11,8 @@ Each iteration:
    (the adapters switched off for a LoRA model, else the initial weights, kept);
 3. ``updates`` train steps (``make_train_step`` with ``policy_loss``) on the batch.
 
-The record of each iteration says where the time went (``rollout_s``, ``update_s``) and how fast the
-engine generated (``rollout_tokens_per_s``).
+The record of each iteration says where the time went (``rollout_s``, of it ``sync_s`` for the weights,
+``update_s``) and how fast the engine generated (``rollout_tokens_per_s``, the weights' copy included).
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def run_grpo(
     for it in range(iterations):
         start = time.perf_counter()
         engine.load_weights(model_of(state))
+        sync_s = time.perf_counter() - start
         chosen = rng.choice(len(prompts), cfg.prompts, replace=len(prompts) < cfg.prompts)
         done = _rollouts(engine, [list(prompts[k]) for k in chosen], cfg, seed, it, stop_ids)
         rollout_s = time.perf_counter() - start
@@ -119,6 +120,7 @@ def run_grpo(
             "reward_std": float(rewards.std()),
             "loss": loss,
             **{k: float(v) for k, v in metrics.extra.items()},
+            "sync_s": sync_s,  # the weights onto the engine (part of rollout_s)
             "rollout_s": rollout_s,
             "update_s": time.perf_counter() - start - rollout_s,
             "rollout_tokens": generated,

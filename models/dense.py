@@ -34,6 +34,7 @@ from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScalin
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
 from jaxpar.layers.lora import LoraConfig
+from jaxpar.layers.quant import GROUP
 from jaxpar.model_api import ForwardOutput
 from jaxpar.models.stacks import scan_blocks, split_stack, stacked
 from jaxpar.parallel.attention import storage_order
@@ -146,7 +147,21 @@ class DenseConfig:
             norm=Dim(self.embed_dim, "model.embed_dim"),
         )
         acts = dict(act_embed="embed", act_heads="heads", act_kv_heads="kv_heads", act_mlp="mlp", act_vocab="vocab")
-        return d | {a: d[p] for a, p in acts.items()}
+        return d | {a: d[p] for a, p in acts.items()} | self._nf4_groups()
+
+    def _nf4_groups(self) -> dict[str, Dim]:
+        """QLoRA's nf4 scales split the dimensions they group into groups of ``GROUP``, sharded as the
+        dimension is: those groups must divide the mesh axes (``jaxpar.layers.quant``)."""
+        if self.lora.quantize != "nf4":
+            return {}
+        why = f"/ {GROUP} (the groups of model.lora.quantize=nf4)"
+        sizes = dict(embed=("embed_dim", self.embed_dim), mlp=("mlp_dim", self.mlp_dim))
+        if self.head_dim % GROUP == 0:  # o groups along head_dim, else heads, else embed
+            sizes["head_dim"] = ("head_dim", self.head_dim)
+        elif self.num_heads % GROUP == 0:
+            sizes["heads"] = ("num_heads", self.num_heads)
+        # one group along a dimension: its scale is not split there
+        return {k: Dim(n // GROUP, f"model.{f} {why}") for k, (f, n) in sizes.items() if n // GROUP > 1}
 
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs of one training token (forward + backward = 3 × forward, no remat recompute):

@@ -17,7 +17,8 @@ from jaxpar.convert import from_hf, hf_config
 from jaxpar.convert.files import is_hf_folder
 from jaxpar.convert.store import load_model
 from jaxpar.identity import Entry, check_fits
-from jaxpar.layers.lora import LoraConfig
+from jaxpar.layers.lora import SPECS, LoraConfig
+from jaxpar.layers.quant import quantized_like
 from jaxpar.layout import Layout
 from jaxpar.models import DenseConfig, build_model
 from jaxpar.train.config import TrainConfig, to_dict
@@ -110,7 +111,10 @@ def with_weights_of(cfg: TrainConfig, state, layout: Layout):
         model = from_hf(cfg.init_from, param_dtype=cfg.model.param_dtype, execution=execution, layout=layout)
     else:
         model, _ = load_model(cfg.init_from, layout)
-    state[0] = nnx.merge_state(state[0], nnx.state(model))  # the loaded weights over the fresh ones
+    loaded = nnx.state(model)
+    if cfg.model.lora.quantize != "none":  # QLoRA: the base's weights stored quantized, as the run's are
+        loaded = quantized_like(state[0], loaded, SPECS, cfg.model.lora.quantize)
+    state[0] = nnx.merge_state(state[0], loaded)  # the loaded weights over the fresh ones
     return state
 
 

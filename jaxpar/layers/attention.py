@@ -31,6 +31,7 @@ from jaxpar.layers.kvcache import (
 )
 from jaxpar.layers.lora import SPECS, LoraConfig, add_adapter, delta, project
 from jaxpar.layers.norms import RMSNorm
+from jaxpar.layers.quant import quantize_weights, weight
 from jaxpar.layers.rope import RopeScaling, YarnScaling, apply_rope, rope_frequencies
 from jaxpar.parallel.attention import ContextParallel, context_attention
 from jaxpar.rules import constrain
@@ -87,6 +88,8 @@ class Attention(nnx.Module):
         for name in ("q", "k", "v"):
             add_adapter(self, name, PROJECT, cfg.lora, rngs)
         add_adapter(self, "o", OUTPUT, cfg.lora, rngs)
+        if cfg.lora is not None:  # QLoRA: the frozen base stored quantized (jaxpar.layers.quant)
+            quantize_weights(self, {"q": PROJECT, "k": PROJECT, "v": PROJECT, "o": OUTPUT}, cfg.lora.quantize)
 
     @property
     def inv_freq(self) -> np.ndarray:
@@ -97,7 +100,7 @@ class Attention(nnx.Module):
         return rope_frequencies(cfg.head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
 
     def _project(self, x, name: str, heads_axis: str):
-        y = project(self, name, PROJECT, x, getattr(self, name)[...].astype(self.dtype))
+        y = project(self, name, PROJECT, x, weight(self, name, PROJECT, self.dtype))
         if self.cfg.qkv_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(self.dtype)
         if self.cfg.qk_norm and name != "v":
@@ -144,7 +147,7 @@ class Attention(nnx.Module):
                 k, v = (filled(constrain(a, heads), step.lengths, slots) for a in (k, v))  # [B, S, K, H]
                 cache = map_arrays(KVCache(keys_layout(k), values_layout(v)), constrain)
         out = checkpoint_name(constrain(out, ("batch", "inner_length", "act_heads", None)), "attn_ctx")  # [B, T, N, H]
-        o = self.o[...].astype(self.dtype)
+        o = weight(self, "o", OUTPUT, self.dtype)
         y = output_projection(out, o, flat=cache is not None)
         extra = delta(self, "o", OUTPUT, out)
         y = constrain(y if extra is None else y + extra, ("batch", "length", "act_embed"))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.layers.quant import Quantized, check_kind, dequantize_weights
 
 # Each target's projection, einsum(spec, x, W), as the layers compute it
 SPECS = {
@@ -50,6 +51,7 @@ class LoraConfig:
     rank: int = 0  # 0: no adapters
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
     targets: str = "q,k,v,o"  # comma-separated projection names (``TARGETS``)
+    quantize: str = "none"  # the frozen base's projections stored int8 or nf4 (QLoRA: jaxpar.layers.quant)
 
     def __post_init__(self):
         if self.rank < 0:
@@ -59,6 +61,7 @@ class LoraConfig:
         names = [t.strip() for t in self.targets.split(",") if t.strip()]
         if not names or any(t not in TARGETS for t in names):
             raise ConfigError(f"model.lora.targets={self.targets!r}: name projections among {', '.join(TARGETS)}")
+        check_kind(self.quantize, self.rank)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -143,9 +146,11 @@ def _merge(w: jax.Array, a: jax.Array, b: jax.Array, *, spec: str, parts: str, s
 def merged_state(model: nnx.Module) -> nnx.State:
     """The state of the same model without adapters: every targeted weight with its adapter folded in,
     ``W + scale · A B`` (computed in float32, stored in W's dtype), the adapters dropped. Stacked layers
-    merge layer by layer."""
+    merge layer by layer. A quantized (QLoRA) base is dequantized first, to float32 weights."""
     model = nnx.clone(model)
     for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Module):
+            dequantize_weights(module, SPECS)  # a QLoRA base: its float weights first
         if not isinstance(module, nnx.Module) or not hasattr(module, "lora_scale"):
             continue
         for name, spec in SPECS.items():
@@ -158,4 +163,4 @@ def merged_state(model: nnx.Module) -> nnx.State:
             weight[...] = merge(
                 weight[...], getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
             )
-    return nnx.state(model, nnx.Not(LoraParam))
+    return nnx.state(model, nnx.Not(nnx.Any(LoraParam, Quantized)))

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxpar.layers.common import param
 from jaxpar.layers.lora import SPECS, LoraConfig, add_adapter, project
+from jaxpar.layers.quant import quantize_weights, weight
 from jaxpar.rules import constrain
 
 GATE_UP, DOWN = SPECS["gate_up"], SPECS["down"]
@@ -24,11 +25,13 @@ class SwiGLU(nnx.Module):
         self.down = param(rngs, (hidden, dim), ("mlp", "embed"), dtype=param_dtype)  # row-parallel
         add_adapter(self, "gate_up", GATE_UP, lora, rngs)  # (jaxpar.layers.lora)
         add_adapter(self, "down", DOWN, lora, rngs)
+        if lora is not None:  # QLoRA: the frozen base stored quantized (jaxpar.layers.quant)
+            quantize_weights(self, {"gate_up": GATE_UP, "down": DOWN}, lora.quantize)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(x, ("batch", "inner_length", "act_embed"))  # x: [B, T, D]
-        h = project(self, "gate_up", GATE_UP, x, self.gate_up[...].astype(self.dtype))
+        h = project(self, "gate_up", GATE_UP, x, weight(self, "gate_up", GATE_UP, self.dtype))
         h = constrain(h, ("batch", "inner_length", None, "act_mlp"))  # h: [B, T, 2, F]
         h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "inner_length", "act_mlp"))  # [B, T, F]
-        y = project(self, "down", DOWN, h, self.down[...].astype(self.dtype))
+        y = project(self, "down", DOWN, h, weight(self, "down", DOWN, self.dtype))
         return constrain(y, ("batch", "length", "act_embed"))

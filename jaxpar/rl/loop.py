@@ -71,11 +71,14 @@ def run_grpo(
     stop_ids: Sequence[int] = (),
     engine_mesh: str | None = None,
     page_size: int = 16,
+    init=None,
     log: Callable[[dict], None] | None = None,
 ) -> GRPORun:
     """Trains ``model_cfg`` (from its initialisation with ``seed``) by GRPO for ``iterations`` rollout
     batches (module docstring) on ``mesh``; the engine decodes on ``engine_mesh`` (a decode layout name
-    or spec; default one device). A completion ends at ``stop_ids`` or ``cfg.max_new_tokens``. An MoE
+    or spec; default one device). ``init``: a model whose weights the run starts from (e.g. a fine-tuned
+    one; a LoRA run takes its base from one without adapters). A completion ends at ``stop_ids`` or
+    ``cfg.max_new_tokens``. An MoE
     model trains dropless (``execution.capacity_factor=None``), as the engine routes: a token dropped
     in training only would change the ratio's numerator alone."""
     execution = execution or ExecutionConfig(capacity_factor=None)
@@ -91,11 +94,11 @@ def run_grpo(
     tx = functools.partial(make_optimizer, optimizer, total_steps=iterations * cfg.updates)
     ts = init_train_state(make, tx, layout, seed=seed)
     step = make_train_step(ts, layout, loss_fn=functools.partial(policy_loss, cfg=cfg))
-    state = ts.state
+    state = ts.state if init is None else _with_weights(ts.state, init)
     model_of = lambda s: nnx.merge(ts.graphdef, s)[0]  # noqa: E731
     length = -(-(seq + 1) // page_size) * page_size
     engine = Engine(model_of(state), max_slots=rows, page_size=page_size, max_length=length, mesh=engine_mesh)
-    reference = _reference(ts, layout, cfg, model_cfg)
+    reference = _reference(ts, layout, cfg, model_cfg, state)
     rng, records = np.random.default_rng(seed), []
     for it in range(iterations):
         start = time.perf_counter()
@@ -132,14 +135,26 @@ def run_grpo(
     return GRPORun(records, state, ts.graphdef)
 
 
-def _reference(ts, layout, cfg: GRPOConfig, model_cfg):
+def _with_weights(state, init):
+    """The train state with ``init``'s weights over the model's, each placed as the model's own."""
+    current = dict(nnx.to_flat_state(state[0]))
+    placed = []
+    for path, var in nnx.to_flat_state(nnx.state(init)):
+        if path not in current:
+            raise ConfigError(f"init: its parameter {'/'.join(map(str, path))} is not one of the model's")
+        placed.append((path, var.replace(jax.device_put(var.get_value(), current[path].get_value().sharding))))
+    state[0] = nnx.merge_state(state[0], nnx.from_flat_state(placed))
+    return state
+
+
+def _reference(ts, layout, cfg: GRPOConfig, model_cfg, start):
     """``reference(state, batch) -> log-probs [B, T]`` of the KL's reference, or None without a KL: the
-    adapters switched off (a LoRA model), else the initial weights (kept, a copy)."""
+    adapters switched off (a LoRA model), else the weights of ``start`` (the run's first state, kept)."""
     if not cfg.kl:
         return None
     if model_cfg.lora.rank:
         return make_model_fn(ts, layout, _natural(without_adapters), layout.sharding(("batch", "length")))
-    initial = jax.tree.map(lambda x: x.copy(), ts.state)
+    initial = jax.tree.map(lambda x: x.copy(), start)
     fn = make_model_fn(ts, layout, _natural(lambda m: m), layout.sharding(("batch", "length")))
     return lambda state, batch: fn(initial, batch)
 

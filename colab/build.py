@@ -61,6 +61,9 @@ SUMMARIES = {
     "09_serving": "what a memory budget holds with a dense vs a paged cache (Llama-3-8B pages); page tables with the "
     "null page and shared prefix pages; continuous vs static batching as slot timelines, same tokens; prompt "
     "tokens the prefix cache saves; preemption when pages run out",
+    "10_post_training": "SFT on demonstrations, then LoRA adapters trained by DPO on preference pairs (the first "
+    "loss log 2), then GRPO with the serving engine's rollouts in the training process; the curves and the "
+    "held-out accuracy after each",
 }
 INDEX = HERE / "README.md"
 INDEX_MARKERS = ("<!-- notebooks -->", "<!-- /notebooks -->")

@@ -23,8 +23,7 @@ from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
 from jaxpar.train.optim import make_optimizer
-from jaxpar.train.preference import PreferenceConfig, preference_loss
-from jaxpar.train.reference import _natural_logps
+from jaxpar.train.preference import PreferenceConfig, natural_logps, preference_loss
 from jaxpar.train.step import init_train_state, make_grad_fn, make_model_fn, make_train_step
 
 B, T, STEPS, BETA = 8, 48, 3, 0.5
@@ -78,7 +77,7 @@ def dpo_steps(
     ts = init_train_state(make, functools.partial(make_optimizer, OPTIMIZER), layout)
     loss_fn = functools.partial(preference_loss, cfg=PreferenceConfig(beta=BETA, loss=loss, reference=reference))
     if reference == "precomputed" and "reference" not in batches[0]:  # (a test may bring its own)
-        initial = make_model_fn(ts, layout, _natural_logps, layout.sharding(("batch", "length")))
+        initial = make_model_fn(ts, layout, natural_logps, layout.sharding(("batch", "length")))
         batches = [b | {"reference": np.asarray(initial(ts.state, b))} for b in batches]
     step = make_train_step(ts, layout, loss_fn=loss_fn, grad_accum=grad_accum)
     grad_fn = make_grad_fn(ts, layout, loss_fn=loss_fn, grad_accum=grad_accum)
@@ -158,7 +157,7 @@ def test_a_reference_from_the_wrong_rows_is_caught(dpo_reference, batches):
     ref, bound = dpo_reference
     layout = make_layout(LORA, ONE_DEVICE, batch=B, seq=T, devices=jax.devices()[:1])
     ts = init_train_state(lambda r: build_model(LORA, rngs=r), functools.partial(make_optimizer, OPTIMIZER), layout)
-    initial = make_model_fn(ts, layout, _natural_logps, layout.sharding(("batch", "length")))
+    initial = make_model_fn(ts, layout, natural_logps, layout.sharding(("batch", "length")))
     wrong = [b | {"reference": np.roll(np.asarray(initial(ts.state, b)), 1, axis=0)} for b in batches]
     run = dpo_steps(LORA, ONE_DEVICE, wrong, reference="precomputed", devices=jax.devices()[:1])
     check_mutation_caught(run, ref, bound, "reference rows rolled by one")

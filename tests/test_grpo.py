@@ -21,8 +21,9 @@ from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
 from jaxpar.rl.grpo import GRPOConfig, group_advantages, policy_loss, rollout_batch
-from jaxpar.rl.loop import _natural, _rollouts, run_grpo
+from jaxpar.rl.loop import _rollouts, run_grpo
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
+from jaxpar.train.preference import natural_logps
 from jaxpar.train.step import init_train_state, make_grad_fn, make_model_fn, make_train_step
 
 ENGINE_BOUND = 1e-5  # the bound on |engine − training forward| per token (float32)
@@ -40,7 +41,7 @@ def _engine_against_training(name: str, engine_mesh):
     ts = init_train_state(
         lambda r: build_model(cfg, execution=DROPLESS, rngs=r), functools.partial(make_optimizer, OPTIMIZER), layout
     )
-    logps = make_model_fn(ts, layout, _natural(lambda m: m), layout.sharding(("batch", "length")))
+    logps = make_model_fn(ts, layout, natural_logps, layout.sharding(("batch", "length")))
     step = make_train_step(ts, layout, loss_fn=functools.partial(policy_loss, cfg=CFG))
     model_of = lambda s: nnx.merge(ts.graphdef, s)[0]  # noqa: E731
     devices = jax.devices()[:2] if engine_mesh else None  # a decode layout on two of the devices
@@ -98,7 +99,7 @@ def grpo_steps(cfg, preset, batches, *, grad_accum=1, execution=DROPLESS, device
     )
     loss_fn = functools.partial(policy_loss, cfg=dataclasses.replace(CFG, kl=kl))
     if kl:
-        initial = make_model_fn(ts, layout, _natural(lambda m: m), layout.sharding(("batch", "length")))
+        initial = make_model_fn(ts, layout, natural_logps, layout.sharding(("batch", "length")))
         batches = [x | {"reference": np.asarray(initial(ts.state, x)) - 0.01} for x in batches]
     step = make_train_step(ts, layout, loss_fn=loss_fn, grad_accum=grad_accum)
     grad_fn = make_grad_fn(ts, layout, loss_fn=loss_fn, grad_accum=grad_accum)

@@ -32,6 +32,7 @@ from jaxpar.config import Choice, check_choices
 from jaxpar.errors import ConfigError
 from jaxpar.layers.lora import LoraParam
 from jaxpar.model_api import LanguageModel
+from jaxpar.parallel.common import inverse_order
 from jaxpar.train.loss import Batch, LossParts
 
 
@@ -74,6 +75,12 @@ def token_logps(model: LanguageModel, batch: Batch, /) -> tuple[jax.Array, objec
     logits = out.logits.astype(jnp.float32)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(logits, axis=-1), out
+
+
+def natural_logps(model: LanguageModel, batch: Batch, /) -> jax.Array:
+    """``token_logps`` in the natural order of the tokens (a precomputed reference, the engine's parity)."""
+    logps, out = token_logps(model, batch)
+    return logps if out.order is None else logps[:, inverse_order(out.order)]
 
 
 def without_adapters(model: LanguageModel) -> LanguageModel:

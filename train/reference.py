@@ -20,8 +20,7 @@ from jax.experimental import multihost_utils
 
 from jaxpar.data import PackedRows, TokenFiles, batch_of_rows, plan_pairs, resolve_files, to_global
 from jaxpar.errors import DataError
-from jaxpar.parallel.common import inverse_order
-from jaxpar.train.preference import token_logps
+from jaxpar.train.preference import natural_logps
 from jaxpar.train.step import make_model_fn
 
 STREAMS = ("data", "eval")  # data.path's files (its held-out tail included) and data.eval_path's
@@ -63,17 +62,12 @@ def ensure_reference(cfg, out: Path, ts, layout, *, resumed: bool, message) -> N
                     "start computed from the initial weights (start the run again in a new directory)"
                 )
         return
-    logps = make_model_fn(ts, layout, _natural_logps, layout.sharding(("batch", "length")))
+    logps = make_model_fn(ts, layout, natural_logps, layout.sharding(("batch", "length")))
     for stream, spec in streams.items():
         files = TokenFiles(resolve_files(spec, f"data.{'path' if stream == 'data' else 'eval_path'}"), cfg.data.dtype)
         values, rows = _one_pass(files, cfg, ts, layout, logps)
         _write(reference_path(out, stream), values)
         message(f"dpo.reference=precomputed: {stream} stream, {rows:,} rows of pairs, from the initial weights")
-
-
-def _natural_logps(model, batch):
-    logps, out = token_logps(model, batch)
-    return logps if out.order is None else logps[:, inverse_order(out.order)]
 
 
 def _one_pass(files: TokenFiles, cfg, ts, layout, logps) -> tuple[np.ndarray, int]:

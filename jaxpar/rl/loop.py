@@ -36,7 +36,7 @@ from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model
 from jaxpar.rl.grpo import GRPOConfig, group_advantages, policy_loss, rollout_batch
 from jaxpar.train.optim import OptimizerConfig, make_optimizer
-from jaxpar.train.preference import token_logps, without_adapters
+from jaxpar.train.preference import natural_logps, without_adapters
 from jaxpar.train.step import init_train_state, make_model_fn, make_train_step
 
 Reward = Callable[[list[int], list[int]], float]  # (prompt ids, completion ids) -> reward
@@ -47,14 +47,6 @@ class GRPORun:
     records: list[dict]  # one per iteration
     state: object  # the train state after the last update
     graphdef: object
-
-
-def _natural(fn):
-    def logps(model, batch):
-        values, out = token_logps(fn(model), batch)
-        return values if out.order is None else values[:, np.argsort(out.order)]
-
-    return logps
 
 
 def run_grpo(
@@ -153,9 +145,10 @@ def _reference(ts, layout, cfg: GRPOConfig, model_cfg, start):
     if not cfg.kl:
         return None
     if model_cfg.lora.rank:
-        return make_model_fn(ts, layout, _natural(without_adapters), layout.sharding(("batch", "length")))
+        fn = lambda model, batch: natural_logps(without_adapters(model), batch)  # noqa: E731
+        return make_model_fn(ts, layout, fn, layout.sharding(("batch", "length")))
     initial = jax.tree.map(lambda x: x.copy(), start)
-    fn = make_model_fn(ts, layout, _natural(lambda m: m), layout.sharding(("batch", "length")))
+    fn = make_model_fn(ts, layout, natural_logps, layout.sharding(("batch", "length")))
     return lambda state, batch: fn(initial, batch)
 
 

@@ -198,11 +198,12 @@ def adapter_config(folder: str | os.PathLike, model_cfg, *, family: str | None =
     return LoraConfig(rank=r, alpha=float(alpha), targets=",".join(targets))
 
 
-def load_adapter(model, folder: str | os.PathLike, *, family: str | None = None):
-    """``model`` (built with ``adapter_config(folder, …)``'s LoRA config) with its adapters read from the
-    PEFT folder, each placed with its own sharding. A module the folder holds no adapter for (e.g.
-    ``up_proj`` of an adapter on ``gate_proj`` alone) reads A = B = 0: the base unchanged, as in PEFT.
-    Every tensor is checked for shape before any is placed, and one the model does not read is refused."""
+def read_adapter(model, folder: str | os.PathLike, *, family: str | None = None) -> dict[tuple[str, ...], np.ndarray]:
+    """The adapters of a PEFT folder as host arrays, by their path in ``model`` (built with
+    ``adapter_config(folder, …)``'s LoRA config; an abstract model from ``nnx.eval_shape`` will do). A
+    module the folder holds no adapter for (e.g. ``up_proj`` of an adapter on ``gate_proj`` alone) reads
+    A = B = 0: the base unchanged, as in PEFT. Every tensor is checked for shape before any is read into
+    place, and one the model does not read is refused."""
     folder, cfg = Path(folder), model.cfg
     file = folder / ADAPTER_WEIGHTS
     want = adapter_config(folder, cfg, family=family)
@@ -211,9 +212,10 @@ def load_adapter(model, folder: str | os.PathLike, *, family: str | None = None)
     table = adapter_sources(cfg, _family(cfg, family))
     with safe_open(file, framework="numpy") as f:
         stored = {n: f.get_tensor(n) for n in f.keys()}  # adapters are small: read whole
-    flat, used = nnx.to_flat_state(nnx.state(model, LoraParam)), set()
-    for keys, var in flat:
-        src, shape = table[_paths(keys)], tuple(var.get_value().shape)
+    shapes = {_paths(keys): var.get_value() for keys, var in nnx.to_flat_state(nnx.state(model, LoraParam))}
+    used = set()
+    for path, value in shapes.items():
+        src, shape = table[path], tuple(value.shape)
         for name in src.all_hf_names(shape):
             pair = name.replace("lora_A", "lora_B") if "lora_A" in name else name.replace("lora_B", "lora_A")
             if (name in stored) != (pair in stored):
@@ -226,13 +228,23 @@ def load_adapter(model, folder: str | os.PathLike, *, family: str | None = None)
     extra = sorted(set(stored) - used)
     if extra:
         raise ConvertError(f"{file}: {extra[0]} is not an adapter of this model ({len(extra)} such tensors)")
-    for keys, var in flat:
-        src, value = table[_paths(keys)], var.get_value()
+    out = {}
+    for path, value in shapes.items():
+        src = table[path]
 
         def read(name, box, src=src, shape=tuple(value.shape)):
             return stored[name][box] if name in stored else np.zeros(src.hf_shape(shape, {}), np.float32)[box]
 
-        host = read_shard(src, value.shape, [slice(None)] * value.ndim, read, {}, np.dtype(value.dtype))
-        var.set_value(jax.device_put(host, value.sharding))
+        out[path] = read_shard(src, value.shape, [slice(None)] * value.ndim, read, {}, np.dtype(value.dtype))
+    return out
+
+
+def load_adapter(model, folder: str | os.PathLike, *, family: str | None = None):
+    """``model`` (built with ``adapter_config(folder, …)``'s LoRA config) with its adapters read from the
+    PEFT folder (``read_adapter``), each placed with its own sharding."""
+    arrays = read_adapter(model, folder, family=family)
+    flat = nnx.to_flat_state(nnx.state(model, LoraParam))
+    for keys, var in flat:
+        var.set_value(jax.device_put(arrays[_paths(keys)], var.get_value().sharding))
     nnx.update(model, nnx.from_flat_state(flat))
     return model

@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import itertools
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -35,6 +36,7 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.inference import logprobs
+from jaxpar.inference.adapters import Adapter, with_bank
 from jaxpar.inference.generate import bucket, for_generation
 from jaxpar.inference.pages import PagedAllocator
 from jaxpar.inference.placement import Weights, engine_layout, pages_for_budget
@@ -42,6 +44,7 @@ from jaxpar.inference.sampling import SamplingParams
 from jaxpar.inference.scheduler import Request, Scheduler
 from jaxpar.inference.speculative import acceptance, distribution, host_rng, ngram_draft, one_hot, verify
 from jaxpar.layers.kvcache import with_table, without_table
+from jaxpar.layers.lora import select
 from jaxpar.model_api import LanguageModel
 from jaxpar.rules import trace_layout
 
@@ -87,10 +90,13 @@ class Engine:
         mesh: str | None = None,
         devices=None,
         check_writes: bool = False,
+        adapters: Sequence[Adapter] = (),
     ):
         if max_length % page_size:
             raise ConfigError(f"max_length={max_length} must be a multiple of page_size={page_size}")
-        self.model = for_generation(model)
+        # a request's ``adapter``: 0 the base model, i + 1 ``adapters[i]`` (a bank: jaxpar.inference.adapters)
+        self.adapters = {a.name: i + 1 for i, a in enumerate(adapters)}
+        self.model = for_generation(with_bank(model, list(adapters)) if adapters else model)
         self.cfg = self.model.cfg
         self.layout = self._layout(mesh, devices, max_slots, max_length)
         self.width = max_length // page_size  # page-table entries per sequence
@@ -157,8 +163,8 @@ class Engine:
         if key not in self._programs:
             graphdef, layout, vocab = self.models[which].graphdef, self.layout, self.cfg.vocab_size
 
-            def run(state, pools, ids, positions, table, last, params, extras):
-                with trace_layout(layout.mesh, layout.decode):
+            def run(state, pools, ids, positions, table, last, params, extras, adapter):
+                with trace_layout(layout.mesh, layout.decode), select(adapter):
                     model = nnx.merge(graphdef, state)
                     logits, pools = model.decode(ids, positions, with_table(pools, table))
                 stripped = without_table(pools)
@@ -186,8 +192,9 @@ class Engine:
             table, last = np.zeros((self.slots, self.width), np.int32), np.zeros(self.slots, np.int32)
             extras = logprobs.StepExtras.build([], self.slots, t, self.max_length)
             params = SamplingParams(**SamplingParams.check(self.slots))  # numpy, as every call's (``_inputs``)
+            adapter = np.zeros(self.slots, np.int32)
             _, m.pools = self._program(which, t, every, f)(
-                m.state, m.pools, ids, positions, table, last, params, extras
+                m.state, m.pools, ids, positions, table, last, params, extras, adapter
             )
 
     @staticmethod
@@ -199,11 +206,10 @@ class Engine:
     def _replicated(self):
         return jax.sharding.NamedSharding(self.layout.mesh, jax.sharding.PartitionSpec())
 
-    def _call(self, which, t, ids, positions, table, last, params, extras=None, *, every: bool = False):
+    def _call(self, which, t, ids, positions, table, last, params, extras, adapter, *, every: bool = False):
         """One device call; its outputs on the host (``logprobs.fetch``), a dict, or (raw, filtered)."""
         m = self.models[which]
-        extras = extras or logprobs.StepExtras.build([], self.slots, t, self.max_length)
-        host = (ids, positions, table, last, params, extras)  # numpy: jit places them replicated itself
+        host = (ids, positions, table, last, params, extras, adapter)  # numpy: jit places them replicated itself
         program = self._program(which, t, every, self._needed(logprobs.Features.of(params, extras), every))
         out, m.pools = program(m.state, m.pools, *host)
         return logprobs.fetch(out, extras, rows=self.record_logits)
@@ -232,8 +238,12 @@ class Engine:
 
     # ----------------------------------------------------------------------------------- serving
     def submit(self, request: Request, sampling: dict | None = None) -> None:
-        """Queue ``request``. Its sampling, penalty and log-prob settings are checked here (``ConfigError``
-        naming the field), so a bad request is refused alone and never reaches a step."""
+        """Queue ``request``. Its sampling, penalty and log-prob settings and its adapter are checked here
+        (``ConfigError`` naming the field), so a bad request is refused alone and never reaches a step."""
+        if not 0 <= request.adapter <= len(self.adapters):
+            raise ConfigError(
+                f"adapter={request.adapter}: this engine serves adapters 1..{len(self.adapters)} (0: none)"
+            )
         settings = {**GREEDY, **(sampling or {})}
         SamplingParams.check(**{k: settings[k] for k in GREEDY})
         logprobs.check_settings(settings)
@@ -278,20 +288,20 @@ class Engine:
         ids = np.zeros((self.slots, t), np.int32)
         positions = np.full((self.slots, t), -1, np.int32)
         table = np.zeros((self.slots, self.width), np.int32)
-        last = np.zeros(self.slots, np.int32)
+        last, adapter = np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32)
         settings = [dict(GREEDY) for _ in range(self.slots)]
         for r, start, tokens in rows:
             s, n = r.slot, len(tokens)
             if self.check_writes:
                 self.pages.check_writable(r.id, start, start + n)
-            ids[s, :n], positions[s, :n], last[s] = tokens, np.arange(start, start + n), n - 1
+            ids[s, :n], positions[s, :n], last[s], adapter[s] = tokens, np.arange(start, start + n), n - 1, r.adapter
             table[s] = self.pages.table(r.id, self.width)
             settings[s] = GREEDY if greedy else r.sampling
         # numpy columns (checked as ``make`` checks them): the host reads which programs the call needs
         # (``logprobs.Features.of``) without a round trip to the device
         params = SamplingParams(**SamplingParams.check(self.slots, **{k: [x[k] for x in settings] for k in GREEDY}))
         extras = logprobs.StepExtras.build(rows, self.slots, t, self.max_length, plain=greedy)
-        return ids, positions, table, last, params, extras
+        return ids, positions, table, last, params, extras, adapter
 
     def _run(self, t: int, rows) -> dict:
         """One device call of width t; rows: (request, first position, tokens). Returns id -> token."""

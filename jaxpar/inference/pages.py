@@ -31,9 +31,10 @@ class OutOfPages(RuntimeError):
     """The pool has no free or evictable page left: the scheduler preempts a sequence and retries."""
 
 
-def page_hashes(tokens, page_size: int, /) -> list[bytes]:
-    """One name per full page of ``tokens``: SHA-256 of the previous page's name and this page's tokens."""
-    names, previous = [], b""
+def page_hashes(tokens, page_size: int, /, salt: bytes = b"") -> list[bytes]:
+    """One name per full page of ``tokens``: SHA-256 of the previous page's name and this page's tokens;
+    the first page's "previous name" is ``salt`` (what else the K/V depend on: the adapter)."""
+    names, previous = [], salt
     for start in range(0, len(tokens) - page_size + 1, page_size):
         chunk = np.asarray(tokens[start : start + page_size], dtype=np.int64).tobytes()
         previous = hashlib.sha256(previous + chunk).digest()
@@ -47,6 +48,7 @@ class _Sequence:
     length: int = 0  # positions whose K/V are in the cache
     named: int = 0  # leading pages registered in the prefix index
     looked: int = 0  # prefix pages looked up when admitted
+    salt: bytes = b""  # ``page_hashes``'s salt: pages are shared only between sequences of one salt
 
 
 class PagedAllocator:
@@ -109,14 +111,15 @@ class PagedAllocator:
         return -(-length // self.page_size)
 
     # --------------------------------------------------------------------------------- sequences
-    def admit(self, seq_id, prompt, /, *, share: bool = True) -> int:
+    def admit(self, seq_id, prompt, /, *, share: bool = True, salt: bytes = b"") -> int:
         """Start ``seq_id`` with the longest shareable prefix of ``prompt`` already cached; returns how
         many of its positions need no computing (a multiple of ``page_size``). ``share=False``: none
-        (every position is computed, e.g. for its log-probs)."""
+        (every position is computed, e.g. for its log-probs). ``salt``: the pages it shares and names
+        are those of sequences with the same salt (``page_hashes``)."""
         if seq_id in self.seqs:
             raise KeyError(f"sequence {seq_id!r} is already admitted")
         shareable = (
-            page_hashes(prompt, self.page_size)[: (len(prompt) - 1) // self.page_size]
+            page_hashes(prompt, self.page_size, salt)[: (len(prompt) - 1) // self.page_size]
             if self.prefix_cache and share
             else []
         )
@@ -129,7 +132,7 @@ class PagedAllocator:
             pages.append(page)
         self.lookups += len(shareable)
         self.hits += len(pages)
-        self.seqs[seq_id] = _Sequence(pages, len(pages) * self.page_size, len(pages), len(shareable))
+        self.seqs[seq_id] = _Sequence(pages, len(pages) * self.page_size, len(pages), len(shareable), salt)
         return len(pages) * self.page_size
 
     def unadmit(self, seq_id, /) -> None:
@@ -159,7 +162,7 @@ class PagedAllocator:
                 f"sequence {seq_id!r}: {len(tokens)} positions but pages for {len(seq.pages) * self.page_size}"
             )
         seq.length = len(tokens)
-        names = page_hashes(tokens, self.page_size) if self.prefix_cache else []
+        names = page_hashes(tokens, self.page_size, seq.salt) if self.prefix_cache else []
         for i in range(seq.named, len(names)):
             page = seq.pages[i]
             if names[i] not in self._index and page not in self._name:
@@ -194,7 +197,7 @@ class PagedAllocator:
             copy = (seq.pages[full], self._take())
             self.refs[copy[1]] += 1
             pages.append(copy[1])
-        self.seqs[child] = _Sequence(pages, seq.length, min(seq.named, full))
+        self.seqs[child] = _Sequence(pages, seq.length, min(seq.named, full), salt=seq.salt)
         return copy
 
     def free(self, seq_id, /) -> None:

@@ -56,6 +56,7 @@ class Request:
     draft_computed: int = 0  # positions in a draft model's cache (speculative)
     token_logprobs: list = dataclasses.field(default_factory=list)  # per generated token (sampling["logprobs"])
     prompt_logprobs: list | None = None  # per prompt position, the first None (sampling["prompt_logprobs"])
+    adapter: int = 0  # the engine's adapter slot (``Engine.adapters``): 0 the base model
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -64,6 +65,11 @@ class Request:
     def prefilled(self) -> bool:
         """The whole current sequence but its last token is in the cache: the next step decodes."""
         return self.computed >= len(self.tokens) - (1 if self.generated else 0)
+
+
+def salt(adapter: int) -> bytes:
+    """What a sequence's cached pages are named under: K/V computed under another adapter differ."""
+    return adapter.to_bytes(4, "little") if adapter else b""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +167,8 @@ class Scheduler:
         return n
 
     def _admit(self, r: Request, left: int, plan: Plan) -> int:
-        r.computed = self.pages.admit(r.id, r.tokens, share=not (r.sampling or {}).get("prompt_logprobs"))
+        share = not (r.sampling or {}).get("prompt_logprobs")
+        r.computed = self.pages.admit(r.id, r.tokens, share=share, salt=salt(r.adapter))
         n = self._next_chunk(r)
         if n > left or not self._grow(r, r.computed + n, plan, may_preempt=False):
             self.pages.unadmit(r.id)

@@ -15,10 +15,17 @@ apart, so the backward pass forms only adapter-sized weight gradients, never ``W
 ``model.lora.targets`` names the projections: ``q``, ``k``, ``v``, ``o`` (GQA attention), ``gate_up``
 (an adapter each for gate and up, as PEFT has), ``down`` (the dense SwiGLU MLPs: every layer of a dense
 model, the dense layers and shared experts of an MoE model). ``model.lora.rank=0`` (the default) means no adapters.
+
+Serving several adapters at once (``jaxpar.inference.adapters``): ``model.lora.bank=S`` gives every
+targeted projection a *bank* of S adapters, ``A`` [S, …] and ``B`` [S, …] (the bank axis first, never
+sharded), and inside ``select(rows)`` row ``b`` of a batch takes adapter ``rows[b]``: each row gathers
+its own ``A`` and ``B``, so one batch mixes adapters (slot 0, all zeros, is the base model).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -52,6 +59,7 @@ class LoraConfig:
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
     targets: str = "q,k,v,o"  # comma-separated projection names (``TARGETS``)
     quantize: str = "none"  # the frozen base's projections stored int8 or nf4 (QLoRA: jaxpar.layers.quant)
+    bank: int = 0  # serving: S adapters per projection, one picked per row (``select``); 0: one adapter
 
     def __post_init__(self):
         if self.rank < 0:
@@ -62,6 +70,8 @@ class LoraConfig:
         if not names or any(t not in TARGETS for t in names):
             raise ConfigError(f"model.lora.targets={self.targets!r}: name projections among {', '.join(TARGETS)}")
         check_kind(self.quantize, self.rank)
+        if self.bank < 0 or (self.bank and not self.rank):
+            raise ConfigError(f"model.lora.bank={self.bank}: a bank of adapters needs ≥ 1 slot and a rank")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -75,6 +85,20 @@ class LoraConfig:
 
 class LoraParam(nnx.Param):
     """An adapter's weights: the only parameters a run with adapters trains."""
+
+
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("lora_rows", default=None)
+
+
+@contextlib.contextmanager
+def select(rows: jax.Array):
+    """Inside (while a model is traced): row ``b`` of the batch takes adapter ``rows[b]`` [B] of every
+    adapter bank (``LoraConfig.bank``); models without banks ignore it."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
 
 
 def trainable(model) -> type:
@@ -104,8 +128,9 @@ def add_adapter(module: nnx.Module, name: str, spec: str, lora: LoraConfig | Non
     weight = getattr(module, name)
     _, w, _, contracted, shared, out = letters(spec, PARTS.get(name, ""))
     dims = dict(zip(w, zip(weight.shape, weight.get_metadata()["out_sharding"])))
-    a_dims = [dims[c] for c in shared + contracted] + [(lora.rank, RANK_AXIS)]
-    b_dims = [dims[c] for c in shared] + [(lora.rank, RANK_AXIS)] + [dims[c] for c in out]
+    bank = [(lora.bank, None)] if lora.bank else []  # the bank axis, never sharded
+    a_dims = bank + [dims[c] for c in shared + contracted] + [(lora.rank, RANK_AXIS)]
+    b_dims = bank + [dims[c] for c in shared] + [(lora.rank, RANK_AXIS)] + [dims[c] for c in out]
     fan_in = math.prod(dims[c][0] for c in contracted)
     bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=√5): √(6 / ((1 + 5) · fan_in))
     a = jax.random.uniform(rngs.params(), [n for n, _ in a_dims], weight.dtype, -bound, bound)
@@ -114,6 +139,7 @@ def add_adapter(module: nnx.Module, name: str, spec: str, lora: LoraConfig | Non
         var = LoraParam(value, out_sharding=tuple(n for _, n in names), eager_sharding=False)
         setattr(module, f"{name}_lora_{suffix}", var)
     module.lora_scale = lora.scale  # static: alpha / rank
+    module.lora_bank = bool(lora.bank)  # static: A and B lead with the bank axis (``select`` picks per row)
 
 
 def delta(module: nnx.Module, name: str, spec: str, x: jax.Array) -> jax.Array | None:
@@ -125,9 +151,15 @@ def delta(module: nnx.Module, name: str, spec: str, x: jax.Array) -> jax.Array |
     xs, _, ys, contracted, shared, out = letters(spec, parts)
     a = getattr(module, f"{name}_lora_a")[...].astype(x.dtype)
     b = getattr(module, f"{name}_lora_b")[...].astype(x.dtype)
+    row = ""
+    if getattr(module, "lora_bank", False):  # each row its own adapter: gather A and B per row
+        rows = _ROWS.get()
+        if rows is None:
+            raise ValueError(f"lora: {name}'s adapter bank is read outside select(rows)")
+        row, a, b = xs[0], a[rows], b[rows]  # the batch letter leads x
     low = "".join(c for c in xs if c not in contracted) + parts + "z"  # x's but the contracted, parts, rank
-    xa = jnp.einsum(f"{xs},{shared}{contracted}z->{low}", x, a)
-    return jnp.einsum(f"{low},{shared}z{out}->{ys}", xa, b) * jnp.asarray(module.lora_scale, x.dtype)
+    xa = jnp.einsum(f"{xs},{row}{shared}{contracted}z->{low}", x, a)
+    return jnp.einsum(f"{low},{row}{shared}z{out}->{ys}", xa, b) * jnp.asarray(module.lora_scale, x.dtype)
 
 
 def project(module: nnx.Module, name: str, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

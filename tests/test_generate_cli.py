@@ -312,6 +312,9 @@ SERVE_BAD = {  # jaxpar serve: refused with status 2, naming the flag, before a 
     "negative speculate": (["--speculate", "-1"], ["--speculate -1"]),
     "draft without speculate": (["--draft", "{ckpt}"], ["--speculate 0", "--draft"]),
     "port": (["--port", "70000"], ["--port 70000"]),
+    "adapter without a name": (["--adapter", "{ckpt}"], ["--adapter", "NAME=DIR"]),
+    "adapter not PEFT": (["--adapter", "terse={ckpt}"], ["--adapter 'terse=", "adapter_config.json"]),
+    "adapter named as the base": (["--model-name", "m", "--adapter", "m={ckpt}"], ["'m' is already served"]),
 }
 
 

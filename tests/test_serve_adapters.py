@@ -8,6 +8,7 @@ times the oracles' own float noise, their logits merged against unmerged (the sa
 ways), and a row given the wrong adapter must miss it by ``noise.MUTATION_GAP``.
 """
 
+import concurrent.futures
 import dataclasses
 
 import jax
@@ -15,11 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from noise import FLOOR, MULTIPLE, MUTATION_GAP, array_ratios, check_arrays, record
+from serve_inprocess import call, serving
 
 from jaxpar.convert import save_adapter
 from jaxpar.errors import ConfigError
 from jaxpar.inference.adapters import read_peft, with_bank
 from jaxpar.inference.engine import Engine
+from jaxpar.inference.limits import Limits
 from jaxpar.inference.scheduler import Request
 from jaxpar.layers.lora import LoraConfig, LoraParam, merged_state
 from jaxpar.models import build_model, get_model_preset
@@ -151,3 +154,58 @@ def test_a_bad_adapter_slot_or_bank_is_refused(served):
         with_bank(base, [adapters[0], adapters[0]])
     with pytest.raises(ConfigError, match="model.lora.bank"):
         LoraConfig(bank=2)
+
+
+def test_the_server_serves_each_request_with_the_adapter_its_model_names(served):
+    """Over HTTP: /v1/models lists the adapters under the base; 24 concurrent greedy requests spread over
+    the base and both adapters get what each gets alone, the response names the model asked for, an
+    adapter changes the text, and an unknown model is refused naming what is served."""
+    base, _, adapters, _ = served
+    models = ["tiny", "terse", "verbose"]
+    bodies = [
+        {
+            "model": m,
+            "prompt": " ".join(f"w{(7 * i + j) % 250}" for j in range(5 + i)),
+            "max_tokens": 6,
+            "temperature": 0,
+        }
+        for i in range(8)
+        for m in models
+    ]
+    with serving(Limits(), model=base, adapters=adapters) as (_, port):
+        status, listed, _ = call(port, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in listed["data"]] == models
+        assert [m.get("parent") for m in listed["data"]] == [None, "tiny", "tiny"]
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            together = list(pool.map(lambda b: call(port, "POST", "/v1/completions", b), bodies))
+        alone = [call(port, "POST", "/v1/completions", b) for b in bodies]
+        status, refused, _ = call(port, "POST", "/v1/completions", {**bodies[0], "model": "tiny-sql"})
+    assert all(s == 200 for s, _, _ in together + alone)
+    texts = [r["choices"][0]["text"] for _, r, _ in together]
+    assert texts == [r["choices"][0]["text"] for _, r, _ in alone]
+    assert [r["model"] for _, r, _ in together] == [b["model"] for b in bodies]
+    by_model = {m: texts[i :: len(models)] for i, m in enumerate(models)}
+    assert by_model["terse"] != by_model["tiny"] and by_model["verbose"] != by_model["tiny"]
+    assert status == 400 and refused["error"]["code"] == "model_not_found" and '"terse"' in refused["error"]["message"]
+
+
+def test_jaxpar_serve_builds_the_engines_with_the_adapters_named(served, tmp_path):
+    """The command line's --adapter NAME=DIR reaches the parser (the names a request may send) and every
+    replica's engine (the same slots)."""
+    from serve_inprocess import word_tokenizer
+
+    from jaxpar.cli import build_parser
+    from jaxpar.convert.store import save_model
+    from jaxpar.inference import serve_command
+
+    base, owners, _, _ = served
+    save_model(base, tmp_path / "tiny", source={"test": True})
+    word_tokenizer().save(str(tmp_path / "tiny" / "tokenizer.json"))
+    save_adapter(owners["terse"], tmp_path / "terse")
+    argv = ["serve", "--from", str(tmp_path / "tiny"), "--adapter", f"terse={tmp_path / 'terse'}", "--port", "0"]
+    args = build_parser().parse_args(argv + ["--cpu-devices", "1", "--replicas", "1", "--max-length", "64"])
+    cfg, eos, _ = serve_command.model_config("jaxpar", args.source)
+    tokenizer_file = str(tmp_path / "tiny" / "tokenizer.json")
+    service = serve_command.build_service(args, cfg, eos, "jaxpar", word_tokenizer(), tokenizer_file)
+    assert service.parser.models == ("tiny", "terse") and service.slots == {"tiny": 0, "terse": 1}
+    assert [w.engine.adapters for w in service.workers] == [{"terse": 1}]

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from serve_inprocess import call as call_server
 from serve_inprocess import idle, serving
 
 from jaxpar.inference.limits import Limits
@@ -40,19 +41,8 @@ def served():
         yield running
 
 
-def call(port, method, path, body=None, *, key=KEY, headers=None, timeout=30):
-    """(status, parsed JSON or text, response headers) of one request."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    raw = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
-    sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    conn.request(method, path, body=raw, headers={**sent, **(headers or {})})
-    response = conn.getresponse()
-    text = response.read().decode()
-    conn.close()
-    try:
-        return response.status, json.loads(text), dict(response.getheaders())
-    except ValueError:
-        return response.status, text, dict(response.getheaders())
+def call(port, method, path, body=None, *, key=KEY, **kw):
+    return call_server(port, method, path, body, key=key, **kw)
 
 
 def complete(port, **fields):

@@ -7,7 +7,7 @@ object with status 400 (the engine never sees a bad request). Refused, each with
 
 * a body that is not UTF-8, not JSON (NaN and Infinity included), nested too deep, or not a JSON object;
   a field this server does not know or does not implement (``logit_bias``, ``best_of``, ...); a model
-  other than the one served;
+  other than the one served or one of its adapters (``--adapter``);
 * a prompt that is empty, not text or token ids, outside the vocabulary, holds a lone surrogate (not
   encodable as UTF-8), or is too long for the cache ever to hold (``max_length`` positions per sequence);
 * ``max_tokens`` that is not a positive integer or does not fit beside the prompt in the cache;
@@ -36,6 +36,7 @@ import json
 import math
 import secrets
 import time
+from collections.abc import Sequence
 
 from jaxpar.chat import ChatTemplate
 from jaxpar.inference.limits import Limits
@@ -105,6 +106,7 @@ class Job:
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
     echo: bool = False  # completions: the prompt's text (and log-probs) in front of the completion
     logprobs: int | None = None  # alternatives per token in the response's logprobs; None: no logprobs
+    model: str = ""  # the model the request named: the base model's name or an adapter's
 
     def choices(self) -> list[tuple[int, list[int], int, dict]]:
         """(index, prompt, max_tokens, sampling) per choice; choice i of n samples with seed + i."""
@@ -159,7 +161,7 @@ def _number(body: dict, name: str, default, low, high, *, low_open: bool = False
 
 
 class Parser:
-    """Validates requests for one served model (see the module doc)."""
+    """Validates requests for one served model and its adapters (see the module doc)."""
 
     def __init__(
         self,
@@ -171,8 +173,10 @@ class Parser:
         chat_template: str | None = None,
         special_tokens: dict | None = None,
         limits: Limits | None = None,
+        adapters: Sequence[str] = (),
     ):
         self.model_name, self.vocab_size, self.max_length = model_name, vocab_size, max_length
+        self.models = (model_name, *adapters)  # what a request's ``model`` may name: the base, an adapter
         self.limits = limits or Limits()
         self.tokenizer, self.special = tokenizer, special_tokens or {}
         self.template = None
@@ -186,9 +190,10 @@ class Parser:
     # ------------------------------------------------------------------------------------ requests
     def parse(self, kind: str, raw: bytes) -> Job:
         body = self._body(raw, kind)
-        if body.get("model") != self.model_name:
+        model = body.get("model")
+        if not isinstance(model, str) or model not in self.models:
             raise APIError(
-                f"model {quote(body.get('model'))} is not served here; this server serves '{self.model_name}'",
+                f"model {quote(model)} is not served here; this server serves {', '.join(map(quote, self.models))}",
                 param="model",
                 code="model_not_found",
             )
@@ -231,6 +236,7 @@ class Parser:
             self._user(body.get("user")),
             echo=echo,
             logprobs=logprobs,
+            model=model,
         )
 
     def _user(self, user) -> str | None:

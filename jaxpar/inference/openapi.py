@@ -8,6 +8,8 @@ limit's answer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jaxpar.inference.api import MAX_LOGPROBS
 from jaxpar.inference.limits import Limits
 from jaxpar.inference.sampling import SEEDS
@@ -73,9 +75,9 @@ def _prompt(vocab_size: int) -> dict:
     return {"oneOf": [{"type": "string"}, tokens, {"type": "array", "items": {"oneOf": [{"type": "string"}, tokens]}}]}
 
 
-def _generation(kind: str, limits: Limits, model: str, vocab_size: int) -> dict:
+def _generation(kind: str, limits: Limits, models: Sequence[str], vocab_size: int) -> dict:
     required = ["model", "prompt"] if kind == "completions" else ["model", "messages"]
-    fields = {**REQUESTS[kind], "model": {"type": "string", "enum": [model]}}
+    fields = {**REQUESTS[kind], "model": {"type": "string", "enum": list(models)}}
     if kind == "completions":
         fields["prompt"] = _prompt(vocab_size)
     body = {"type": "object", "required": required, "properties": fields, "additionalProperties": False}
@@ -93,8 +95,9 @@ def _generation(kind: str, limits: Limits, model: str, vocab_size: int) -> dict:
                      "responses": _answers(statuses)}}  # fmt: skip
 
 
-def schema(model: str, vocab_size: int, limits: Limits | None = None) -> dict:
-    """The OpenAPI document of a server of ``model`` (its name, its vocabulary) with ``limits``."""
+def schema(models: Sequence[str], vocab_size: int, limits: Limits | None = None) -> dict:
+    """The OpenAPI document of a server of ``models`` (the base model's name and its adapters'), its
+    vocabulary and ``limits``."""
     limits = limits or Limits()
     plain = {"get": {"responses": _answers({"200": "ok", "401": "no valid API key"})}}
     text = {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -102,8 +105,8 @@ def schema(model: str, vocab_size: int, limits: Limits | None = None) -> dict:
         "openapi": "3.1.0",
         "info": {"title": "jaxpar serve", "version": "1"},
         "paths": {
-            "/v1/completions": _generation("completions", limits, model, vocab_size),
-            "/v1/chat/completions": _generation("chat", limits, model, vocab_size),
+            "/v1/completions": _generation("completions", limits, models, vocab_size),
+            "/v1/chat/completions": _generation("chat", limits, models, vocab_size),
             "/v1/models": plain,
             "/health": {"get": {"responses": _answers({"200": "every replica progressing", "503": "degraded"})}},
             "/metrics": {"get": {"responses": {"200": text}}},

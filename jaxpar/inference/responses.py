@@ -30,8 +30,8 @@ def choice(job: Job, index: int, text: str, reason, ids=None, logprobs: dict | N
     return out
 
 
-def envelope(job: Job, model: str, *, chunk: bool) -> dict:
+def envelope(job: Job, *, chunk: bool) -> dict:
     """The fields around the choices of a response (``chunk``: of one event of a stream)."""
     kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.kind == "chat" else "text_completion"
     prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
-    return {"id": prefix + job.id, "object": kind, "created": job.created, "model": model}
+    return {"id": prefix + job.id, "object": kind, "created": job.created, "model": job.model}

@@ -3,6 +3,7 @@
     jaxpar serve --from runs/ft --tokenizer tokenizer.json --port 8000
     jaxpar serve --from ./Llama-3.2-1B --mesh decode_tp --replicas 2 --memory-budget 8GiB
     jaxpar serve --from ckpt/tiny --cpu-devices 4 --replicas 4 --port 0      # port 0: any free port
+    jaxpar serve --from ./Llama-3.2-1B --adapter sql=adapters/sql --adapter chat=adapters/chat
 
 --from is what ``jaxpar generate`` reads (a run folder, a model checkpoint or a Hugging Face folder); the
 tokenizer is --tokenizer or tokenizer.json in --from, and its chat template (``chat_template.jinja`` or
@@ -105,6 +106,15 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     engine.add_argument("--chunk", type=positive_int, default=64, help="prompt chunk (prefill) size")
     engine.add_argument("--speculate", type=int, default=0, metavar="K", help="speculative guesses per step (0 = off)")
     engine.add_argument("--draft", default=None, metavar="DIR", help="a draft model (same vocabulary) for --speculate")
+    engine.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a LoRA adapter (a PEFT folder) served beside the base model; a request's model NAME picks it "
+        "(repeatable; one batch mixes adapters)",
+    )
     access = parser.add_argument_group("access")
     access.add_argument(
         "--api-key",
@@ -147,7 +157,33 @@ def check_args(args, cfg) -> tuple[int, int]:
         )
     group = len(devices) // args.replicas if args.mesh else 1
     engine_layout(cfg, args.mesh, devices[:group], slots=args.max_slots, length=max_length, flag="--mesh")
+    check_adapters(args, cfg)
     return max_length, group
+
+
+def served_name(args) -> str:
+    """The model id clients send for the base model."""
+    return args.model_name or Path(args.source).resolve().name
+
+
+def check_adapters(args, cfg) -> dict[str, str]:
+    """--adapter NAME=DIR, each a PEFT folder for this model (its config checked, no weight read); the
+    names distinct and none the base model's. Returns {name: folder}."""
+    from jaxpar.convert import ConvertError, adapter_config  # deferred: imports jax, flax and the model zoo
+
+    out = {}
+    for spec in args.adapters:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name.strip() or not folder or name != name.strip():
+            raise ConfigError(f"--adapter {spec!r}: give NAME=DIR (a name clients send as model, a PEFT folder)")
+        if name in out or name == served_name(args):
+            raise ConfigError(f"--adapter {spec!r}: the name {name!r} is already served; give each its own")
+        try:
+            adapter_config(folder, cfg)
+        except ConvertError as err:
+            raise ConfigError(f"--adapter {spec!r}: {err}") from None
+        out[name] = folder
+    return out
 
 
 def check_access(host: str, api_key: str | None, insecure: bool) -> None:
@@ -200,6 +236,7 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     import jax
 
     from jaxpar.chat import load_chat_template
+    from jaxpar.inference.adapters import read_peft
     from jaxpar.inference.api import Parser
     from jaxpar.inference.engine import Engine
     from jaxpar.inference.layouts import build_inference_mesh
@@ -210,7 +247,8 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     template, special = load_chat_template(tokenizer_file, args.chat_template)
     eos = tuple(eos) + tokenizer_eos(tokenizer, special, eos)
     parser = Parser(
-        model_name=args.model_name or Path(args.source).resolve().name,
+        model_name=served_name(args),
+        adapters=[spec.partition("=")[0] for spec in args.adapters],
         vocab_size=cfg.vocab_size,
         max_length=max_length,
         tokenizer=tokenizer,
@@ -220,6 +258,7 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
     )
     name, mesh = build_inference_mesh("decode_dp", devices=jax.devices()[:1])
     model = load_weights(kind, args.source, cfg, mesh, name, args.overrides)
+    adapters = [read_peft(name, folder, model) for name, folder in check_adapters(args, cfg).items()]
     draft = load_draft(args.draft, args.overrides) if args.draft else None
     engines = []
     for r in range(args.replicas):
@@ -235,6 +274,7 @@ def build_service(args, cfg, eos, kind: str, tokenizer, tokenizer_file):
             draft=draft,
             mesh=args.mesh,
             devices=devices,
+            adapters=adapters,
         )
         engine.warm_up()
         engines.append(engine)

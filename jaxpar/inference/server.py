@@ -35,6 +35,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from jaxpar.errors import ConfigError
 from jaxpar.inference.api import APIError, Job, Parser, quote
 from jaxpar.inference.limits import Limits
 from jaxpar.inference.logprob_format import ChoiceLogprobs
@@ -68,6 +69,10 @@ class Service:
         for w in self.workers:
             w.observe = self.metrics.observe
         self.router = Router(self.workers, page_size=page_size)
+        # a request's ``model`` -> the engines' adapter slot (0: the base model); every replica has the same
+        self.slots = {parser.model_name: 0, **engines[0].adapters}
+        if set(self.slots) != set(parser.models) or any(e.adapters != engines[0].adapters for e in engines):
+            raise ConfigError(f"the parser serves {parser.models}, the engines {[e.adapters for e in engines]}")
         self.draining = False
         self._ids = itertools.count()
 
@@ -109,9 +114,12 @@ class Service:
         loop = asyncio.get_running_loop()
         out, first = [], None
         for index, prompt, limit, sampling in job.choices():
-            request = Request((job.id, index, next(self._ids)), prompt, limit, self.eos_ids | job.stop_ids)
+            adapter = self.slots[job.model]
+            request = Request(
+                (job.id, index, next(self._ids)), prompt, limit, self.eos_ids | job.stop_ids, adapter=adapter
+            )
             sibling = first if index % job.n else None  # choice 0 of a prompt computes it first
-            worker = sibling[1] if sibling else self._pick(job.user, prompt)
+            worker = sibling[1] if sibling else self._pick(job.user, prompt, job.model)
             self.metrics.routed.labels(str(worker.index)).inc()
             events: asyncio.Queue = asyncio.Queue()
             worker.add(
@@ -124,8 +132,8 @@ class Service:
             out.append((index, request, worker, events))
         return out
 
-    def _pick(self, user: str | None, prompt: list[int]) -> Worker:
-        index = self.router.pick(self.router.key(user, prompt), self.limits.stall_timeout)
+    def _pick(self, user: str | None, prompt: list[int], model: str) -> Worker:
+        index = self.router.pick(self.router.key(user, prompt, model), self.limits.stall_timeout)
         if index is None:  # every replica failed or stalled since ``admit``: this choice fails alone
             raise APIError("no engine replica is available", status=503, kind="server_error")
         return self.workers[index]
@@ -167,7 +175,7 @@ class API:
     def __init__(self, service: Service):
         self.service = service
         self.model = service.parser.model_name
-        self.schema = schema(self.model, service.parser.vocab_size, service.limits)
+        self.schema = schema(service.parser.models, service.parser.vocab_size, service.limits)
 
     async def completions(self, http: HTTPRequest) -> Response:
         return await self._generate(http, "completions")
@@ -244,7 +252,7 @@ class API:
 
         done = await asyncio.gather(*(one(*c) for c in choices))
         self.service.metrics.tokens.inc(sum(r.generated for _, r, _, _ in choices))
-        return envelope(job, self.model, chunk=False) | {
+        return envelope(job, chunk=False) | {
             "choices": sorted(done, key=lambda c: c["index"]),
             "usage": usage(choices),
         }
@@ -279,9 +287,9 @@ class API:
                 elif isinstance(item, APIError):
                     yield f"data: {json.dumps(item.body())}\n\n"
                 else:
-                    yield f"data: {json.dumps(envelope(job, self.model, chunk=True) | {'choices': [item]})}\n\n"
+                    yield f"data: {json.dumps(envelope(job, chunk=True) | {'choices': [item]})}\n\n"
             if job.include_usage:
-                tally = envelope(job, self.model, chunk=True) | {"choices": [], "usage": usage(choices)}
+                tally = envelope(job, chunk=True) | {"choices": [], "usage": usage(choices)}
                 yield f"data: {json.dumps(tally)}\n\n"
             yield "data: [DONE]\n\n"
             self.service.metrics.tokens.inc(sum(r.generated for _, r, _, _ in choices))
@@ -296,21 +304,11 @@ class API:
                 worker.abort(request)
 
     async def models(self, http: HTTPRequest) -> Response:
-        engine = self.service.workers[0].engine
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "jaxpar",
-                        "max_model_len": engine.max_length,
-                    }
-                ],
-            }
-        )
+        """The base model, then each adapter (its ``parent`` the base, as OpenAI lists fine-tunes)."""
+        length = self.service.workers[0].engine.max_length
+        entry = {"object": "model", "created": 0, "owned_by": "jaxpar", "max_model_len": length}
+        adapters = [{"id": name, **entry, "parent": self.model} for name in self.service.parser.models[1:]]
+        return JSONResponse({"object": "list", "data": [{"id": self.model, **entry}, *adapters]})
 
     async def health(self, http: HTTPRequest) -> Response:
         """200 while every replica is alive and progressing; 503 when one failed or stalled (the others

@@ -223,11 +223,13 @@ class Router:
         self.sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.routed = collections.Counter()  # "sticky", "least_loaded"
 
-    def key(self, user: str | None, prompt: list[int]) -> str | None:
+    def key(self, user: str | None, prompt: list[int], model: str = "") -> str | None:
+        """A session's key (``user``), else the prompt's first page's under ``model`` (pages computed
+        under one adapter are shared with that adapter's requests only)."""
         if user:
             return "user:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()
         if len(prompt) > self.page_size:  # a full page the cache could share
-            head = ",".join(map(str, prompt[: self.page_size])).encode()
+            head = (model + ":" + ",".join(map(str, prompt[: self.page_size]))).encode("utf-8", "surrogatepass")
             return "prefix:" + hashlib.sha256(head).hexdigest()
         return None
 

@@ -48,6 +48,9 @@ class CheckpointConfig:
     every: int = 100  # save every K steps (and always at the last step)
     keep: int = 3  # keep the newest N checkpoints
     async_save: bool = True  # write in the background while training continues
+    # a LoRA run --init-from a model: checkpoints hold the adapters and what else trains, not the frozen
+    # base, which resuming and loading read from init_from again, checked (jaxpar.convert.base)
+    adapters_only: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,8 +34,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer, SavedRun, abstract_like
+from jaxpar.convert.base import BASE_JSON, adapters_only, base_record, check_base, without_base
 from jaxpar.data import make_loader, to_global
 from jaxpar.layout import Layout
 from jaxpar.models import build_model
@@ -149,7 +151,7 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
         seed=cfg.seed,
         stack=stack_split(cfg, layout.mesh.shape["stage"]),
     )
-    saved = check_out_dir(out, config, program.checkpoint_abstract)
+    saved = check_out_dir(out, config, _saved_part(config, program.checkpoint_abstract))
     if cfg.init_from and saved is None:
         check_init_from(cfg)
     loaders = _make_loaders(cfg, readers(cfg, out) if precomputed_reference(cfg, layout) else {})
@@ -168,6 +170,12 @@ def train(cfg: TrainConfig, out_dir, /, *, stop_after: int | None = None, device
         return run.loop(stop_after=stop_after, profile=profile)
     finally:
         run.close()
+
+
+def _saved_part(config: dict, state):
+    """What a checkpoint of the run of ``config`` holds of ``state`` (arrays, abstract ones or their
+    shardings): all of it, or without the frozen base (``jaxpar.convert.base.adapters_only``)."""
+    return without_base(state) if adapters_only(config) else state
 
 
 class _Run:
@@ -222,7 +230,10 @@ class _Run:
         self.shardings = batch_sharding(layout, BATCH_KEYS)
 
     def _initial_state(self, program: InitProgram, saved: SavedRun | None):
-        """The state to start from: created (with ``init_from``'s weights), or restored and resharded."""
+        """The state to start from: created (with ``init_from``'s weights), or restored and resharded. A
+        run that saves its adapters alone reads its base from ``init_from`` again, and checks it against
+        the ``base.json`` it wrote when it started (``jaxpar.convert.base``)."""
+        alone = adapters_only(self.config)
         with self.layout.activate():
             form = program.saved  # the layer order of checkpoints, where the state is stored otherwise
             if saved is None:
@@ -231,9 +242,15 @@ class _Run:
                 if not self.cfg.init_from:
                     return state
                 state = with_weights_of(self.cfg, state if form is None else form.unstored(state), self.layout)
+                if alone and jax.process_index() == 0:
+                    write_json(self.out / BASE_JSON, base_record(self.cfg.init_from, state[0]))
                 return state if form is None else form.stored(state)
             abstract = abstract_like(program.checkpoint_abstract, program.checkpoint_shardings)
-            state, position = self.checkpoints.restore(saved.step, abstract)
+            state, position = self.checkpoints.restore(saved.step, _saved_part(self.config, abstract))
+            if alone:  # the base again, under the adapters and the optimizer's state
+                base = with_weights_of(self.cfg, program.create(), self.layout)
+                check_base(self.out, base[0])
+                state = nnx.merge_state(base, state)
             self.loader.set_state(position)
             self.start = saved.step
             return state if form is None else form.stored(state)
@@ -310,6 +327,7 @@ class _Run:
                 pending = None  # eval and save time is kept out of the next step's time
                 if save:
                     kept = state if self.saved_form is None else self.saved_form.unstored(state)
+                    kept = _saved_part(self.config, kept)
                     self.checkpoints.save(s, state=kept, data=position, config=self.config, force=final)
                 clock += time.perf_counter() - paused
             if preempted:

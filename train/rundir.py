@@ -13,12 +13,11 @@ from pathlib import Path
 from flax import nnx
 
 from jaxpar.checkpoint import CheckpointError, SavedRun, latest
-from jaxpar.convert import from_hf, hf_config
+from jaxpar.convert import hf_config
 from jaxpar.convert.files import is_hf_folder
-from jaxpar.convert.store import load_model
+from jaxpar.convert.store import base_weights
 from jaxpar.identity import Entry, check_fits
-from jaxpar.layers.lora import SPECS, LoraConfig
-from jaxpar.layers.quant import quantized_like
+from jaxpar.layers.lora import LoraConfig
 from jaxpar.layout import Layout
 from jaxpar.models import DenseConfig, build_model
 from jaxpar.train.config import TrainConfig, to_dict
@@ -106,14 +105,7 @@ def with_weights_of(cfg: TrainConfig, state, layout: Layout):
     """``state`` (model, fresh optimizer) with the model replaced by ``cfg.init_from``'s, restored onto
     the layout (``check_init_from`` has passed); a Hugging Face folder's weights placed shard by shard.
     LoRA on a base without adapters: the base's weights, the run's fresh adapters."""
-    if is_hf_folder(cfg.init_from):
-        execution = {f.name: getattr(cfg.execution, f.name) for f in dataclasses.fields(cfg.execution)}
-        model = from_hf(cfg.init_from, param_dtype=cfg.model.param_dtype, execution=execution, layout=layout)
-    else:
-        model, _ = load_model(cfg.init_from, layout)
-    loaded = nnx.state(model)
-    if cfg.model.lora.quantize != "none":  # QLoRA: the base's weights stored quantized, as the run's are
-        loaded = quantized_like(state[0], loaded, SPECS, cfg.model.lora.quantize)
+    loaded = base_weights(cfg.init_from, cfg.model, cfg.execution, layout, state[0])
     state[0] = nnx.merge_state(state[0], loaded)  # the loaded weights over the fresh ones
     return state
 

@@ -9,6 +9,7 @@ straight into its shards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,10 +18,14 @@ from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer, abstract_like, latest
 from jaxpar.config import from_dict, to_dict
-from jaxpar.convert.files import ConvertError
+from jaxpar.convert import from_hf
+from jaxpar.convert.base import adapters_only, check_base, without_base
+from jaxpar.convert.files import ConvertError, is_hf_folder
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig, split_saved_model
 from jaxpar.identity import Entry, check_fits
+from jaxpar.layers.lora import SPECS
+from jaxpar.layers.quant import quantized_like
 from jaxpar.models import build_model, config_from_dict, config_to_dict
 
 MODEL_JSON = "model.json"
@@ -80,15 +85,35 @@ def saved_execution(ckpt: str | Path) -> ExecutionConfig:
         raise ConvertError(f"{ckpt}: its execution settings cannot be read by this version of jaxpar ({err})") from None
 
 
+def base_weights(init_from: str | Path, cfg, execution: ExecutionConfig, layout, target) -> nnx.State:
+    """The weights of ``init_from`` (a model checkpoint, a run, or a Hugging Face folder) restored onto
+    ``layout`` for a model of ``cfg``; where ``target`` (that model's state, or its abstract arrays with
+    their shardings) holds a weight quantized (QLoRA), the loaded one is quantized as it is."""
+    if is_hf_folder(init_from):
+        settings = {f.name: getattr(execution, f.name) for f in dataclasses.fields(execution)}
+        model = from_hf(init_from, param_dtype=cfg.param_dtype, execution=settings, layout=layout)
+    else:
+        model, _ = load_model(init_from, layout)
+    loaded = nnx.state(model)
+    if cfg.lora.quantize != "none":  # QLoRA: the base's weights stored quantized, as the run's are
+        loaded = quantized_like(target, loaded, SPECS, cfg.lora.quantize)
+    return loaded
+
+
 def load_model(ckpt: str | Path, layout, /):
     """The model of a model checkpoint or of a training run's newest checkpoint, restored onto
-    ``layout`` (a ``jaxpar.layout.Layout``); the optimizer state of a run is not read."""
+    ``layout`` (a ``jaxpar.layout.Layout``); the optimizer state of a run is not read. A LoRA run that
+    saved its adapters alone (``jaxpar.convert.base``) gets its base from its ``init_from``, checked."""
     cfg, step, is_run = model_config(ckpt)
     execution = saved_execution(ckpt)
+    run_config = latest(Path(ckpt).resolve() / "checkpoints").config if is_run else {}
+    alone = adapters_only(run_config)
     with layout.activate():
         abstract = nnx.eval_shape(lambda: build_model(cfg, execution=execution, rngs=nnx.Rngs(0)))
-        graphdef, abstract = nnx.split(abstract)
-        target = abstract_like(abstract, nnx.get_named_sharding(abstract, layout.mesh))
+        graphdef, full = nnx.split(abstract)
+        every = abstract_like(full, nnx.get_named_sharding(full, layout.mesh))
+        abstract = without_base(full, run=False) if alone else full
+        target = without_base(every, run=False) if alone else every
     check_fits(
         Entry.LOAD,
         saved_config=None,
@@ -110,5 +135,9 @@ def load_model(ckpt: str | Path, layout, /):
         state = manager.restore(step, args=args)["state"]
     finally:
         manager.close()
-    model = nnx.merge(graphdef, state["0"] if is_run else state)
-    return model, step
+    state = state["0"] if is_run else state
+    if alone:
+        base = base_weights(run_config["init_from"], cfg, execution, layout, every)
+        check_base(Path(ckpt).resolve(), base)
+        state = nnx.merge_state(base, state)
+    return nnx.merge(graphdef, state), step

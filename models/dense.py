@@ -34,6 +34,7 @@ from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScalin
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
 from jaxpar.layers.lora import LoraConfig
+from jaxpar.layers.mla import mla_targets
 from jaxpar.layers.quant import GROUP
 from jaxpar.model_api import ForwardOutput
 from jaxpar.models.stacks import scan_blocks, split_stack, stacked
@@ -97,6 +98,19 @@ class DenseConfig:
             raise ConfigError(f"model.sliding_window={self.sliding_window} must be ≥ 1 (or None: full attention)")
         if isinstance(self.rope_scaling, YarnScaling) and not self.uses_mla:
             raise ConfigError("model.rope_scaling: YaRN is implemented for MLA attention (DeepSeek) only")
+        missing = [t for t in self.lora.names if t not in self.adapter_targets]
+        if missing:
+            raise ConfigError(
+                f"model.lora.targets={self.lora.targets!r}: {missing[0]} is not a projection of this model; its "
+                f"{'MLA' if self.uses_mla else 'GQA'} attention and dense MLPs take {', '.join(self.adapter_targets)}"
+            )
+
+    @property
+    def adapter_targets(self) -> tuple[str, ...]:
+        """The LoRA targets this model has (``model.lora.targets``): its attention's projections and the
+        dense MLPs' (``jaxpar.layers.lora``)."""
+        attention = mla_targets(self.mla) if self.uses_mla else ("q", "k", "v", "o")
+        return (*attention, "gate_up", "down")
 
     @property
     def uses_mla(self) -> bool:

@@ -41,11 +41,6 @@ class MoEModelConfig(DenseConfig):
         super().__post_init__()
         if not isinstance(self.moe, MoEConfig):
             raise ConfigError(f"model.moe: an MoE model needs its MoEConfig, got {self.moe!r}")
-        if self.mla is not None and {"q", "k", "v", "o"} & set(self.lora.names):
-            raise ConfigError(
-                f"model.lora.targets={self.lora.targets!r}: MLA attention has no q, k, v, o adapters; "
-                "target the dense MLPs (gate_up, down)"
-            )
         if not 0 <= self.first_dense_layers < self.num_layers:
             raise ConfigError(
                 f"model.first_dense_layers={self.first_dense_layers} must be in [0, model.num_layers={self.num_layers})"

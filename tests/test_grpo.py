@@ -17,6 +17,7 @@ from noise import Bound, check_mutation_caught, check_run, measure, permuted_row
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig
 from jaxpar.inference.engine import Engine
+from jaxpar.layers.lora import LoraConfig
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
@@ -32,10 +33,17 @@ PROMPTS = [[5, 17, 42, 9], [3, 3, 3], [200, 1, 77, 64, 12, 8], [99]]
 CFG = GRPOConfig(prompts=4, group_size=4, max_new_tokens=6)
 
 
+MODELS = {  # DeepSeek with MLA adapters: the absorbed decode reads kv_b's through its factors
+    "tiny-deepseek+lora": dataclasses.replace(
+        get_model_preset("tiny-deepseek"), lora=LoraConfig(rank=4, targets="q_a,q_b,kv_a,kv_b,o")
+    ),
+}
+
+
 def _engine_against_training(name: str, engine_mesh):
     """max |engine log-prob − training forward log-prob| over every sampled token, for the initial
     weights and again after one update (the engine given the new weights, the same prompts again)."""
-    cfg = get_model_preset(name)
+    cfg = MODELS.get(name) or get_model_preset(name)
     rows, seq = CFG.prompts * CFG.group_size, 16
     layout = make_layout(cfg, resolve_mesh_arg("fsdp=8"), batch=rows, seq=seq, execution=DROPLESS)
     ts = init_train_state(
@@ -65,7 +73,9 @@ def _engine_against_training(name: str, engine_mesh):
     return errors
 
 
-@pytest.mark.parametrize("name, engine_mesh", [("tiny", None), ("tiny", "tensor=2"), ("tiny-moe", None)])
+@pytest.mark.parametrize(
+    "name, engine_mesh", [("tiny", None), ("tiny", "tensor=2"), ("tiny-moe", None), ("tiny-deepseek+lora", None)]
+)
 def test_the_engine_samples_with_the_training_forwards_log_probs(name, engine_mesh):
     errors = _engine_against_training(name, engine_mesh)
     assert max(errors) <= ENGINE_BOUND, errors

@@ -23,6 +23,7 @@ from jaxpar.train.optim import make_optimizer
 from jaxpar.train.step import init_train_state, make_train_step
 
 ALL = "q,k,v,o,gate_up,down"
+MLA_ALL = "q_a,q_b,kv_a,kv_b,o,gate_up,down"  # DeepSeek: MLA's projections, the dense layers' and shared experts' MLPs
 IDS = np.random.default_rng(0).integers(0, 256, (4, 16)).astype(np.int32)
 B, T, STEPS = 8, 16, 3
 TOKENS = np.random.default_rng(1).integers(0, 256, (STEPS, B, T + 1), dtype=np.int32)
@@ -52,9 +53,9 @@ def test_a_fresh_adapter_leaves_the_base_logits_bit_for_bit():
     assert not np.array_equal(np.asarray(_with_random_b(model)(IDS)), np.asarray(base(IDS)))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-deepseek"])
 def test_merged_adapters_give_the_unmerged_logits(name):
-    targets = ALL if name == "tiny" else "q,k,v,o"
+    targets = {"tiny": ALL, "tiny-moe": "q,k,v,o", "tiny-deepseek": MLA_ALL}[name]
     model = _with_random_b(build_model(_lora(name, targets=targets), rngs=nnx.Rngs(params=0)))
     base = build_model(get_model_preset(name), rngs=nnx.Rngs(params=1))
     nnx.update(base, merged_state(model))
@@ -128,6 +129,15 @@ def test_adapter_gradients_equal_one_device(lora_reference, mesh, settings):
     check_run(run, ref, bound, f"lora {mesh} {settings}")
 
 
+def test_mla_adapter_gradients_equal_one_device():
+    """MLA's adapters (q_a, q_b, kv_a, kv_b, o) and the dense layer's, on tensor and expert layouts."""
+    cfg = _lora("tiny-deepseek", targets=MLA_ALL)
+    ref, bound = reference(cfg, TOKENS, "lora")
+    run = train_steps(cfg, resolve_mesh_arg("data=2,expert=2,tensor=2"), TOKENS)
+    assert any("kv_b_lora" in p for p in run.grads[0]) and all("lora" in p for p in run.grads[0])
+    check_run(run, ref, bound, "lora mla data=2,expert=2,tensor=2")
+
+
 def test_a_wrong_adapter_gradient_is_caught(lora_reference):
     """The bound catches an adapter scaled wrong (alpha 32 for 16: the update's size doubles)."""
     ref, bound = lora_reference
@@ -149,6 +159,65 @@ def test_bad_adapters_are_refused_by_name(fields, words):
         _lora(**fields)
 
 
-def test_mla_attention_has_no_qkvo_adapters():
-    with pytest.raises(ConfigError, match="MLA attention has no q, k, v, o adapters"):
-        _lora("tiny-deepseek", targets="q")
+@pytest.mark.parametrize(
+    "name, targets, words",
+    [
+        (
+            "tiny-deepseek",
+            "q,kv_b",
+            "q is not a projection of this model; its MLA attention and dense MLPs take q_a, q_b",
+        ),
+        ("tiny-deepseek", "k", "k is not a projection"),
+        ("tiny", "q,kv_a", "kv_a is not a projection of this model; its GQA attention and dense MLPs take q, k, v, o"),
+    ],
+)
+def test_targets_the_attention_does_not_have_are_refused(name, targets, words):
+    with pytest.raises(ConfigError, match=words):
+        _lora(name, targets=targets)
+
+
+def test_the_absorbed_decode_reads_kv_b_adapter_through_its_factors():
+    """MLA's decode never forms per-head keys: kv_b's adapter enters through the query's latent and the
+    output (``jaxpar.layers.mla``). The engine's logits at every generated position equal the training
+    forward's on the same tokens, within a multiple of the forward's own noise (merged against unmerged
+    adapters); with kv_b's adapter dropped from the decode (the mutation) they miss it widely."""
+    from noise import MULTIPLE, MUTATION_GAP, record
+
+    from jaxpar.inference.engine import Engine
+    from jaxpar.inference.scheduler import Request
+
+    dropless = ExecutionConfig(capacity_factor=None)  # as the engine routes
+    cfg = _lora("tiny-deepseek", targets="q_a,kv_b,o")
+    model = _with_random_b(build_model(cfg, execution=dropless, rngs=nnx.Rngs(params=0)))
+    merged = build_model(get_model_preset("tiny-deepseek"), execution=dropless, rngs=nnx.Rngs(params=1))
+    nnx.update(merged, merged_state(model))
+    prompt = IDS[0, :6].tolist()
+
+    def decoded(m):
+        engine = Engine(m, max_slots=2, page_size=4, max_length=32, chunk=16, record_logits=True)
+        request = Request(0, prompt, 6)
+        engine.run([request])
+        return np.stack(engine.logits[0])[1:], request.tokens  # the decode steps' rows
+
+    rows, tokens = decoded(model)
+    ids = np.asarray([tokens[:-1]], np.int32)
+    forward = np.asarray(model(ids))[0, len(prompt) :]
+    noise = np.abs(np.asarray(merged(ids))[0, len(prompt) :] - forward).max()
+    bound = MULTIPLE * max(noise, 2.0**-23)
+    error = float(np.abs(rows - forward).max())
+    record(
+        "lora",
+        "mla absorbed decode",
+        noise=dict(logit=float(noise)),
+        tolerance=dict(logit=bound),
+        error=dict(logit=error),
+    )
+    assert error <= bound
+    without = nnx.clone(model)
+    for path, var in nnx.to_flat_state(nnx.state(without, LoraParam)):  # kv_b's B zeroed: its adapter gone
+        if path[-1] == "kv_b_lora_b":
+            var.set_value(np.zeros(var.get_value().shape, np.float32))
+    wrong, _ = decoded(without)
+    factor = float(np.abs(wrong - forward).max()) / bound
+    record("lora", "mutation: kv_b adapter dropped", tolerance=dict(logit=bound), factor=factor)
+    assert factor >= MUTATION_GAP

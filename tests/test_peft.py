@@ -20,6 +20,7 @@ MODULES = {  # family -> the modules its adapter targets (Mixtral's MLPs are exp
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", *MLP],
     "qwen2": ["q_proj", "v_proj", *MLP],
     "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],  # MLA's
 }
 
 
@@ -42,7 +43,7 @@ def llama(tmp_path_factory):
     return tmp / "hf", tmp / "adapter", logits(theirs, IDS), logit_bound(own_noise(theirs, IDS))
 
 
-MESHES = [("llama", "fsdp=4,tensor=2"), ("qwen2", None), ("mixtral", "data=4,tensor=2")]
+MESHES = [("llama", "fsdp=4,tensor=2"), ("qwen2", None), ("mixtral", "data=4,tensor=2"), ("deepseek_v3", "fsdp=4,tensor=2")]
 
 
 @pytest.mark.parametrize("family, mesh", MESHES)

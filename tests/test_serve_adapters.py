@@ -209,3 +209,20 @@ def test_jaxpar_serve_builds_the_engines_with_the_adapters_named(served, tmp_pat
     service = serve_command.build_service(args, cfg, eos, "jaxpar", word_tokenizer(), tokenizer_file)
     assert service.parser.models == ("tiny", "terse") and service.slots == {"tiny": 0, "terse": 1}
     assert [w.engine.adapters for w in service.workers] == [{"terse": 1}]
+
+
+def test_mla_adapters_are_served_from_a_bank(tmp_path):
+    """DeepSeek's MLA adapters through PEFT and the bank: the absorbed decode gathers kv_b's factors per
+    row. Each row's logits lie within the noise bound of the model that wrote its adapter."""
+    base = build_model(get_model_preset("tiny-deepseek"), rngs=nnx.Rngs(0))
+    owner = _with_adapter(base, LoraConfig(rank=4, alpha=8.0, targets="q_a,q_b,kv_a,kv_b,o"), 1)
+    save_adapter(owner, tmp_path / "mla")
+    merged = nnx.merge(nnx.graphdef(base), merged_state(owner))
+    prompt = list(range(5, 30))
+    noise = array_ratios([_alone(merged, prompt)], [_alone(owner, prompt)], ("logits",))["logits"]
+    engine = _engine(base, adapters=[read_peft("mla", tmp_path / "mla", base)])
+    reqs = [Request(i, prompt[i:], 6, adapter=i % 2) for i in range(4)]
+    engine.run(reqs)
+    for r in reqs:
+        want = _alone(owner if r.adapter else base, r.prompt, 6)
+        _check(_logits(engine, r), want, max(noise, 2.0**-23), f"served mla #{r.id}")

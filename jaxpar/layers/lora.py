@@ -12,9 +12,10 @@ apart, so the backward pass forms only adapter-sized weight gradients, never ``W
 * Only adapters train: they are ``LoraParam``s, and ``trainable(model)`` is the filter the optimizer and
   the gradients take (``nnx.Param`` for a model without adapters).
 
-``model.lora.targets`` names the projections: ``q``, ``k``, ``v``, ``o`` (GQA attention), ``gate_up``
-(an adapter each for gate and up, as PEFT has), ``down`` (the dense SwiGLU MLPs: every layer of a dense
-model, the dense layers and shared experts of an MoE model). ``model.lora.rank=0`` (the default) means no adapters.
+``model.lora.targets`` names the projections: ``q``, ``k``, ``v``, ``o`` (GQA attention); ``q_a``,
+``q_b`` (or ``q`` without a query latent), ``kv_a``, ``kv_b``, ``o`` (MLA); ``gate_up`` (an adapter each
+for gate and up, as PEFT has), ``down`` (the dense SwiGLU MLPs: every layer of a dense model, the dense
+layers and shared experts of an MoE model). ``model.lora.rank=0`` (the default) means no adapters.
 
 Serving several adapters at once (``jaxpar.inference.adapters``): ``model.lora.bank=S`` gives every
 targeted projection a *bank* of S adapters, ``A`` [S, …] and ``B`` [S, …] (the bank axis first, never
@@ -45,6 +46,11 @@ SPECS = {
     "o": "btnh,nhd->btd",
     "gate_up": "btd,dgf->btgf",
     "down": "btf,fd->btd",
+    # Multi-head Latent Attention (``jaxpar.layers.mla``): q through its latent, and keys and values
+    "q_a": "btd,dr->btr",
+    "q_b": "btr,rnh->btnh",
+    "kv_a": "btd,dr->btr",
+    "kv_b": "btr,rnh->btnh",
 }
 TARGETS = tuple(SPECS)
 RANK_AXIS = "lora_rank"
@@ -145,21 +151,32 @@ def add_adapter(module: nnx.Module, name: str, spec: str, lora: LoraConfig | Non
 def delta(module: nnx.Module, name: str, spec: str, x: jax.Array) -> jax.Array | None:
     """The adapter of weight ``name`` on ``x``, ``scale · einsum(x A) B`` shaped as ``einsum(spec, x, W)``,
     or None when ``module`` has none."""
-    if not hasattr(module, f"{name}_lora_a"):
+    found = factors(module, name)
+    if found is None:
         return None
+    row, a, b, scale = found
     parts = PARTS.get(name, "")
     xs, _, ys, contracted, shared, out = letters(spec, parts)
-    a = getattr(module, f"{name}_lora_a")[...].astype(x.dtype)
-    b = getattr(module, f"{name}_lora_b")[...].astype(x.dtype)
-    row = ""
-    if getattr(module, "lora_bank", False):  # each row its own adapter: gather A and B per row
-        rows = _ROWS.get()
-        if rows is None:
-            raise ValueError(f"lora: {name}'s adapter bank is read outside select(rows)")
-        row, a, b = xs[0], a[rows], b[rows]  # the batch letter leads x
+    row = xs[0] if row else ""  # a bank's rows: the batch letter leads x
+    a, b = a.astype(x.dtype), b.astype(x.dtype)
     low = "".join(c for c in xs if c not in contracted) + parts + "z"  # x's but the contracted, parts, rank
     xa = jnp.einsum(f"{xs},{row}{shared}{contracted}z->{low}", x, a)
-    return jnp.einsum(f"{low},{row}{shared}z{out}->{ys}", xa, b) * jnp.asarray(module.lora_scale, x.dtype)
+    return jnp.einsum(f"{low},{row}{shared}z{out}->{ys}", xa, b) * jnp.asarray(scale, x.dtype)
+
+
+def factors(module: nnx.Module, name: str) -> tuple[str, jax.Array, jax.Array, float] | None:
+    """(row letter, A, B, scale) of weight ``name``'s adapter, or None when ``module`` has none; in a
+    bank, A and B gathered per row (``select``) with the row letter ``"b"`` leading both, else ``""``.
+    ``delta`` computes with them, and so do the products it cannot write (MLA's absorbed decode)."""
+    if not hasattr(module, f"{name}_lora_a"):
+        return None
+    a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
+    if not getattr(module, "lora_bank", False):
+        return "", a, b, module.lora_scale
+    rows = _ROWS.get()
+    if rows is None:
+        raise ValueError(f"lora: {name}'s adapter bank is read outside select(rows)")
+    return "b", a[rows], b[rows], module.lora_scale
 
 
 def project(module: nnx.Module, name: str, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

@@ -36,6 +36,12 @@ kernels need one head width for q, k and v: q/k and v are zero-padded to H = max
 kernels scale by H^-0.5; one extra rounding of q in bf16), and the output is sliced back to Hv. K/V there have N
 heads: the rules should map
 ``act_kv_heads`` like ``act_heads``.
+
+LoRA (``jaxpar.layers.lora``, targets ``mla_targets``): an adapter beside q_a, q_b (or q), kv_a, kv_b and o.
+The absorbed decode never folds kv_b's adapter into kv_k and kv_v: with A [Rkv, r] and B = [B_k | B_v]
+[r, N, Hn + Hv], the keys' part of the scores is q_nope · B_kᵀ · Aᵀ · latent, so the query's latent
+gains scale · (q_nope B_kᵀ) Aᵀ, and the output gains scale · (mixed A) B_v: products of the rank, which
+a bank of adapters (one per row) computes as well.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.layers.attention import AttentionConfig, output_projection
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, LatentCache, Step, filled, map_arrays, mla_decode, slot_axis
+from jaxpar.layers.lora import SPECS, add_adapter, delta, factors, project
 from jaxpar.layers.norms import RMSNorm
 from jaxpar.layers.rope import YarnScaling, apply_rope, rope_frequencies, yarn_frequencies
 from jaxpar.parallel.attention import context_attention
@@ -125,6 +132,11 @@ def mla_param_count(cfg: MLAConfig, *, embed_dim: int, num_heads: int) -> int:
     return q + kv + n * cfg.v_head_dim * d
 
 
+def mla_targets(cfg: MLAConfig) -> tuple[str, ...]:
+    """The projections of an MLA layer that LoRA can adapt (``model.lora.targets``)."""
+    return (("q",) if cfg.q_lora_rank is None else ("q_a", "q_b")) + ("kv_a", "kv_b", "o")
+
+
 class MLA(nnx.Module):
     """``attn`` gives width, heads, RoPE theta and scaling, kernel and context-parallel strategy (its
     kv-head and head-width fields are not used); ``cfg`` the latent ranks and head widths."""
@@ -143,6 +155,8 @@ class MLA(nnx.Module):
         self.kv_a_norm = RMSNorm(rkv, eps=cfg.latent_norm_eps, name="kv_lora", param_dtype=param_dtype)
         self.kv_b = param(rngs, (rkv, n, hn + hv), ("kv_lora", "heads", "head_dim"), dtype=param_dtype)
         self.o = param(rngs, (n, hv, d), ("heads", "head_dim", "embed"), dtype=param_dtype)
+        for name in mla_targets(cfg):
+            add_adapter(self, name, SPECS[name], attn.lora, rngs)
 
     @property
     def inv_freq(self) -> np.ndarray:
@@ -180,12 +194,12 @@ class MLA(nnx.Module):
         hn, rkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         x = constrain(x, ("batch", "inner_length", "act_embed"))  # [B, T, D]
         if cfg.q_lora_rank is None:
-            q = jnp.einsum("btd,dnh->btnh", x, self._w(self.q))
+            q = self._project("q", x)
         else:
-            cq = self.q_a_norm(constrain(x @ self._w(self.q_a), TOKENS))  # [B, T, Rq]
-            q = jnp.einsum("btr,rnh->btnh", cq, self._w(self.q_b))
+            cq = self.q_a_norm(constrain(self._project("q_a", x), TOKENS))  # [B, T, Rq]
+            q = self._project("q_b", cq)
         q = constrain(q, HEADS)  # [B, T, N, Hq]
-        ckv = constrain(x @ self._w(self.kv_a), TOKENS)  # [B, T, Rkv + Hr]
+        ckv = constrain(self._project("kv_a", x), TOKENS)  # [B, T, Rkv + Hr]
         latent = self.kv_a_norm(ckv[..., :rkv])  # [B, T, Rkv]
         gain, scale = mla_scales(cfg, self.attn.rope_scaling)
         q_nope, q_rope = q[..., :hn], self._rope(q[..., hn:], positions, gain)
@@ -201,13 +215,19 @@ class MLA(nnx.Module):
                     LatentCache(*(filled(a, step.lengths, slots) for a in (latent, k_rope[:, :, 0]))), constrain
                 )
         out = checkpoint_name(constrain(out, HEADS), "attn_ctx")  # [B, T, N, Hv]
-        y = constrain(output_projection(out, self._w(self.o), flat=cache is not None), ("batch", "length", "act_embed"))
+        y = output_projection(out, self._w(self.o), flat=cache is not None)
+        extra = delta(self, "o", SPECS["o"], out)
+        y = constrain(y if extra is None else y + extra, ("batch", "length", "act_embed"))
         return y if cache is None else (y, cache)
+
+    def _project(self, name: str, x: jax.Array) -> jax.Array:
+        """x through weight ``name`` (and its adapter, if any)."""
+        return project(self, name, SPECS[name], x, self._w(getattr(self, name)))
 
     def _attention(self, q_nope, q_rope, latent, k_rope, index, scale: float, segments=None) -> jax.Array:
         """Training and prefill: per-head keys and values from the latent, then causal attention."""
         hn = self.cfg.qk_nope_head_dim
-        kv = constrain(jnp.einsum("btr,rnh->btnh", latent, self._w(self.kv_b)), HEADS)  # [B, T, N, Hn + Hv]
+        kv = constrain(self._project("kv_b", latent), HEADS)  # [B, T, N, Hn + Hv]
         k_nope, v = kv[..., :hn], kv[..., hn:]
         if self.attn.context_parallel == "none" and self.attn.implementation is None:
             return _causal_attention(q_nope, q_rope, k_nope, k_rope[:, :, 0], v, index, scale, segments)
@@ -225,8 +245,19 @@ class MLA(nnx.Module):
             w, hn = self._w(self.kv_b), self.cfg.qk_nope_head_dim
             w_k, w_v = jnp.einsum("rnh->nhr", w[..., :hn]), jnp.einsum("rnh->nrh", w[..., hn:])
         q_latent = jnp.einsum("btnh,nhr->btnr", q_nope, w_k)  # [B, T, N, Rkv]
+        adapter = factors(self, "kv_b")
+        if adapter is not None:  # kv_b's adapter, through its factors (module doc)
+            row, a, b, gain = adapter
+            a, b, gain = a.astype(q_nope.dtype), b.astype(q_nope.dtype), jnp.asarray(gain, q_nope.dtype)
+            hn = self.cfg.qk_nope_head_dim
+            q_b = jnp.einsum(f"btnh,{row}znh->btnz", q_nope, b[..., :hn])
+            q_latent = q_latent + jnp.einsum(f"btnz,{row}rz->btnr", q_b, a) * gain
         mixed, cache = mla_decode(q_latent, q_rope, latent, rope_key, cache, positions, scale=scale)
-        return jnp.einsum("btnr,nrh->btnh", mixed, w_v), cache
+        out = jnp.einsum("btnr,nrh->btnh", mixed, w_v)
+        if adapter is not None:
+            low = jnp.einsum(f"btnr,{row}rz->btnz", mixed.astype(a.dtype), a)
+            out = out + jnp.einsum(f"btnz,{row}znh->btnh", low, b[..., hn:]).astype(out.dtype) * gain
+        return out, cache
 
     def _padded_attention(self, q, k, v, index, scale: float, segments=None) -> jax.Array:
         """``context_attention`` with q/k [B, T, N, Hq] and v [B, T, N, Hv] zero-padded to one width H."""

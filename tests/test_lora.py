@@ -19,6 +19,7 @@ from jaxpar.layers.lora import LoraConfig, LoraParam, merged_state
 from jaxpar.layout import make_layout
 from jaxpar.meshes import resolve_mesh_arg
 from jaxpar.models import build_model, get_model_preset
+from jaxpar.pipeline import build
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.step import init_train_state, make_train_step
 
@@ -129,6 +130,29 @@ def test_adapter_gradients_equal_one_device(lora_reference, mesh, settings):
     check_run(run, ref, bound, f"lora {mesh} {settings}")
 
 
+@pytest.fixture(scope="module")
+def lora_reference_4():
+    """The one-device reference accumulated over 4 microbatches, as a pipeline's schedule runs."""
+    return reference(_lora(), TOKENS, "lora", grad_accum=4)
+
+
+@pytest.mark.parametrize(
+    "mesh, schedule, settings",
+    [
+        ("stage=2,data=4", "1f1b", {}),
+        ("stage=2,fsdp=4", "gpipe", dict(fsdp_gather="step")),
+        ("stage=2,data=2,tensor=2", "zero_bubble", {}),
+        ("stage=2,data=2,tensor=2", "1f1b", dict(grad_reduce="step")),
+    ],
+)
+def test_adapter_gradients_under_a_pipeline_equal_one_device(lora_reference_4, mesh, schedule, settings):
+    """The executor differentiates the adapters alone; the frozen base rides in each stage's state."""
+    ref, bound = lora_reference_4
+    run = train_steps(_lora(), resolve_mesh_arg(mesh), TOKENS, pipeline=build(schedule, 2, 4), **settings)
+    assert set(ref.grads[0]) == set(run.grads[0]) and all("lora" in p for p in run.grads[0])
+    check_run(run, ref, bound, f"lora pipeline {schedule} on {mesh} {settings}")
+
+
 def test_mla_adapter_gradients_equal_one_device():
     """MLA's adapters (q_a, q_b, kv_a, kv_b, o) and the dense layer's, on tensor and expert layouts."""
     cfg = _lora("tiny-deepseek", targets=MLA_ALL)
@@ -203,7 +227,7 @@ def test_the_absorbed_decode_reads_kv_b_adapter_through_its_factors():
     ids = np.asarray([tokens[:-1]], np.int32)
     forward = np.asarray(model(ids))[0, len(prompt) :]
     noise = np.abs(np.asarray(merged(ids))[0, len(prompt) :] - forward).max()
-    bound = MULTIPLE * max(noise, 2.0**-23)
+    bound = float(MULTIPLE * max(noise, 2.0**-23))
     error = float(np.abs(rows - forward).max())
     record(
         "lora",

@@ -195,11 +195,6 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, 
     """``_accumulated_grads`` over the table's microbatches, by the pipeline executor (mesh ``stage`` > 1)."""
     if GradReduce.parse(grad_reduce, field="grad_reduce") == GradReduce.STEP:
         check_reduce_once(model.cfg, layout.mesh.shape)
-    if model.cfg.lora.rank:
-        raise ConfigError(
-            f"model.lora.rank={model.cfg.lora.rank} under a pipeline (mesh stage > 1): the executor trains every "
-            "parameter; train adapters on a layout without stage"
-        )
     micro = _split_slices(batch, table.microbatches)
     micro = {k: constrain(v, (None, "batch", "length")) for k, v in micro.items()}
     tokens = {"ids": micro["inputs"]} | {k: micro[k] for k in ("positions", "segments") if k in micro}
@@ -214,6 +209,7 @@ def _pipelined_grads(model, batch: Batch, table, layout: Layout, z_loss: float, 
         fsdp_gather=fsdp_gather,
         grad_reduce=grad_reduce,
         split=split,
+        trained=trainable(model),
     )
     return LossParts(out.cross_entropy, out.z_loss, out.moe), out.grads
 

@@ -100,6 +100,7 @@ def pipeline_grads(
     fsdp_gather: FsdpGather = FsdpGather.SECTION,
     grad_reduce: GradReduce = GradReduce.SLICE,
     split: StackSplit | None = None,
+    trained=nnx.Param,
 ) -> PipelineResult:
     """Loss parts and gradients of ``model`` over microbatches ``ids``/``targets`` [m, b, T], by
     ``table``; the same as accumulating over the m microbatches on one device. ``ids``: a dict of ``ids``
@@ -113,10 +114,12 @@ def pipeline_grads(
     makes the batch axes manual too, so the weight gradients stay unreduced over them through the whole
     schedule and are reduced once after it (``_reduced_once``; the weights are then gathered once).
     ``split``: how the stack's layers are split over the chunks (``jaxpar.pipeline.stack``; default an even
-    split): ``model``'s stack is in its storage order, and so are the stack's gradients and statistics."""
+    split): ``model``'s stack is in its storage order, and so are the stack's gradients and statistics.
+    ``trained``: the variables that get gradients (a filter; the LoRA adapters alone, with a model that has
+    them: ``jaxpar.layers.lora.trainable``); the others (a frozen base) ride along with the stage's state."""
     p, v, m = table.stages, table.virtual_stages, table.microbatches
     in_stack = nnx.PathContains(model.pipeline_stack)
-    graphdef, sp, op, sr, orest = nnx.split(model, nnx.All(nnx.Param, in_stack), nnx.Param, in_stack, ...)
+    graphdef, sp, op, sr, orest = nnx.split(model, nnx.All(trained, in_stack), trained, in_stack, ...)
     rows = jax.tree.leaves(sp)[0].shape[0]
     split = StackSplit(rows, p, v) if split is None else split
     if (split.stages, split.virtual, split.order.size) != (p, v, rows):

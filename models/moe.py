@@ -25,6 +25,7 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig
 from jaxpar.layers import MoE, MoEConfig, updated_bias
+from jaxpar.layers.lora import EXPERT_TARGETS
 from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
 from jaxpar.models.dense import Block, DenseConfig, DenseLM
 from jaxpar.models.stacks import scan_blocks, stacked
@@ -45,6 +46,12 @@ class MoEModelConfig(DenseConfig):
             raise ConfigError(
                 f"model.first_dense_layers={self.first_dense_layers} must be in [0, model.num_layers={self.num_layers})"
             )
+
+    @property
+    def adapter_targets(self) -> tuple[str, ...]:
+        """The dense model's targets (the attention's, the dense layers' and shared experts' MLPs) and the
+        routed experts' weights (``jaxpar.layers.lora``)."""
+        return (*super().adapter_targets, *EXPERT_TARGETS)
 
     def attention_module(self, execution: ExecutionConfig, *, rngs: nnx.Rngs) -> nnx.Module:
         if self.mla is None:
@@ -112,7 +119,7 @@ class MoEBlock(Block):
 
     def _init_feed_forward(self, cfg: MoEModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs) -> None:
         kw = dict(dtype=execution.dtype, param_dtype=cfg.param_dtype)
-        self.moe = MoE(cfg.embed_dim, cfg.moe, execution=execution, rngs=rngs, **kw)
+        self.moe = MoE(cfg.embed_dim, cfg.moe, execution=execution, rngs=rngs, lora=cfg.lora, **kw)
 
     def _feed_forward(self, x: jax.Array, index: jax.Array):
         y, stats = self.moe(self.mlp_norm(x), index)

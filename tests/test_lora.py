@@ -25,6 +25,7 @@ from jaxpar.train.step import init_train_state, make_train_step
 
 ALL = "q,k,v,o,gate_up,down"
 MLA_ALL = "q_a,q_b,kv_a,kv_b,o,gate_up,down"  # DeepSeek: MLA's projections, the dense layers' and shared experts' MLPs
+EXPERTS = "expert_gate_up,expert_down"  # the routed experts' weights
 IDS = np.random.default_rng(0).integers(0, 256, (4, 16)).astype(np.int32)
 B, T, STEPS = 8, 16, 3
 TOKENS = np.random.default_rng(1).integers(0, 256, (STEPS, B, T + 1), dtype=np.int32)
@@ -54,10 +55,18 @@ def test_a_fresh_adapter_leaves_the_base_logits_bit_for_bit():
     assert not np.array_equal(np.asarray(_with_random_b(model)(IDS)), np.asarray(base(IDS)))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-deepseek"])
-def test_merged_adapters_give_the_unmerged_logits(name):
-    targets = {"tiny": ALL, "tiny-moe": "q,k,v,o", "tiny-deepseek": MLA_ALL}[name]
-    model = _with_random_b(build_model(_lora(name, targets=targets), rngs=nnx.Rngs(params=0)))
+@pytest.mark.parametrize(
+    "name, fields",
+    [
+        ("tiny", dict(targets=ALL)),
+        ("tiny-moe", dict(targets="q,k,v,o")),
+        ("tiny-moe", dict(targets=EXPERTS)),
+        ("tiny-moe", dict(targets=EXPERTS, experts="shared")),
+        ("tiny-deepseek", dict(targets=MLA_ALL + "," + EXPERTS)),
+    ],
+)
+def test_merged_adapters_give_the_unmerged_logits(name, fields):
+    model = _with_random_b(build_model(_lora(name, **fields), rngs=nnx.Rngs(params=0)))
     base = build_model(get_model_preset(name), rngs=nnx.Rngs(params=1))
     nnx.update(base, merged_state(model))
     np.testing.assert_allclose(np.asarray(base(IDS)), np.asarray(model(IDS)), rtol=0, atol=1e-5)
@@ -153,6 +162,25 @@ def test_adapter_gradients_under_a_pipeline_equal_one_device(lora_reference_4, m
     check_run(run, ref, bound, f"lora pipeline {schedule} on {mesh} {settings}")
 
 
+@pytest.mark.parametrize(
+    "mesh, settings, experts",
+    [
+        ("data=2,expert=4", {}, "each"),  # capacity: the all-to-all kernel
+        ("data=2,expert=4", dict(capacity_factor=None), "each"),  # dropless: the ragged exchange
+        ("data=2,expert=2,tensor=2", {}, "shared"),
+    ],
+)
+def test_expert_adapter_gradients_equal_one_device(mesh, settings, experts):
+    """The routed experts' adapters (one per expert, split over the expert axis with the experts, or one
+    shared by all) and the attention's, on expert-parallel layouts, against one device."""
+    cfg = _lora("tiny-moe", targets="q,v," + EXPERTS, experts=experts)
+    execution = ExecutionConfig(**settings)
+    ref, bound = reference(cfg, TOKENS, "lora", execution=execution)
+    run = train_steps(cfg, resolve_mesh_arg(mesh), TOKENS, execution=execution)
+    assert any("['moe']['gate_up_lora_a']" in p for p in run.grads[0]) and all("lora" in p for p in run.grads[0])
+    check_run(run, ref, bound, f"lora experts={experts} {mesh} {settings}")
+
+
 def test_mla_adapter_gradients_equal_one_device():
     """MLA's adapters (q_a, q_b, kv_a, kv_b, o) and the dense layer's, on tensor and expert layouts."""
     cfg = _lora("tiny-deepseek", targets=MLA_ALL)
@@ -200,20 +228,28 @@ def test_targets_the_attention_does_not_have_are_refused(name, targets, words):
         _lora(name, targets=targets)
 
 
-def test_the_absorbed_decode_reads_kv_b_adapter_through_its_factors():
+@pytest.mark.parametrize(
+    "name, targets, dropped",
+    [
+        ("tiny-deepseek", "q_a,kv_b,o", ("kv_b_lora_b",)),  # the absorbed decode: kv_b's through its factors
+        ("tiny-moe", "q," + EXPERTS, ("moe", "gate_up_lora_b")),  # a decode step runs every expert
+    ],
+)
+def test_the_engine_decodes_with_the_adapters_the_forward_has(name, targets, dropped):
     """MLA's decode never forms per-head keys: kv_b's adapter enters through the query's latent and the
-    output (``jaxpar.layers.mla``). The engine's logits at every generated position equal the training
-    forward's on the same tokens, within a multiple of the forward's own noise (merged against unmerged
-    adapters); with kv_b's adapter dropped from the decode (the mutation) they miss it widely."""
+    output (``jaxpar.layers.mla``); an MoE decode step runs every expert, with their adapters. The
+    engine's logits at every generated position equal the training forward's on the same tokens, within
+    a multiple of the forward's own noise (merged against unmerged adapters); with one adapter dropped
+    (the mutation: its B zeroed) they miss it widely."""
     from noise import MULTIPLE, MUTATION_GAP, record
 
     from jaxpar.inference.engine import Engine
     from jaxpar.inference.scheduler import Request
 
     dropless = ExecutionConfig(capacity_factor=None)  # as the engine routes
-    cfg = _lora("tiny-deepseek", targets="q_a,kv_b,o")
+    cfg = _lora(name, targets=targets)
     model = _with_random_b(build_model(cfg, execution=dropless, rngs=nnx.Rngs(params=0)))
-    merged = build_model(get_model_preset("tiny-deepseek"), execution=dropless, rngs=nnx.Rngs(params=1))
+    merged = build_model(get_model_preset(name), execution=dropless, rngs=nnx.Rngs(params=1))
     nnx.update(merged, merged_state(model))
     prompt = IDS[0, :6].tolist()
 
@@ -238,10 +274,10 @@ def test_the_absorbed_decode_reads_kv_b_adapter_through_its_factors():
     )
     assert error <= bound
     without = nnx.clone(model)
-    for path, var in nnx.to_flat_state(nnx.state(without, LoraParam)):  # kv_b's B zeroed: its adapter gone
-        if path[-1] == "kv_b_lora_b":
+    for path, var in nnx.to_flat_state(nnx.state(without, LoraParam)):  # one B zeroed: its adapter gone
+        if tuple(map(str, path[-len(dropped) :])) == dropped:
             var.set_value(np.zeros(var.get_value().shape, np.float32))
     wrong, _ = decoded(without)
     factor = float(np.abs(wrong - forward).max()) / bound
-    record("lora", "mutation: kv_b adapter dropped", tolerance=dict(logit=bound), factor=factor)
+    record("lora", f"mutation: {name} {dropped[-1]} dropped", tolerance=dict(logit=bound), factor=factor)
     assert factor >= MUTATION_GAP

@@ -43,7 +43,12 @@ def llama(tmp_path_factory):
     return tmp / "hf", tmp / "adapter", logits(theirs, IDS), logit_bound(own_noise(theirs, IDS))
 
 
-MESHES = [("llama", "fsdp=4,tensor=2"), ("qwen2", None), ("mixtral", "data=4,tensor=2"), ("deepseek_v3", "fsdp=4,tensor=2")]
+MESHES = [
+    ("llama", "fsdp=4,tensor=2"),
+    ("qwen2", None),
+    ("mixtral", "data=4,tensor=2"),
+    ("deepseek_v3", "fsdp=4,tensor=2"),
+]
 
 
 @pytest.mark.parametrize("family, mesh", MESHES)

@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 from jaxpar.convert.families import FAMILIES, Family, guess_family, sources
 from jaxpar.convert.files import ConvertError
 from jaxpar.convert.mapping import Source, read_shard, write_pieces
-from jaxpar.layers.lora import PARTS, SPECS, LoraConfig, LoraParam, letters
+from jaxpar.layers.lora import EXPERT_TARGETS, PARTS, SPECS, LoraConfig, LoraParam, letters
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -62,7 +62,7 @@ FIXED = {"bias": "none", "fan_in_fan_out": False, "use_dora": False, "lora_bias"
 
 def adapter_sources(cfg, fam: Family) -> dict[tuple[str, ...], Source]:
     """Our adapters' paths (``…/{name}_lora_a``, ``_b``) -> their PEFT tensors, for every weight a LoRA
-    target can adapt in ``cfg``'s model (expert-stacked weights have no adapters)."""
+    target can adapt in ``cfg``'s model but the routed experts' (``save_adapter``)."""
     out = {}
     for path, src in sources(dataclasses.replace(cfg, lora=LoraConfig()), fam).items():
         name = path[-1]
@@ -115,6 +115,12 @@ def save_adapter(model, folder: str | os.PathLike, *, family: str | None = None,
     cfg, out = model.cfg, Path(folder)
     if not cfg.lora.rank:
         raise ConvertError("the model has no LoRA adapters (model.lora.rank=0): nothing to write as PEFT")
+    if set(EXPERT_TARGETS) & set(cfg.lora.names):
+        raise ConvertError(
+            f"model.lora.targets={cfg.lora.targets!r}: the routed experts' adapters are not written as PEFT "
+            "(transformers fuses the experts into one parameter, which PEFT adapts in a form of its own); "
+            "export the merged model (--to-hf) instead"
+        )
     if out.exists():
         raise ConvertError(f"{out.resolve()}: exists; the export writes a new folder and never overwrites")
     fam = _family(cfg, family)

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxpar.convert.peft import adapter_config, read_adapter
 from jaxpar.errors import ConfigError
-from jaxpar.layers.lora import TARGETS, LoraConfig, LoraParam, merged_state
+from jaxpar.layers.lora import EXPERT_TARGETS, TARGETS, LoraConfig, LoraParam, merged_state
 from jaxpar.model_api import LanguageModel
 from jaxpar.models import build_model
 
@@ -82,6 +82,9 @@ def with_bank(model: LanguageModel, adapters: list[Adapter]) -> LanguageModel:
     names = [a.name for a in adapters]
     if not adapters or len(set(names)) != len(names):
         raise ConfigError(f"adapters: {names}: give at least one, each with a name of its own")
+    experts = [a.name for a in adapters if set(EXPERT_TARGETS) & set(a.lora.names)]
+    if experts:
+        raise ConfigError(f"adapters: {experts[0]} adapts the routed experts, which a bank does not serve")
     base = _base(model)
     targets = [t for t in TARGETS if any(t in a.lora.names for a in adapters)]
     rank = max(a.lora.rank for a in adapters)

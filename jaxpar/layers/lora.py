@@ -52,7 +52,11 @@ SPECS = {
     "kv_a": "btd,dr->btr",
     "kv_b": "btr,rnh->btnh",
 }
-TARGETS = tuple(SPECS)
+# The routed experts of an MoE layer (``jaxpar.layers.moe``): its weights gate_up [E, D, 2, F] and down
+# [E, F, D], as the expert kernels use them; an adapter per expert, or one shared by all (``experts``)
+EXPERT_SPECS = {"gate_up": "becd,edgf->becgf", "down": "becf,efd->becd"}
+EXPERT_TARGETS = {"expert_gate_up": "gate_up", "expert_down": "down"}
+TARGETS = (*SPECS, *EXPERT_TARGETS)
 RANK_AXIS = "lora_rank"
 # Output dimensions of W that the adapter keeps apart: gate and up get an adapter each (A and B both
 # carry the part), as PEFT's separate gate_proj and up_proj adapters do
@@ -66,6 +70,7 @@ class LoraConfig:
     targets: str = "q,k,v,o"  # comma-separated projection names (``TARGETS``)
     quantize: str = "none"  # the frozen base's projections stored int8 or nf4 (QLoRA: jaxpar.layers.quant)
     bank: int = 0  # serving: S adapters per projection, one picked per row (``select``); 0: one adapter
+    experts: str = "each"  # expert_gate_up / expert_down: an adapter per routed expert, or one "shared"
 
     def __post_init__(self):
         if self.rank < 0:
@@ -76,6 +81,8 @@ class LoraConfig:
         if not names or any(t not in TARGETS for t in names):
             raise ConfigError(f"model.lora.targets={self.targets!r}: name projections among {', '.join(TARGETS)}")
         check_kind(self.quantize, self.rank)
+        if self.experts not in ("each", "shared"):
+            raise ConfigError(f"model.lora.experts={self.experts!r}: each (an adapter per expert) or shared")
         if self.bank < 0 or (self.bank and not self.rank):
             raise ConfigError(f"model.lora.bank={self.bank}: a bank of adapters needs ≥ 1 slot and a rank")
 
@@ -126,13 +133,24 @@ def letters(spec: str, parts: str = ""):
     return x, w, y, contracted, shared, out
 
 
-def add_adapter(module: nnx.Module, name: str, spec: str, lora: LoraConfig | None, rngs: nnx.Rngs) -> None:
+def add_adapter(
+    module: nnx.Module,
+    name: str,
+    spec: str,
+    lora: LoraConfig | None,
+    rngs: nnx.Rngs,
+    *,
+    target: str = "",
+    drop: str = "",
+) -> None:
     """Adds ``{name}_lora_a``/``_b`` to ``module`` for its weight ``name`` used as ``einsum(spec, x, W)``,
-    when ``lora`` targets ``name``."""
-    if lora is None or name not in lora.names:
+    when ``lora`` targets ``target`` (default ``name``). ``drop``: letters of W that A and B leave out,
+    sharing one adapter over them (the experts of a shared expert adapter)."""
+    if lora is None or (target or name) not in lora.names:
         return
     weight = getattr(module, name)
     _, w, _, contracted, shared, out = letters(spec, PARTS.get(name, ""))
+    shared = "".join(c for c in shared if c not in drop)
     dims = dict(zip(w, zip(weight.shape, weight.get_metadata()["out_sharding"])))
     bank = [(lora.bank, None)] if lora.bank else []  # the bank axis, never sharded
     a_dims = bank + [dims[c] for c in shared + contracted] + [(lora.rank, RANK_AXIS)]
@@ -186,9 +204,14 @@ def project(module: nnx.Module, name: str, spec: str, x: jax.Array, w: jax.Array
     return y if extra is None else y + extra
 
 
-def _merge(w: jax.Array, a: jax.Array, b: jax.Array, *, spec: str, parts: str, scale: float) -> jax.Array:
+def _merge(
+    w: jax.Array, a: jax.Array, b: jax.Array, *, spec: str, parts: str, scale: float, drop: str = ""
+) -> jax.Array:
     _, ws, _, contracted, shared, out = letters(spec, parts)
-    ab = jnp.einsum(f"{shared}{contracted}z,{shared}z{out}->{ws}", a.astype(jnp.float32), b.astype(jnp.float32))
+    shared = "".join(c for c in shared if c not in drop)  # an adapter shared over them: broadcast
+    kept = "".join(c for c in ws if c not in drop)
+    ab = jnp.einsum(f"{shared}{contracted}z,{shared}z{out}->{kept}", a.astype(jnp.float32), b.astype(jnp.float32))
+    ab = jnp.expand_dims(ab, tuple(i for i, c in enumerate(ws) if c in drop))
     return (w.astype(jnp.float32) + scale * ab).astype(w.dtype)
 
 
@@ -202,11 +225,15 @@ def merged_state(model: nnx.Module) -> nnx.State:
             dequantize_weights(module, SPECS)  # a QLoRA base: its float weights first
         if not isinstance(module, nnx.Module) or not hasattr(module, "lora_scale"):
             continue
-        for name, spec in SPECS.items():
+        if getattr(module, "lora_bank", False):
+            raise ValueError("merged_state: a bank of adapters (serving) has no one merged model")
+        experts = getattr(module, "lora_experts", None)  # a routed-experts layer: "each" or "shared"
+        for name, spec in (EXPERT_SPECS if experts else SPECS).items():
             if not hasattr(module, f"{name}_lora_a"):
                 continue
             weight = getattr(module, name)
-            merge = functools.partial(_merge, spec=spec, parts=PARTS.get(name, ""), scale=module.lora_scale)
+            drop = "e" if experts == "shared" else ""
+            merge = functools.partial(_merge, spec=spec, parts=PARTS.get(name, ""), scale=module.lora_scale, drop=drop)
             for _ in range(weight.ndim - len(spec.split(",")[1].split("->")[0])):  # stacked: over the layers
                 merge = jax.vmap(merge)
             weight[...] = merge(

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxpar.parallel.moe import expert_axis
+from jaxpar.parallel.moe import ExpertAdapters, expert_axis
 from jaxpar.rules import LayoutError, active_layout
 
 EXCHANGES = ("auto", "ragged", "padded")
@@ -58,12 +58,19 @@ def ragged_exchange_available(mesh) -> bool:
     return (mesh.devices.flat[0].platform if concrete else jax.default_backend()) != "cpu"
 
 
-def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """rows [R, D] sorted by expert, sizes [E] (sum ≤ R) -> [R, D]; gate_up [E, D, 2, F], down [E, F, D].
-    Rows past sum(sizes) come out zero. The weights are cast to the rows' dtype here, inside the kernel."""
+def grouped_swiglu(
+    rows: jax.Array, sizes: jax.Array, gate_up: jax.Array, down: jax.Array, adapters: ExpertAdapters | None = None
+) -> jax.Array:
+    """rows [R, D] sorted by expert, sizes [E] (sum ≤ R) -> [R, D]; gate_up [E, D, 2, F], down [E, F, D];
+    ``adapters``: their terms beside each product. Rows past sum(sizes) come out zero. The weights are
+    cast to the rows' dtype here, inside the kernel."""
     e, d, _, f = gate_up.shape
     h = jax.lax.ragged_dot(rows, gate_up.reshape(e, d, 2 * f).astype(rows.dtype), sizes).reshape(-1, 2, f)
-    return jax.lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], down.astype(rows.dtype), sizes)
+    if adapters is not None:
+        h = h + adapters.grouped_gate_up(rows, sizes)
+    act = jax.nn.silu(h[:, 0]) * h[:, 1]
+    out = jax.lax.ragged_dot(act, down.astype(rows.dtype), sizes)
+    return out if adapters is None else out + adapters.grouped_down(act, sizes)
 
 
 def _sort_by_expert(ids: jax.Array, num_experts: int):
@@ -72,12 +79,12 @@ def _sort_by_expert(ids: jax.Array, num_experts: int):
     return order, inverse, jnp.bincount(ids, length=num_experts).astype(jnp.int32)
 
 
-def _local(x: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+def _local(x: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, adapters=None) -> jax.Array:
     """x [B, T, D], idx [B, T, k] -> [B, T, k, D]: each assignment through its expert, one device."""
     b, t, d = x.shape
     k = idx.shape[-1]
     order, inverse, sizes = _sort_by_expert(idx.reshape(-1), gate_up.shape[0])
-    out = grouped_swiglu(x.reshape(b * t, d)[order // k], sizes, gate_up, down)
+    out = grouped_swiglu(x.reshape(b * t, d)[order // k], sizes, gate_up, down, adapters)
     return out[inverse].reshape(b, t, k, d)
 
 
@@ -85,7 +92,7 @@ def _exclusive_cumsum(v: jax.Array) -> jax.Array:
     return jnp.cumsum(v) - v
 
 
-def _expert_parallel(x, idx, gate_up, down, *, axis: str, ep: int, exchange):
+def _expert_parallel(x, idx, gate_up, down, adapters, *, axis: str, ep: int, exchange):
     """Per-device body (see the module docstring); gate_up, down hold the E_l local experts."""
     b, t, d = x.shape
     k, e_l = idx.shape[-1], gate_up.shape[0]
@@ -104,23 +111,31 @@ def _expert_parallel(x, idx, gate_up, down, *, axis: str, ep: int, exchange):
     label = jnp.repeat(jnp.tile(jnp.arange(e_l), ep), counts.reshape(-1), total_repeat_length=ep * a)
     label = jnp.where(jnp.arange(ep * a) < recv.sum(), label, e_l)  # padding sorts last
     local_order, local_inverse, _ = _sort_by_expert(label, e_l + 1)
-    out = grouped_swiglu(got[local_order], counts.sum(0), gate_up, down)[local_inverse]
+    out = grouped_swiglu(got[local_order], counts.sum(0), gate_up, down, adapters)[local_inverse]
     back = exchange(out, jnp.zeros_like(rows), recv_at, recv, came_from, send, axis_name=axis)
     return back[inverse].reshape(b, t, k, d)
 
 
 def dropless_apply(
-    x: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, /, *, exchange: str = "auto"
+    x: jax.Array,
+    idx: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    adapters: ExpertAdapters | None = None,
+    /,
+    *,
+    exchange: str = "auto",
 ) -> jax.Array:
     """x [B, T, D], idx [B, T, k] expert ids, gate_up [E, D, 2, F], down [E, F, D] -> [B, T, k, D], each
-    assignment's expert output (unweighted), under the current layout. ``exchange``: auto (ragged
-    all-to-all where the backend has it, padded elsewhere), ragged, or padded."""
+    assignment's expert output (unweighted), under the current layout; ``adapters``: LoRA on the
+    experts. ``exchange``: auto (ragged all-to-all where the backend has it, padded elsewhere), ragged,
+    or padded."""
     if exchange not in EXCHANGES:
         raise LayoutError(f"exchange={exchange!r} is not one of {EXCHANGES}")
     layout = active_layout(x, gate_up, down)
     axis = None if layout is None else expert_axis(layout[1], layout[0].shape)
     if axis is None:
-        return _local(x, idx, gate_up, down)
+        return _local(x, idx, gate_up, down, adapters)
     mesh, rules = layout
     ep = mesh.shape[axis]
     if gate_up.shape[0] % ep:
@@ -134,14 +149,20 @@ def dropless_apply(
         exchange = "ragged" if ragged_exchange_available(mesh) else "padded"
     fn = jax.lax.ragged_all_to_all if exchange == "ragged" else padded_ragged_all_to_all
 
-    def body(x, idx, gate_up, down):
-        return _expert_parallel(x, idx, gate_up, down, axis=axis, ep=ep, exchange=fn)
+    def body(x, idx, gate_up, down, adapters):
+        return _expert_parallel(x, idx, gate_up, down, adapters, axis=axis, ep=ep, exchange=fn)
 
     groups = PartitionSpec(batch)
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(groups, groups, PartitionSpec(axis), PartitionSpec(axis)),
+        in_specs=(
+            groups,
+            groups,
+            PartitionSpec(axis),
+            PartitionSpec(axis),
+            PartitionSpec() if adapters is None else adapters.specs(axis),
+        ),
         out_specs=groups,
         axis_names=frozenset(batch),
         # Unchecked: the weights enter as stored and are cast to the compute dtype inside, and with vma
@@ -149,4 +170,4 @@ def dropless_apply(
         # in bf16, which XLA:CPU aborts on ("Invalid binary instruction opcode copy") and which would sum
         # gradients in bf16. Unchecked, the reduction happens where they enter, in the parameter dtype.
         check_vma=False,
-    )(x, idx, gate_up, down)
+    )(x, idx, gate_up, down, adapters)

@@ -87,6 +87,23 @@ def lora_vs_full() -> str:
     return markdown(header, rows, "lrrrrr") + note
 
 
+@table("serve-adapters")
+def serve_adapters() -> str:
+    """Decode with a bank of adapters against without (``benchmarks/serve_adapters.py``)."""
+    data = load("serve_adapters_cpu.json")
+    rows = [
+        [name, f"{r['decode_tokens_per_s']}", f"{r['step_ms']} ms", f"{data['over_no_bank'][name]}×"]
+        for name, r in data["runs"].items()
+    ]
+    note = (
+        f"\n\n{data['model']}, {data['requests']} greedy requests of {data['prompt']} + {data['new_tokens']} "
+        f"tokens, {data['slots']} decoding together, on one CPU device ({data['cpus']} CPUs, {data['host']}); "
+        f"the bank holds {data['adapters']} adapters of rank {data['rank']} on `{data['targets']}`, and the "
+        "adapter rows spread over all of them."
+    )
+    return markdown(["engine", "decode tokens/s", "decode step", "÷ no bank"], rows, "lrrr") + note
+
+
 @table("grpo-time")
 def grpo_time() -> str:
     """GRPO on the toy task (``benchmarks/grpo.py``): the reward, the time split and the rollouts' rate."""

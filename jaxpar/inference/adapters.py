@@ -9,8 +9,8 @@
 differ in rank, alpha and targets: the bank has the largest rank (a smaller adapter's extra rank columns
 are zeros, which add nothing), the union of the targets (an adapter without a target reads zeros there),
 and each adapter's own ``alpha / rank`` folded into its ``B`` (so the bank's scale is 1). Every row
-of a step gathers its slot's ``A`` and ``B`` (``lora.select``), as S-LoRA and vLLM's multi-LoRA serving
-do, so a batch of mixed adapters costs one program, the one a batch of one adapter runs.
+of a step takes its own slot (``lora.select``, ``lora.delta``), so a batch of mixed adapters costs one
+program, the one a batch of one adapter runs.
 
 A base model that carries adapters of its own (a LoRA run) is served merged (``merged_state``), and a
 quantized (QLoRA) base dequantized: the bank is the only adapter the served model has.

@@ -19,8 +19,9 @@ layers and shared experts of an MoE model). ``model.lora.rank=0`` (the default) 
 
 Serving several adapters at once (``jaxpar.inference.adapters``): ``model.lora.bank=S`` gives every
 targeted projection a *bank* of S adapters, ``A`` [S, …] and ``B`` [S, …] (the bank axis first, never
-sharded), and inside ``select(rows)`` row ``b`` of a batch takes adapter ``rows[b]``: each row gathers
-its own ``A`` and ``B``, so one batch mixes adapters (slot 0, all zeros, is the base model).
+sharded), and inside ``select(rows)`` row ``b`` of a batch takes adapter ``rows[b]`` (``delta``: the
+other slots' products zeroed by a one-hot), so one batch mixes adapters (slot 0, all zeros, is the base
+model).
 """
 
 from __future__ import annotations
@@ -168,32 +169,45 @@ def add_adapter(
 
 def delta(module: nnx.Module, name: str, spec: str, x: jax.Array) -> jax.Array | None:
     """The adapter of weight ``name`` on ``x``, ``scale · einsum(x A) B`` shaped as ``einsum(spec, x, W)``,
-    or None when ``module`` has none."""
-    found = factors(module, name)
-    if found is None:
+    or None when ``module`` has none. From a bank, every row runs through every slot's A, the products
+    of the other slots are zeroed (a one-hot of ``select``'s rows), and one contraction over slots and
+    rank applies B: each slot's A and B are read once per call, and nothing is gathered per row."""
+    if not hasattr(module, f"{name}_lora_a"):
         return None
-    row, a, b, scale = found
+    a, b = (
+        getattr(module, f"{name}_lora_a")[...].astype(x.dtype),
+        getattr(module, f"{name}_lora_b")[...].astype(x.dtype),
+    )
     parts = PARTS.get(name, "")
     xs, _, ys, contracted, shared, out = letters(spec, parts)
-    row = xs[0] if row else ""  # a bank's rows: the batch letter leads x
-    a, b = a.astype(x.dtype), b.astype(x.dtype)
     low = "".join(c for c in xs if c not in contracted) + parts + "z"  # x's but the contracted, parts, rank
-    xa = jnp.einsum(f"{xs},{row}{shared}{contracted}z->{low}", x, a)
-    return jnp.einsum(f"{low},{row}{shared}z{out}->{ys}", xa, b) * jnp.asarray(scale, x.dtype)
+    scale = jnp.asarray(module.lora_scale, x.dtype)
+    if not getattr(module, "lora_bank", False):
+        xa = jnp.einsum(f"{xs},{shared}{contracted}z->{low}", x, a)
+        return jnp.einsum(f"{low},{shared}z{out}->{ys}", xa, b) * scale
+    hot = jax.nn.one_hot(_rows(name), a.shape[0], dtype=x.dtype)  # [B, S]: each row's slot
+    low = low[:-1] + "yz"  # y: the bank's slots
+    xa = jnp.einsum(f"{xs},y{shared}{contracted}z,{xs[0]}y->{low}", x, a, hot)  # the batch letter leads x
+    return jnp.einsum(f"{low},y{shared}z{out}->{ys}", xa, b) * scale
+
+
+def _rows(name: str) -> jax.Array:
+    rows = _ROWS.get()
+    if rows is None:
+        raise ValueError(f"lora: {name}'s adapter bank is read outside select(rows)")
+    return rows
 
 
 def factors(module: nnx.Module, name: str) -> tuple[str, jax.Array, jax.Array, float] | None:
     """(row letter, A, B, scale) of weight ``name``'s adapter, or None when ``module`` has none; in a
     bank, A and B gathered per row (``select``) with the row letter ``"b"`` leading both, else ``""``.
-    ``delta`` computes with them, and so do the products it cannot write (MLA's absorbed decode)."""
+    For the products ``delta`` cannot write (MLA's absorbed decode)."""
     if not hasattr(module, f"{name}_lora_a"):
         return None
     a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
     if not getattr(module, "lora_bank", False):
         return "", a, b, module.lora_scale
-    rows = _ROWS.get()
-    if rows is None:
-        raise ValueError(f"lora: {name}'s adapter bank is read outside select(rows)")
+    rows = _rows(name)
     return "b", a[rows], b[rows], module.lora_scale
 
 

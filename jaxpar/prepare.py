@@ -210,9 +210,16 @@ def _write(out: Path, docs, encoder: Encoder, dtype: str, temps: dict[Path, Path
 
 
 def prepare(
-    inputs: list[str], out: str | Path, *, tokenizer: str, field: str = Field.TEXT, chat_template: str | None = None
+    inputs: list[str],
+    out: str | Path,
+    *,
+    tokenizer: str,
+    field: str = Field.TEXT,
+    chat_template: str | None = None,
+    skip_bad: bool = False,
 ) -> int:
-    """``jaxpar prepare INPUTS --out OUT --tokenizer TOKENIZER --field FIELD`` (``jaxpar train --data``)."""
+    """``jaxpar prepare INPUTS --out OUT --tokenizer TOKENIZER --field FIELD [--skip-bad]`` (``jaxpar
+    train --data``)."""
     args = argparse.Namespace(
         inputs=[str(p) for p in inputs],
         out=str(out),
@@ -222,7 +229,7 @@ def prepare(
         field=str(field),
         chat_template=chat_template,
         reader=Reader.NATIVE.value,
-        skip_bad=False,
+        skip_bad=skip_bad,
         eval_fraction=0.0,
     )
     return run(args)

@@ -41,7 +41,8 @@ def test_data_is_prepared_once_and_prepared_again_when_it_changes(tmp_path, caps
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--tokenizer", "t.json"], "--tokenizer and --data-field go with --data"),
+        (["--tokenizer", "t.json"], "--tokenizer, --data-field and --skip-bad go with --data"),
+        (["--skip-bad"], "--tokenizer, --data-field and --skip-bad go with --data"),
         (["--data", "missing.jsonl", "--tokenizer", "__file__"], "--data missing.jsonl: no such input"),
         (["--data", "__file__"], "--data: name the tokenizer (--tokenizer FILE)"),
     ],
@@ -50,3 +51,22 @@ def test_data_flags_are_refused_by_name(tmp_path, capsys, flags, words):
     flags = [__file__ if f == "__file__" else f for f in flags]
     assert _train(tmp_path, "run", *flags) == 2
     assert words in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_bad_records_stop_the_run_or_are_skipped_and_counted_in_its_metrics(tmp_path, capsys, monkeypatch):
+    """A bad record refuses the run, naming its file and line; with --skip-bad the run trains on the
+    rest, and its first metrics record counts the skipped ones by reason."""
+    monkeypatch.setenv("JAXPAR_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok = _bpe(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": PLAIN}))
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(_jsonl([{"messages": c} for c in CHATS * 40]) + b"not json\n" + b'{"messages": []}\n')
+    flags = ["--data", str(data), "--tokenizer", str(tok), "--set", "model.vocab_size=400"]
+    assert _train(tmp_path, "strict", *flags) == 2
+    assert f"{data}:{len(CHATS) * 40 + 1}" in capsys.readouterr().err and not (tmp_path / "strict").exists()
+    assert _train(tmp_path, "lenient", *flags, "--skip-bad") == 0
+    assert "2 bad records skipped" in capsys.readouterr().out
+    first = json.loads((tmp_path / "lenient" / "metrics.jsonl").read_text().splitlines()[0])
+    assert sum(first["data_skipped"].values()) == 2 and len(first["data_skipped"]) == 2

@@ -103,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         choices=["text", "messages"],
         help="--data's record field (default: messages when the records have them, else text)",
     )
+    data.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip --data's bad records, counted by reason (printed, and data_skipped in the first metrics record), "
+        "instead of stopping at the first",
+    )
     _add_processes(parser)
     add_set_argument(parser, default_config(), note=" (with their defaults for --model tiny)")
     parser.add_argument("--profile-steps", default=None, metavar="A:B", help="jax.profiler trace of steps A..B")
@@ -162,12 +168,12 @@ def data_settings(args: argparse.Namespace, /) -> list[str]:
     """The ``--set`` items ``--data`` stands for: the cache's prepared files, as packed documents (as
     pairs with objective=dpo, for preference records)."""
     if not getattr(args, "data", None):
-        if getattr(args, "tokenizer", None) or getattr(args, "data_field", None):
-            raise ConfigError("--tokenizer and --data-field go with --data")
+        if getattr(args, "tokenizer", None) or getattr(args, "data_field", None) or getattr(args, "skip_bad", False):
+            raise ConfigError("--tokenizer, --data-field and --skip-bad go with --data")
         return []
     tokenizer = tokenizer_of(args.tokenizer, args.init_from)
     field = field_of(args.data, args.data_field)
-    args.prepared = (tokenizer, field, cached_path(args.data, tokenizer, field))
+    args.prepared = (tokenizer, field, cached_path(args.data, tokenizer, field, args.skip_bad))
     if field == "preference":  # pairs, for DPO
         return ["data.source=files", f"data.path={args.prepared[2]}", "data.pack=pairs", "objective=dpo"]
     return ["data.source=files", f"data.path={args.prepared[2]}", "data.pack=documents"]
@@ -196,7 +202,7 @@ def run(args: argparse.Namespace, /) -> int:
     cfg = build_config(args).validate()
     if getattr(args, "prepared", None):
         tokenizer, field, path = args.prepared
-        if ensure_prepared(args.data, tokenizer, field, path, processes=jax.process_count()):
+        if ensure_prepared(args.data, tokenizer, field, path, processes=jax.process_count(), skip_bad=args.skip_bad):
             print(f"--data: prepared into {path.parent} (the cache)")
     result = train(cfg, args.out)
     if jax.process_index() != 0:

@@ -370,6 +370,7 @@ class _Run:
             "step": step,
             "loss": loss,
             "grad_norm": grad_norm,
+            **({"data_skipped": self.loader.skipped} if step == self.start + 1 and self.loader.skipped else {}),
             "lr": float(self.schedule(step - 1)),
             "step_time_s": seconds,
         }

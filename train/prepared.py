@@ -3,7 +3,9 @@
 The inputs (text, jsonl, parquet or ``datasets`` folders: ``jaxpar.corpus``) are prepared with the run's
 tokenizer (``--tokenizer``, or ``tokenizer.json`` of the ``--init-from`` folder) into
 ``$JAXPAR_CACHE/prepared/<digest>/tokens.bin`` (default ``~/.cache/jaxpar``), where the digest covers
-every input's path, size and modification time, the tokenizer and its chat template, and the field.
+every input's path, size and modification time, the tokenizer and its chat template, the field, and
+``--skip-bad`` (bad records skipped and counted: in the cache's sidecar and the run's first metrics
+record, ``data_skipped``).
 The same command run again (a resume, or another run on the same data) reads the cache; an input that
 changed is prepared anew. The run then trains on the files as ``data.source=files`` with
 ``data.pack=documents`` (``--set`` may change either). Nothing is written before the config is checked,
@@ -70,8 +72,9 @@ def field_of(inputs: list[str], field: str | None) -> str:
     return Field.TEXT.value
 
 
-def cached_path(inputs: list[str], tokenizer: str, field: str) -> Path:
-    """Where the prepared ids of these inputs live in the cache (prepared or not yet)."""
+def cached_path(inputs: list[str], tokenizer: str, field: str, skip_bad: bool = False) -> Path:
+    """Where the prepared ids of these inputs live in the cache (prepared or not yet); ``skip_bad``: bad
+    records skipped (and counted) rather than refused, a preparation of its own."""
     h = hashlib.sha256()
     for name in inputs:
         path = Path(name)
@@ -83,11 +86,13 @@ def cached_path(inputs: list[str], tokenizer: str, field: str) -> Path:
     for name in (Path(tokenizer).name, *TEMPLATE_FILES):
         if (folder / name).is_file():
             h.update(hashlib.sha256((folder / name).read_bytes()).digest())
-    h.update(field.encode())
+    h.update(field.encode() + (b":skip-bad" if skip_bad else b""))
     return cache_root() / h.hexdigest()[:24] / "tokens.bin"
 
 
-def ensure_prepared(inputs: list[str], tokenizer: str, field: str, out: Path, *, processes: int = 1) -> bool:
+def ensure_prepared(
+    inputs: list[str], tokenizer: str, field: str, out: Path, *, processes: int = 1, skip_bad: bool = False
+) -> bool:
     """Prepares ``inputs`` into ``out`` unless the cache holds all its files; returns whether it did."""
     files = outputs(out, field)
     if all(p.is_file() for p in files):
@@ -100,5 +105,5 @@ def ensure_prepared(inputs: list[str], tokenizer: str, field: str, out: Path, *,
     out.parent.mkdir(parents=True, exist_ok=True)
     for path in files:  # an interrupted earlier preparation: its files are ours to replace
         path.unlink(missing_ok=True)
-    prepare(inputs, out, tokenizer=tokenizer, field=field)
+    prepare(inputs, out, tokenizer=tokenizer, field=field, skip_bad=skip_bad)
     return True

@@ -37,7 +37,7 @@ import json
 import numpy as np
 
 from jaxpar.config import Choice, check_choices
-from jaxpar.data.files import COMPANIONS, TokenFiles, WindowSource, resolve_files
+from jaxpar.data.files import COMPANIONS, TokenFiles, WindowSource, resolve_files, skipped_records
 from jaxpar.data.markov import MarkovChain, MarkovSource, markov_chain
 from jaxpar.data.packing import PackedRows, RowPlan, batch_of_rows, plan_pairs, plan_rows
 from jaxpar.errors import DataError
@@ -268,9 +268,12 @@ def _shares(cfg: DataConfig, sizes: list[int]) -> list[float]:
 class Loader:
     """Iterator of process-local batches ``{'inputs', 'targets'}`` (int32 [b, seq]) with a resumable state."""
 
-    def __init__(self, dataset, *, identity: dict, description: str, entropy_rate: float | None):
+    def __init__(
+        self, dataset, *, identity: dict, description: str, entropy_rate: float | None, skipped: dict | None = None
+    ):
         self._iter = iter(dataset)
         self._identity, self._description, self.entropy_rate = identity, description, entropy_rate
+        self.skipped = skipped or {}  # records `jaxpar prepare --skip-bad` left out of the token files, by reason
 
     def __iter__(self) -> Loader:
         return self
@@ -386,7 +389,15 @@ def make_loader(
     ds = ds[process_index::process_count].map(to_batch)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch))
     keys = {"source": identity, "split": split, "seq": seq, "batch": global_batch, "seed": seed}
-    return Loader(ds, identity=keys, description=text, entropy_rate=entropy)
+    files = [p for part in parts if part.source == DataSource.FILES for p in resolve_files(part.path, "data.path")]
+    skipped = skipped_records(files) if split == "train" else {}
+    if skipped:
+        text += (
+            f" (prepared with {sum(skipped.values())} bad records skipped: "
+            + ", ".join(f"{n} {why}" for why, n in skipped.items())
+            + ")"
+        )
+    return Loader(ds, identity=keys, description=text, entropy_rate=entropy, skipped=skipped)
 
 
 def to_global(batch: dict[str, np.ndarray], sharding) -> dict:

@@ -85,6 +85,17 @@ def _first_outside(path: str, size: int, mtime_ns: int, dtype: str, vocab_size: 
     return None
 
 
+def skipped_records(paths: list[Path]) -> dict[str, int]:
+    """The records ``jaxpar prepare --skip-bad`` skipped making these token files, by reason (from
+    their sidecars; a file without one counts none)."""
+    out: dict[str, int] = {}
+    for path in paths:
+        sidecar = path.with_suffix(".json")
+        for why, n in (_sidecar(sidecar).get("skipped") or {}).items() if sidecar.exists() else ():
+            out[why] = out.get(why, 0) + int(n)
+    return out
+
+
 class TokenFiles:
     """Several token files read as one stream of ``total`` tokens."""
 

@@ -40,7 +40,9 @@ def _adapters(base, folder: Path) -> list:
 
     out = []
     for i in range(ADAPTERS):
-        model = build_model(dataclasses.replace(base.cfg, lora=LoraConfig(rank=RANK, targets=TARGETS)), rngs=nnx.Rngs(i))
+        model = build_model(
+            dataclasses.replace(base.cfg, lora=LoraConfig(rank=RANK, targets=TARGETS)), rngs=nnx.Rngs(i)
+        )
         nnx.update(model, nnx.state(base))
         rng = np.random.default_rng(i)
         for _, var in nnx.to_flat_state(nnx.state(model, LoraParam)):

@@ -198,7 +198,9 @@ class MoE(nnx.Module):
         self.down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), dtype=param_dtype)
         self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), out_sharding=("experts",), eager_sharding=False)
         width = cfg.num_shared_experts * cfg.shared_mlp_dim  # n shared experts = one SwiGLU n times wider
-        self.shared = SwiGLU(d, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=lora) if width else None
+        # the shared experts' adapters (gate_up, down), over a base that QLoRA leaves unquantized here
+        plain = None if lora is None else dataclasses.replace(lora, quantize="none")
+        self.shared = SwiGLU(d, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=plain) if width else None
         drop = "e" if lora is not None and lora.experts == "shared" else ""
         for target, name in EXPERT_TARGETS.items():
             add_adapter(self, name, EXPERT_SPECS[name], lora, rngs, target=target, drop=drop)

@@ -39,9 +39,9 @@ heads: the rules should map
 
 LoRA (``jaxpar.layers.lora``, targets ``mla_targets``): an adapter beside q_a, q_b (or q), kv_a, kv_b and o.
 The absorbed decode never folds kv_b's adapter into kv_k and kv_v: with A [Rkv, r] and B [r, N, Hn + Hv]
-(its first Hn columns B_k, the rest B_v), the keys' part of the scores is q_nope · B_kᵀ · Aᵀ · latent, so the query's latent
-gains scale · (q_nope B_kᵀ) Aᵀ, and the output gains scale · (mixed A) B_v: products of the rank, which
-a bank of adapters (one per row) computes as well.
+(its first Hn columns B_k, the rest B_v), the keys' part of the scores is q_nope · B_kᵀ · Aᵀ · latent,
+so the query's latent gains scale · (q_nope B_kᵀ) Aᵀ, and the output gains scale · (mixed A) B_v:
+products of the rank, which a bank of adapters (one per row) computes as well.
 """
 
 from __future__ import annotations

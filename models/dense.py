@@ -98,7 +98,8 @@ class DenseConfig:
             raise ConfigError(f"model.sliding_window={self.sliding_window} must be ≥ 1 (or None: full attention)")
         if isinstance(self.rope_scaling, YarnScaling) and not self.uses_mla:
             raise ConfigError("model.rope_scaling: YaRN is implemented for MLA attention (DeepSeek) only")
-        missing = [t for t in self.lora.names if t not in self.adapter_targets]
+        names = self.lora.names if isinstance(self.lora, LoraConfig) else ()
+        missing = [t for t in names if t not in self.adapter_targets]
         if missing:
             raise ConfigError(
                 f"model.lora.targets={self.lora.targets!r}: {missing[0]} is not a projection of this model; its "

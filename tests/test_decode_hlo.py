@@ -147,6 +147,7 @@ def _engine_step_text(preset: str, features=None) -> tuple[str, tuple[int, ...],
         np.zeros(b, np.int32),
         SamplingParams.greedy(b),
         logprobs.StepExtras.build([], b, 1, engine.max_length),
+        np.zeros(b, np.int32),  # every row on the base model (no adapter bank)
     )
     program = engine._program("target", 1, False, features or logprobs.Features())
     text = program.lower(m.state, m.pools, *host).compile().as_text()

@@ -18,15 +18,21 @@ def _train(tmp_path, out, *extra):
     )
 
 
-def test_data_is_prepared_once_and_prepared_again_when_it_changes(tmp_path, capsys, monkeypatch):
+def _chats(tmp_path, monkeypatch, tail: bytes = b""):
+    """(chat.jsonl, the --data flags): 40 rounds of the chats (then ``tail``), a BPE tokenizer with a
+    chat template beside it, the cache in ``tmp_path``."""
     monkeypatch.setenv("JAXPAR_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "tok"
     folder.mkdir()
     tok = _bpe(folder / "tokenizer.json")
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": PLAIN}))
     data = tmp_path / "chat.jsonl"
-    data.write_bytes(_jsonl([{"messages": c} for c in CHATS * 40]))
-    flags = ["--data", str(data), "--tokenizer", str(tok), "--set", "model.vocab_size=400"]
+    data.write_bytes(_jsonl([{"messages": c} for c in CHATS * 40]) + tail)
+    return data, ["--data", str(data), "--tokenizer", str(tok), "--set", "model.vocab_size=400"]
+
+
+def test_data_is_prepared_once_and_prepared_again_when_it_changes(tmp_path, capsys, monkeypatch):
+    data, flags = _chats(tmp_path, monkeypatch)
     assert _train(tmp_path, "a", *flags) == 0
     out = capsys.readouterr().out
     assert "--data: prepared into" in out and "with loss masks" in out  # messages found in the records
@@ -56,14 +62,7 @@ def test_data_flags_are_refused_by_name(tmp_path, capsys, flags, words):
 def test_bad_records_stop_the_run_or_are_skipped_and_counted_in_its_metrics(tmp_path, capsys, monkeypatch):
     """A bad record refuses the run, naming its file and line; with --skip-bad the run trains on the
     rest, and its first metrics record counts the skipped ones by reason."""
-    monkeypatch.setenv("JAXPAR_CACHE", str(tmp_path / "cache"))
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    tok = _bpe(folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": PLAIN}))
-    data = tmp_path / "chat.jsonl"
-    data.write_bytes(_jsonl([{"messages": c} for c in CHATS * 40]) + b"not json\n" + b'{"messages": []}\n')
-    flags = ["--data", str(data), "--tokenizer", str(tok), "--set", "model.vocab_size=400"]
+    data, flags = _chats(tmp_path, monkeypatch, b"not json\n" + b'{"messages": []}\n')
     assert _train(tmp_path, "strict", *flags) == 2
     assert f"{data}:{len(CHATS) * 40 + 1}" in capsys.readouterr().err and not (tmp_path / "strict").exists()
     assert _train(tmp_path, "lenient", *flags, "--skip-bad") == 0

@@ -19,6 +19,7 @@ parallelism) is the ``ExecutionConfig`` it is built with (``jaxpar.execution``),
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -33,9 +34,9 @@ from jaxpar.execution import ATTN_NAMES, ExecutionConfig, Remat  # noqa: F401  (
 from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
 from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
-from jaxpar.layers.lora import LoraConfig
+from jaxpar.layers.lora import SPECS, LoraConfig
 from jaxpar.layers.mla import mla_targets
-from jaxpar.layers.quant import GROUP
+from jaxpar.layers.quant import GROUP, group_axis
 from jaxpar.model_api import ForwardOutput
 from jaxpar.models.stacks import scan_blocks, split_stack, stacked
 from jaxpar.parallel.attention import storage_order
@@ -162,21 +163,48 @@ class DenseConfig:
             norm=Dim(self.embed_dim, "model.embed_dim"),
         )
         acts = dict(act_embed="embed", act_heads="heads", act_kv_heads="kv_heads", act_mlp="mlp", act_vocab="vocab")
-        return d | {a: d[p] for a, p in acts.items()} | self._nf4_groups()
+        return self._with_nf4_groups(d | {a: d[p] for a, p in acts.items()})
+
+    def _with_nf4_groups(self, dims: dict[str, Dim]) -> dict[str, Dim]:
+        """``dims`` with each dimension nf4 groups along also bound by its groups (``_nf4_groups``):
+        the groups' count where it divides the dimension (a mesh size dividing it then divides both),
+        else their gcd with it."""
+        for name, groups in self._nf4_groups().items():
+            have = dims.get(name)
+            if have is not None and have.size % groups.size:
+                groups = Dim(math.gcd(have.size, groups.size), f"gcd({have.field}, {groups.field})")
+            dims[name] = groups
+        return dims
 
     def _nf4_groups(self) -> dict[str, Dim]:
-        """QLoRA's nf4 scales split the dimensions they group into groups of ``GROUP``, sharded as the
-        dimension is: those groups must divide the mesh axes (``jaxpar.layers.quant``)."""
+        """QLoRA's nf4 scales split the dimension each weight groups along (``group_axis``) into groups
+        of ``GROUP``, sharded as the dimension is: those groups must divide the mesh axes. Per logical
+        name, the groups' gcd (a mesh size divides every count exactly when it divides their gcd); one
+        group along a dimension leaves its scale unsplit there."""
         if self.lora.quantize != "nf4":
             return {}
+        groups: dict[str, dict[str, int]] = {}
+        for shape, names, fields, spec in self.quantized_weights():
+            a = group_axis(shape, spec)
+            if names[a] is not None and shape[a] // GROUP > 1:
+                groups.setdefault(names[a], {})[fields[a]] = shape[a] // GROUP
         why = f"/ {GROUP} (the groups of model.lora.quantize=nf4)"
-        sizes = dict(embed=("embed_dim", self.embed_dim), mlp=("mlp_dim", self.mlp_dim))
-        if self.head_dim % GROUP == 0:  # o groups along head_dim, else heads, else embed
-            sizes["head_dim"] = ("head_dim", self.head_dim)
-        elif self.num_heads % GROUP == 0:
-            sizes["heads"] = ("num_heads", self.num_heads)
-        # one group along a dimension: its scale is not split there
-        return {k: Dim(n // GROUP, f"model.{f} {why}") for k, (f, n) in sizes.items() if n // GROUP > 1}
+        dims = {}
+        for name, counts in groups.items():
+            fields = ", ".join(f"model.{f}" for f in counts)
+            fields = fields if len(counts) == 1 else f"gcd({fields})"
+            dims[name] = Dim(math.gcd(*counts.values()), f"{fields} {why}")
+        return dims
+
+    def quantized_weights(self) -> list[tuple[tuple[int, ...], tuple, tuple, str]]:
+        """The base weights QLoRA stores quantized, one matrix each (no layer or expert dimension):
+        (shape, logical names, the config field of each dimension, the einsum that reads it)."""
+        d, n, k, h, f = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+        heads = (("embed", "heads", "head_dim"), ("embed_dim", "num_heads", "head_dim"))
+        kv = (("embed", "kv_heads", "head_dim"), ("embed_dim", "num_kv_heads", "head_dim"))
+        out = (("heads", "head_dim", "embed"), ("num_heads", "head_dim", "embed_dim"))
+        attention = [((d, n, h), *heads, SPECS["q"]), ((d, k, h), *kv, SPECS["k"]), ((d, k, h), *kv, SPECS["v"])]
+        return [*attention, ((n, h, d), *out, SPECS["o"]), *mlp_weights(d, f, "mlp_dim")]
 
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs of one training token (forward + backward = 3 × forward, no remat recompute):
@@ -193,6 +221,14 @@ class DenseConfig:
         attn = d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
         block = attn + 3 * d * f + 2 * d
         return self.num_layers * block + v * d * (1 if self.tie_embeddings else 2) + d
+
+
+def mlp_weights(d: int, f: int, field: str) -> list[tuple]:
+    """A SwiGLU's two weights of width ``f`` (config field ``field``) as ``quantized_weights`` lists them."""
+    return [
+        ((d, 2, f), ("embed", None, "mlp"), ("embed_dim", None, field), SPECS["gate_up"]),
+        ((f, d), ("mlp", "embed"), (field, "embed_dim"), SPECS["down"]),
+    ]
 
 
 class Block(nnx.Module):

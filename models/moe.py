@@ -25,9 +25,9 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig
 from jaxpar.layers import MoE, MoEConfig, updated_bias
-from jaxpar.layers.lora import EXPERT_TARGETS
+from jaxpar.layers.lora import EXPERT_TARGETS, SPECS
 from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
-from jaxpar.models.dense import Block, DenseConfig, DenseLM
+from jaxpar.models.dense import Block, DenseConfig, DenseLM, mlp_weights
 from jaxpar.models.stacks import scan_blocks, stacked
 from jaxpar.rules import Dim, constrain
 
@@ -80,7 +80,18 @@ class MoEModelConfig(DenseConfig):
         if self.first_dense_layers:  # the dense prefix, then the MoE stack
             dims["layers"] = Dim(self.num_moe_layers, "model.num_layers - first_dense_layers")
             dims["prefix_layers"] = Dim(self.first_dense_layers, "model.first_dense_layers")
-        return dims | dict(mlp=mlp, act_mlp=mlp)
+        return self._with_nf4_groups(dims | dict(mlp=mlp, act_mlp=mlp))
+
+    def quantized_weights(self) -> list[tuple]:
+        """The dense list with MLA's weights for GQA's, the dense MLP only where dense layers are, and
+        each routed expert's and the shared experts' SwiGLU (``DenseConfig.quantized_weights``)."""
+        d, m = self.embed_dim, self.moe
+        weights = super().quantized_weights()
+        attention = weights[:4] if self.mla is None else mla_weights(self.mla, d, self.num_heads)
+        dense = weights[4:] if self.first_dense_layers else []
+        shared = mlp_weights(d, m.num_shared_experts * m.shared_mlp_dim, "moe.shared_mlp_dim × num_shared_experts")
+        routed = mlp_weights(d, m.mlp_dim, "moe.mlp_dim")
+        return [*attention, *dense, *routed, *(shared if m.num_shared_experts else [])]
 
     def num_params(self, *, padded: bool = False) -> int:
         """Exact parameter count: the dense count with each MoE layer's SwiGLU replaced by its router,
@@ -112,6 +123,27 @@ class MoEModelConfig(DenseConfig):
         matmul = self.num_layers * attn + self.first_dense_layers * dense_mlp + self.num_moe_layers * moe
         matmul += self.padded_vocab * d
         return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * score_width * seq
+
+
+def mla_weights(cfg: MLAConfig, d: int, n: int) -> list[tuple]:
+    """An MLA layer's weights as ``DenseConfig.quantized_weights`` lists them."""
+    hq, hkv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+    rq, rkv, heads = cfg.q_lora_rank, cfg.kv_lora_rank, ("heads", "head_dim")
+    qf = ("num_heads", "mla.qk_nope_head_dim + qk_rope_head_dim")
+    kvf = ("num_heads", "mla.qk_nope_head_dim + v_head_dim")
+    if rq is None:
+        q = [((d, n, hq), ("embed", *heads), ("embed_dim", *qf), SPECS["q"])]
+    else:
+        q = [
+            ((d, rq), ("embed", "q_lora"), ("embed_dim", "mla.q_lora_rank"), SPECS["q_a"]),
+            ((rq, n, hq), ("q_lora", *heads), ("mla.q_lora_rank", *qf), SPECS["q_b"]),
+        ]
+    return [
+        *q,
+        ((d, rkv + cfg.qk_rope_head_dim), ("embed", None), ("embed_dim", None), SPECS["kv_a"]),
+        ((rkv, n, hkv), ("kv_lora", *heads), ("mla.kv_lora_rank", *kvf), SPECS["kv_b"]),
+        ((n, cfg.v_head_dim, d), (*heads, "embed"), ("num_heads", "mla.v_head_dim", "embed_dim"), SPECS["o"]),
+    ]
 
 
 class MoEBlock(Block):

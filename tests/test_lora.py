@@ -9,6 +9,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from adapter_models import with_random_b
 from flax import nnx
 from invariance import OPTIMIZER, reference, train_steps
 from noise import check_mutation_caught, check_run
@@ -36,23 +37,12 @@ def _lora(name: str = "tiny", **fields):
     return dataclasses.replace(cfg, lora=LoraConfig(**({"rank": 4, "targets": ALL} | fields)))
 
 
-def _with_random_b(model, seed: int = 1):
-    """``model`` with every adapter's B drawn at random (a trained adapter, as far as logits go)."""
-    rng = np.random.default_rng(seed)
-    flat = [
-        (p, v.replace(rng.normal(0, 0.05, v.get_value().shape).astype(np.float32)) if str(p[-1]).endswith("_b") else v)
-        for p, v in nnx.to_flat_state(nnx.state(model, LoraParam))
-    ]
-    nnx.update(model, nnx.from_flat_state(flat))
-    return model
-
-
 def test_a_fresh_adapter_leaves_the_base_logits_bit_for_bit():
     model = build_model(_lora(), rngs=nnx.Rngs(params=0))
     base = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(params=1))
     nnx.update(base, nnx.state(model, nnx.Not(LoraParam)))  # the same base weights, no adapters
     assert np.array_equal(np.asarray(model(IDS)), np.asarray(base(IDS)))
-    assert not np.array_equal(np.asarray(_with_random_b(model)(IDS)), np.asarray(base(IDS)))
+    assert not np.array_equal(np.asarray(with_random_b(model)(IDS)), np.asarray(base(IDS)))
 
 
 @pytest.mark.parametrize(
@@ -66,7 +56,7 @@ def test_a_fresh_adapter_leaves_the_base_logits_bit_for_bit():
     ],
 )
 def test_merged_adapters_give_the_unmerged_logits(name, fields):
-    model = _with_random_b(build_model(_lora(name, **fields), rngs=nnx.Rngs(params=0)))
+    model = with_random_b(build_model(_lora(name, **fields), rngs=nnx.Rngs(params=0)))
     base = build_model(get_model_preset(name), rngs=nnx.Rngs(params=1))
     nnx.update(base, merged_state(model))
     np.testing.assert_allclose(np.asarray(base(IDS)), np.asarray(model(IDS)), rtol=0, atol=1e-5)
@@ -248,7 +238,7 @@ def test_the_engine_decodes_with_the_adapters_the_forward_has(name, targets, dro
 
     dropless = ExecutionConfig(capacity_factor=None)  # as the engine routes
     cfg = _lora(name, targets=targets)
-    model = _with_random_b(build_model(cfg, execution=dropless, rngs=nnx.Rngs(params=0)))
+    model = with_random_b(build_model(cfg, execution=dropless, rngs=nnx.Rngs(params=0)))
     merged = build_model(get_model_preset(name), execution=dropless, rngs=nnx.Rngs(params=1))
     nnx.update(merged, merged_state(model))
     prompt = IDS[0, :6].tolist()

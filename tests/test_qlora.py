@@ -2,8 +2,9 @@
 step (int8 per channel, NF4 per group); a quantized base computes what its dequantized weights do; the
 compiled step holds about ½ (int8) and ¼ (NF4) of the bfloat16 base weights' bytes; training moves the
 adapters and leaves the quantized base bit for bit; the adapters' gradients are the one-device ones on
-``fsdp`` and ``tensor``; a merged export is the adapted model; a Hugging Face base is quantized on
-``--init-from``."""
+``fsdp``, and DeepSeek's (MLA's five weights and every expert's stored quantized) on ``expert`` and
+``tensor``; the engine decodes a quantized base as its dequantized copy; a merged export is the adapted
+model; a Hugging Face base is quantized on ``--init-from``."""
 
 import dataclasses
 import functools
@@ -11,6 +12,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from adapter_models import with_random_b
 from flax import nnx
 from invariance import OPTIMIZER, reference, train_steps
 from noise import check_mutation_caught, check_run
@@ -31,9 +33,27 @@ TOKENS = np.random.default_rng(1).integers(0, 256, (STEPS, B, T + 1), dtype=np.i
 ALL = "q,k,v,o,gate_up,down"
 
 
+# DeepSeek: MLA's projections, the dense layer's and shared experts' MLPs, and the routed experts' weights
+DEEPSEEK_ALL = "q_a,q_b,kv_a,kv_b,o,gate_up,down,expert_gate_up,expert_down"
+# the weights QLoRA stores quantized in every DeepSeek layer (MLA's five) and MoE layer (the experts')
+DEEPSEEK_QUANTIZED = {"q_a", "q_b", "kv_a", "kv_b", "o", "gate_up", "down"}
+
+
 def _qlora(kind: str, **fields):
     cfg = get_model_preset("tiny")
     return dataclasses.replace(cfg, **fields, lora=LoraConfig(rank=4, targets=ALL, quantize=kind))
+
+
+def _deepseek(kind: str, **moe):
+    """tiny-deepseek widened so that nf4 groups every weight along a dimension its own (64 divides it)."""
+    base = get_model_preset("tiny-deepseek")
+    moe = dataclasses.replace(base.moe, **dict(dict(mlp_dim=64, shared_mlp_dim=64), **moe))
+    mla = dataclasses.replace(base.mla, q_lora_rank=64, kv_lora_rank=64)
+    lora = LoraConfig(rank=4, targets=DEEPSEEK_ALL, quantize=kind)
+    return dataclasses.replace(base, embed_dim=128, moe=moe, mla=mla, lora=lora)
+
+
+MODELS = {"tiny": _qlora, "tiny-deepseek": _deepseek}
 
 
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
@@ -54,16 +74,28 @@ def test_nf4_codes_are_normal_quantiles_with_an_exact_zero():
     assert np.all(np.diff(values) > 0) and (values > 0).sum() == 8
 
 
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
-def test_a_quantized_base_computes_its_dequantized_weights(kind):
-    model = build_model(_qlora(kind), rngs=nnx.Rngs(params=0))
+def _dequantized(model):
+    """A copy of ``model`` with every quantized weight back as a float32 ``nnx.Param``."""
     plain = nnx.clone(model)
     for _, module in nnx.iter_graph(plain):
         if isinstance(module, nnx.Module):
             dequantize_weights(module, SPECS)
     assert not any(isinstance(v, Quantized) for _, v in nnx.iter_graph(plain))
-    assert np.array_equal(np.asarray(model(IDS)), np.asarray(plain(IDS)))
-    merged = build_model(get_model_preset("tiny"), rngs=nnx.Rngs(params=1))
+    return plain
+
+
+@pytest.mark.parametrize("name, kind", [("tiny", "int8"), ("tiny", "nf4"), ("tiny-deepseek", "int8")])
+def test_a_quantized_base_computes_its_dequantized_weights(name, kind):
+    """Bit for bit; and the merged export (adapters with random B) is the adapted model. DeepSeek: MLA's
+    weights, the dense and shared experts' MLPs and every routed expert's matrices are stored quantized."""
+    cfg = MODELS[name](kind)
+    model = with_random_b(build_model(cfg, rngs=nnx.Rngs(params=0)))
+    if name == "tiny-deepseek":
+        paths = [tuple(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, Quantized))]
+        assert {p[-1].rsplit("_", 1)[0] for p in paths} == DEEPSEEK_QUANTIZED
+        assert ("moe", "gate_up_data") in {p[-2:] for p in paths}  # the routed experts' matrices
+    assert np.array_equal(np.asarray(model(IDS)), np.asarray(_dequantized(model)(IDS)))
+    merged = build_model(dataclasses.replace(cfg, lora=LoraConfig()), rngs=nnx.Rngs(params=1))
     nnx.update(merged, merged_state(model))
     np.testing.assert_allclose(np.asarray(merged(IDS)), np.asarray(model(IDS)), rtol=0, atol=1e-5)
 
@@ -124,10 +156,19 @@ def qlora_reference():
     return reference(_qlora("nf4"), TOKENS, "lora")
 
 
-@pytest.mark.parametrize("mesh", ["fsdp=8", "fsdp=4,tensor=2"])
-def test_adapter_gradients_over_a_quantized_base_equal_one_device(qlora_reference, mesh):
+def test_adapter_gradients_over_a_quantized_base_equal_one_device(qlora_reference):
     ref, bound = qlora_reference
-    check_run(train_steps(_qlora("nf4"), resolve_mesh_arg(mesh), TOKENS), ref, bound, f"qlora nf4 {mesh}")
+    check_run(train_steps(_qlora("nf4"), resolve_mesh_arg("fsdp=8"), TOKENS), ref, bound, "qlora nf4 fsdp=8")
+
+
+def test_mla_and_expert_adapters_over_a_quantized_base_equal_one_device():
+    """DeepSeek's adapters (MLA, dense and shared MLPs, one per routed expert) over an nf4 base, with the
+    experts split over ``expert`` and the heads and MLPs over ``tensor``."""
+    cfg = _deepseek("nf4")
+    ref, bound = reference(cfg, TOKENS, "lora")
+    run = train_steps(cfg, resolve_mesh_arg("data=2,expert=2,tensor=2"), TOKENS)
+    assert any("['moe']['gate_up_lora_a']" in p for p in run.grads[0]) and all("lora" in p for p in run.grads[0])
+    check_run(run, ref, bound, "qlora nf4 deepseek data=2,expert=2,tensor=2")
 
 
 def test_int8_in_place_of_nf4_is_caught(qlora_reference):
@@ -139,6 +180,12 @@ def test_int8_in_place_of_nf4_is_caught(qlora_reference):
 def test_nf4_groups_that_do_not_divide_the_mesh_are_refused_by_name():
     with pytest.raises(LayoutError, match=r"model.mlp_dim / 64 \(the groups of model.lora.quantize=nf4\)=2"):
         train_steps(_qlora("nf4"), resolve_mesh_arg("data=2,tensor=4"), TOKENS)
+
+
+def test_expert_groups_that_do_not_divide_the_mesh_are_refused_by_name():
+    """The routed experts' width (128: two groups) bounds ``mlp`` with the dense layer's (128)."""
+    with pytest.raises(LayoutError, match=r"gcd\(model.mlp_dim, model.moe.mlp_dim\) / 64 .*=2"):
+        make_layout(_deepseek("nf4", mlp_dim=128), resolve_mesh_arg("data=2,tensor=4"), batch=B, seq=T)
 
 
 def test_bad_settings_are_refused_by_name():
@@ -169,22 +216,17 @@ def test_a_hugging_face_base_is_quantized_on_init_from(tmp_path):
     assert np.array_equal(np.asarray(q), np.asarray(want))  # the folder's weights, quantized
 
 
-def _plain():
-    return dataclasses.replace(get_model_preset("tiny"), lora=LoraConfig(rank=4, targets=ALL))
-
-
-def test_the_engine_serves_a_quantized_base():
-    """Greedy decoding on a QLoRA model gives its dequantized copy's tokens (the same logits)."""
+@pytest.mark.parametrize("name", MODELS)
+def test_the_engine_serves_a_quantized_base(name):
+    """Greedy decoding on a QLoRA model gives its dequantized copy's tokens (the same logits); DeepSeek's
+    absorbed decode reads kv_b's dequantized halves."""
     from jaxpar.inference.engine import Engine
     from jaxpar.inference.scheduler import Request
 
-    model = build_model(_qlora("nf4"), rngs=nnx.Rngs(params=0))
-    copy = nnx.clone(model)
-    for _, module in nnx.iter_graph(copy):
-        if isinstance(module, nnx.Module):
-            dequantize_weights(module, SPECS)
-    plain = build_model(_plain(), rngs=nnx.Rngs(params=1))
-    nnx.update(plain, nnx.state(copy))  # the dequantized weights, in a model built without quantizing
+    cfg = MODELS[name]("nf4")
+    model = with_random_b(build_model(cfg, rngs=nnx.Rngs(params=0)))
+    plain = build_model(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, quantize="none")), rngs=nnx.Rngs(1))
+    nnx.update(plain, nnx.state(_dequantized(model)))  # the dequantized weights, in a model built without quantizing
     runs = []
     for m in (model, plain):
         requests = [Request(i, IDS[i, : 4 + i].tolist(), 6) for i in range(4)]

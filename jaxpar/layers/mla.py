@@ -41,12 +41,14 @@ LoRA (``jaxpar.layers.lora``, targets ``mla_targets``): an adapter beside q_a, q
 The absorbed decode never folds kv_b's adapter into kv_k and kv_v: with A [Rkv, r] and B [r, N, Hn + Hv]
 (its first Hn columns B_k, the rest B_v), the keys' part of the scores is q_nope · B_kᵀ · Aᵀ · latent,
 so the query's latent gains scale · (q_nope B_kᵀ) Aᵀ, and the output gains scale · (mixed A) B_v:
-products of the rank, which a bank of adapters (one per row) computes as well.
+products of the rank, which a bank of adapters (one per row) computes as well. QLoRA stores those five
+base weights quantized (``jaxpar.layers.quant``); ``absorb`` gives kv_k and kv_v kv_b's dequantized values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -61,6 +63,7 @@ from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, LatentCache, Step, filled, map_arrays, mla_decode, slot_axis
 from jaxpar.layers.lora import SPECS, add_adapter, delta, factors, project
 from jaxpar.layers.norms import RMSNorm
+from jaxpar.layers.quant import dequantize, quantize_weights, weight
 from jaxpar.layers.rope import YarnScaling, apply_rope, rope_frequencies, yarn_frequencies
 from jaxpar.parallel.attention import context_attention
 from jaxpar.rules import constrain
@@ -157,6 +160,8 @@ class MLA(nnx.Module):
         self.o = param(rngs, (n, hv, d), ("heads", "head_dim", "embed"), dtype=param_dtype)
         for name in mla_targets(cfg):
             add_adapter(self, name, SPECS[name], attn.lora, rngs)
+        if attn.lora is not None:  # QLoRA: the frozen base stored quantized (jaxpar.layers.quant)
+            quantize_weights(self, {name: SPECS[name] for name in mla_targets(cfg)}, attn.lora.quantize)
 
     @property
     def inv_freq(self) -> np.ndarray:
@@ -166,8 +171,9 @@ class MLA(nnx.Module):
             return yarn_frequencies(dim, theta=attn.rope_theta, scaling=attn.rope_scaling)
         return rope_frequencies(dim, theta=attn.rope_theta, scaling=attn.rope_scaling)
 
-    def _w(self, p: nnx.Param) -> jax.Array:
-        return p[...].astype(self.dtype)
+    def _w(self, name: str) -> jax.Array:
+        """Weight ``name`` in the compute dtype (dequantized when QLoRA stores it quantized)."""
+        return weight(self, name, SPECS.get(name, ""), self.dtype)
 
     def _rope(self, x: jax.Array, positions: jax.Array, gain: float) -> jax.Array:
         """x [B, T, N or 1, Hr] in the weights' column order -> rotated, in [even | odd] order if interleaved."""
@@ -215,14 +221,14 @@ class MLA(nnx.Module):
                     LatentCache(*(filled(a, step.lengths, slots) for a in (latent, k_rope[:, :, 0]))), constrain
                 )
         out = checkpoint_name(constrain(out, HEADS), "attn_ctx")  # [B, T, N, Hv]
-        y = output_projection(out, self._w(self.o), flat=cache is not None)
+        y = output_projection(out, self._w("o"), flat=cache is not None)
         extra = delta(self, "o", SPECS["o"], out)
         y = constrain(y if extra is None else y + extra, ("batch", "length", "act_embed"))
         return y if cache is None else (y, cache)
 
     def _project(self, name: str, x: jax.Array) -> jax.Array:
         """x through weight ``name`` (and its adapter, if any)."""
-        return project(self, name, SPECS[name], x, self._w(getattr(self, name)))
+        return project(self, name, SPECS[name], x, self._w(name))
 
     def _attention(self, q_nope, q_rope, latent, k_rope, index, scale: float, segments=None) -> jax.Array:
         """Training and prefill: per-head keys and values from the latent, then causal attention."""
@@ -240,9 +246,9 @@ class MLA(nnx.Module):
         """Decoding over the latent cache with kv_b absorbed: keys through the query (q_nope · W_k),
         values through the output (weights · latents) · W_v."""
         if hasattr(self, "kv_k"):  # absorbed: kv_k [N, Hn, Rkv], kv_v [N, Rkv, Hv]
-            w_k, w_v = self._w(self.kv_k), self._w(self.kv_v)
+            w_k, w_v = self._w("kv_k"), self._w("kv_v")
         else:  # a layer sliced out of a stack: kv_b's halves, laid out here
-            w, hn = self._w(self.kv_b), self.cfg.qk_nope_head_dim
+            w, hn = self._w("kv_b"), self.cfg.qk_nope_head_dim
             w_k, w_v = jnp.einsum("rnh->nhr", w[..., :hn]), jnp.einsum("rnh->nrh", w[..., hn:])
         q_latent = jnp.einsum("btnh,nhr->btnr", q_nope, w_k)  # [B, T, N, Rkv]
         adapter = factors(self, "kv_b")
@@ -299,9 +305,15 @@ def _eager_or_abstract(fn, *xs):
 def absorb(attn: MLA) -> None:
     """In place: ``attn`` given kv_k [N, Hn, Rkv] and kv_v [N, Rkv, Hv], kv_b's halves in the absorbed
     decode's layouts (module doc), with the logical names of the dimensions they came from. Abstract
-    stays abstract."""
-    hn, names = attn.cfg.qk_nope_head_dim, dict(zip(("r", "n", "h"), attn.kv_b.out_sharding))
-    w = attn.kv_b.get_value()
+    stays abstract. A quantized kv_b (QLoRA) gives them its dequantized values in the compute dtype,
+    the values prefill reads."""
+    hn = attn.cfg.qk_nope_head_dim
+    if hasattr(attn, "kv_b_data"):
+        fn = functools.partial(dequantize, spec=SPECS["kv_b"], kind=attn.quant, dtype=attn.dtype)
+        w = _eager_or_abstract(fn, attn.kv_b_data.get_value(), attn.kv_b_scale.get_value())
+        names = dict(zip(("r", "n", "h"), attn.kv_b_data.out_sharding))
+    else:
+        w, names = attn.kv_b.get_value(), dict(zip(("r", "n", "h"), attn.kv_b.out_sharding))
     for field, spec, part in (("kv_k", "nhr", slice(None, hn)), ("kv_v", "nrh", slice(hn, None))):
         value = _eager_or_abstract(lambda x, spec=spec, part=part: jnp.einsum(f"rnh->{spec}", x[..., part]), w)
         setattr(attn, field, nnx.Param(value, out_sharding=tuple(names[c] for c in spec), eager_sharding=False))

@@ -54,8 +54,9 @@ from jaxpar.config import Choice, check_choices
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig
 from jaxpar.layers.common import param
-from jaxpar.layers.lora import EXPERT_SPECS, EXPERT_TARGETS, LoraConfig, add_adapter
+from jaxpar.layers.lora import EXPERT_SPECS, EXPERT_TARGETS, SPECS, LoraConfig, add_adapter
 from jaxpar.layers.mlp import SwiGLU
+from jaxpar.layers.quant import quantize_weights, weight
 from jaxpar.parallel.dropless import dropless_apply
 from jaxpar.parallel.moe import ExpertAdapters, experts_apply
 from jaxpar.rules import constrain
@@ -198,12 +199,12 @@ class MoE(nnx.Module):
         self.down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), dtype=param_dtype)
         self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), out_sharding=("experts",), eager_sharding=False)
         width = cfg.num_shared_experts * cfg.shared_mlp_dim  # n shared experts = one SwiGLU n times wider
-        # the shared experts' adapters (gate_up, down), over a base that QLoRA leaves unquantized here
-        plain = None if lora is None else dataclasses.replace(lora, quantize="none")
-        self.shared = SwiGLU(d, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=plain) if width else None
+        self.shared = SwiGLU(d, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=lora) if width else None
         drop = "e" if lora is not None and lora.experts == "shared" else ""
         for target, name in EXPERT_TARGETS.items():
             add_adapter(self, name, EXPERT_SPECS[name], lora, rngs, target=target, drop=drop)
+        if lora is not None:  # QLoRA: each expert's matrices stored quantized as a dense MLP's are
+            quantize_weights(self, {name: SPECS[name] for name in EXPERT_SPECS}, lora.quantize)
         if hasattr(self, "gate_up_lora_a") or hasattr(self, "down_lora_a"):
             self.lora_experts = lora.experts  # static: "each" or "shared" (``jaxpar.layers.lora.merged_state``)
 
@@ -217,6 +218,13 @@ class MoE(nnx.Module):
             if hasattr(self, f"{name}_lora_a")
         }
         return ExpertAdapters(pairs.get("gate_up"), pairs.get("down"), jnp.asarray(self.lora_scale, jnp.float32))
+
+    def _weight(self, name: str) -> jax.Array:
+        """The routed experts' ``gate_up`` or ``down`` as stored, or dequantized in the compute dtype
+        (QLoRA: the frozen base, whose gradient nothing reduces)."""
+        if hasattr(self, f"{name}_data"):
+            return weight(self, name, SPECS[name], self.dtype)
+        return getattr(self, name)[...]
 
     def update_bias(self, expert_load: jax.Array) -> None:
         """Apply ``updated_bias`` with ``execution.bias_update_rate`` in place (a no-op at rate 0)."""
@@ -303,7 +311,7 @@ class MoE(nnx.Module):
         # the weights enter the kernels as stored and are cast inside: their gradients' reduction over the
         # batch shards then runs in the parameter dtype (XLA:CPU aborts promoting a bf16 one, and f32 is
         # the precision gradients are summed in everywhere else)
-        out = experts_apply(buf, self.gate_up[...], self.down[...], self._adapters())
+        out = experts_apply(buf, self._weight("gate_up"), self._weight("down"), self._adapters())
         out = constrain(out, ("batch", None, None, "act_embed"))  # [B, E, C, D]
         return jnp.einsum("btec,becd->btd", combine, out)
 
@@ -313,7 +321,7 @@ class MoE(nnx.Module):
         step (one token per row) runs every expert instead (``_every_expert``)."""
         if x.shape[1] == 1:
             return self._every_expert(x, idx, weight)
-        out = dropless_apply(x, idx, self.gate_up[...], self.down[...], self._adapters())  # cast inside, as above
+        out = dropless_apply(x, idx, self._weight("gate_up"), self._weight("down"), self._adapters())  # as above
         return jnp.einsum("btkd,btk->btd", out, weight.astype(self.dtype))
 
     def _every_expert(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
@@ -327,8 +335,8 @@ class MoE(nnx.Module):
         chosen = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32) * weight[..., None], axis=2)  # [B, T, E]
         xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, B, T, D]: a few rows
         adapters = self._adapters()
-        h = jnp.einsum("ebtd,edkf->ebtkf", xe, self.gate_up[...].astype(dtype))
+        h = jnp.einsum("ebtd,edkf->ebtkf", xe, self._weight("gate_up").astype(dtype))
         h = h if adapters is None else h + adapters.gate_up(xe, "ebtd")
         act = jax.nn.silu(h[..., 0, :]) * h[..., 1, :] * jnp.einsum("bte->ebt", chosen.astype(dtype))[..., None]
-        y = jnp.einsum("ebtf,efd->btd", act, self.down[...].astype(dtype))  # weighed, summed over E·F at once
+        y = jnp.einsum("ebtf,efd->btd", act, self._weight("down").astype(dtype))  # weighed, summed over E·F at once
         return y if adapters is None else y + adapters.down(act, "ebtf", "btd")

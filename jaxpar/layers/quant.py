@@ -12,6 +12,11 @@ the step, where the matmul reads it (``model.lora.quantize``).
 Rounding to the nearest code leaves each value within half a code step of its own (a step of the
 group's scale for int8; the gap between the two codes around it for nf4). The quantized arrays are
 ``Quantized`` variables, not ``nnx.Param``: they never train and the optimizer holds nothing of them.
+Which weights (``quantize_weights`` in each layer): GQA's q, k, v, o; MLA's q_a, q_b (or q), kv_a, kv_b,
+o; every SwiGLU's gate_up and down; and the routed experts' gate_up and down, each expert's matrix
+quantized as a dense MLP's is (the expert dimension, like a stack's layer dimension, is a batch
+dimension: scales and groups never span experts).
+
 They keep the weight's logical names (packed nf4 halves its grouped dimension, and its scales split it
 into groups, sharded alike: the layout check asks that the groups divide the mesh axes; an int8 scale is
 replicated along the dimensions it reduces), so they shard as the weight did.
@@ -72,7 +77,7 @@ def quantize(w: jax.Array, spec: str, kind: str) -> tuple[jax.Array, jax.Array]:
         scale = jnp.max(jnp.abs(w), axis=axes, keepdims=True) / 127.0
         scale = jnp.where(scale > 0, scale, 1.0)
         return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
-    a = _group_axis(w.shape, axes)
+    a = group_axis(w.shape, spec)
     grouped = _groups(w, a)  # [..., n / GROUP, GROUP, ...]
     absmax = jnp.max(jnp.abs(grouped), axis=a + 1, keepdims=True)
     absmax = jnp.where(absmax > 0, absmax, 1.0)
@@ -85,9 +90,10 @@ def quantize(w: jax.Array, spec: str, kind: str) -> tuple[jax.Array, jax.Array]:
     return packed, jnp.squeeze(absmax, axis=a + 1)
 
 
-def _group_axis(shape, contracted) -> int:
-    """The dimension nf4 groups along: the last contracted one ``GROUP`` divides (o: head_dim before
-    heads), else the first other one it divides."""
+def group_axis(shape, spec: str) -> int:
+    """The dimension nf4 groups a weight of ``shape`` used as ``einsum(spec, x, W)`` along: the last
+    contracted one ``GROUP`` divides (o: head_dim before heads), else the first other one it divides."""
+    contracted = _contracted(spec)
     for a in (*reversed(contracted), *(i for i in range(len(shape)) if i not in contracted)):
         if shape[a] % GROUP == 0:
             return a
@@ -193,7 +199,7 @@ def step_bound(w: np.ndarray, spec: str, kind: str) -> np.ndarray:
     axes = _contracted(spec)
     if kind == "int8":
         return 0.5 * np.max(np.abs(w), axis=axes, keepdims=True) / 127.0 * np.ones_like(w)
-    a = _group_axis(w.shape, axes)
+    a = group_axis(w.shape, spec)
     grouped = _groups(w, a)
     absmax = np.max(np.abs(grouped), axis=a + 1, keepdims=True)
     values = nf4_values().astype(np.float64)

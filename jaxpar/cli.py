@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "pipeline": "jaxpar.pipeline.command",
     "generate": "jaxpar.inference.command",
     "serve": "jaxpar.inference.serve_command",
+    "grpo": "jaxpar.rl.command",
 }
 
 

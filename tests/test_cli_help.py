@@ -18,6 +18,7 @@ TAKES = {  # command: (mesh presets it names, whether it takes --model)
     "convert": (list(MESHES), False),
     "generate": (list(DECODE) + list(MESHES), False),
     "serve": (list(DECODE) + list(MESHES), False),
+    "grpo": (list(MESHES), True),
 }
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -65,12 +66,18 @@ def run_grpo(
     page_size: int = 16,
     init=None,
     log: Callable[[dict], None] | None = None,
+    resume: Callable[[Any], tuple[Any, int]] | None = None,
+    save: Callable[[int, Any], None] | None = None,
+    until: int | None = None,
 ) -> GRPORun:
     """Trains ``model_cfg`` (from its initialisation with ``seed``) by GRPO for ``iterations`` rollout
     batches (module docstring) on ``mesh``; the engine decodes on ``engine_mesh`` (a decode layout name
     or spec; default one device). ``init``: a model whose weights the run starts from (e.g. a fine-tuned
     one; a LoRA run takes its base from one without adapters). A completion ends at ``stop_ids`` or
-    ``cfg.max_new_tokens``. An MoE
+    ``cfg.max_new_tokens``. ``log(record)`` after each iteration, then ``save(iterations done,
+    state)``; ``resume(state) -> (state, iterations done)`` picks up a saved run: the iterations that
+    follow draw the prompts and sampling seeds an uninterrupted run would (the KL's reference stays the
+    starting weights). ``until``: stop after that many iterations (the schedule still spans all). An MoE
     model trains dropless (``execution.capacity_factor=None``), as the engine routes: a token dropped
     in training only would change the ratio's numerator alone."""
     execution = execution or ExecutionConfig(capacity_factor=None)
@@ -80,36 +87,68 @@ def run_grpo(
             "as the engine that samples the rollouts routes"
         )
     rows = cfg.prompts * cfg.group_size
-    seq = -(-(max(len(p) for p in prompts) + cfg.max_new_tokens) // 8) * 8
-    layout = make_layout(model_cfg, resolve_mesh_arg(mesh), batch=rows, seq=seq, execution=execution)
+    layout, seq = grpo_layout(model_cfg, prompts, cfg, mesh, execution)
     make = lambda r: build_model(model_cfg, execution=execution, rngs=r)  # noqa: E731
     tx = functools.partial(make_optimizer, optimizer, total_steps=iterations * cfg.updates)
     ts = init_train_state(make, tx, layout, seed=seed)
-    step = make_train_step(ts, layout, loss_fn=functools.partial(policy_loss, cfg=cfg))
     state = ts.state if init is None else _with_weights(ts.state, init)
-    model_of = lambda s: nnx.merge(ts.graphdef, s)[0]  # noqa: E731
+    run = _Run(ts, layout, cfg, seq, functools.partial(policy_loss, cfg=cfg), reward)
+    run.reference = _reference(ts, layout, cfg, model_cfg, state)
+    state, done = (state, 0) if resume is None else resume(state)
     length = -(-(seq + 1) // page_size) * page_size
-    engine = Engine(model_of(state), max_slots=rows, page_size=page_size, max_length=length, mesh=engine_mesh)
-    reference = _reference(ts, layout, cfg, model_cfg, state)
+    engine = Engine(run.model_of(state), max_slots=rows, page_size=page_size, max_length=length, mesh=engine_mesh)
     rng, records = np.random.default_rng(seed), []
-    for it in range(iterations):
-        start = time.perf_counter()
-        engine.load_weights(model_of(state))
-        sync_s = time.perf_counter() - start
+    for it in range(min(iterations, until or iterations)):
         chosen = rng.choice(len(prompts), cfg.prompts, replace=len(prompts) < cfg.prompts)
-        done = _rollouts(engine, [list(prompts[k]) for k in chosen], cfg, seed, it, stop_ids)
+        if it < done:  # drawn by the run before the resume
+            continue
+        state, record = run.iteration(engine, state, [list(prompts[k]) for k in chosen], seed, it, stop_ids)
+        records.append(record)
+        if log is not None:
+            log(record)
+        if save is not None:
+            save(it + 1, state)
+    return GRPORun(records, state, ts.graphdef)
+
+
+def grpo_layout(model_cfg, prompts: Sequence[Sequence[int]], cfg: GRPOConfig, mesh: str, execution):
+    """(the training layout of a rollout batch, its padded length); refuses a mesh the batch or the
+    model does not divide, naming it."""
+    seq = -(-(max(len(p) for p in prompts) + cfg.max_new_tokens) // 8) * 8
+    rows = cfg.prompts * cfg.group_size
+    return make_layout(model_cfg, resolve_mesh_arg(mesh), batch=rows, seq=seq, execution=execution), seq
+
+
+class _Run:
+    """One GRPO iteration's parts: the train step, the reference's log-probs, the reward."""
+
+    def __init__(self, ts, layout, cfg: GRPOConfig, seq: int, loss_fn, reward: Reward):
+        self.ts, self.layout, self.cfg, self.seq, self.reward = ts, layout, cfg, seq, reward
+        self.step = make_train_step(ts, layout, loss_fn=loss_fn)
+        self.reference = None
+
+    def model_of(self, state):
+        return nnx.merge(self.ts.graphdef, state)[0]
+
+    def iteration(self, engine: Engine, state, prompts: list[list[int]], seed: int, it: int, stop_ids):
+        """Rollouts on the current weights, rewards, advantages, then ``cfg.updates`` train steps; returns
+        (the new state, the iteration's record)."""
+        cfg, start = self.cfg, time.perf_counter()
+        engine.load_weights(self.model_of(state))
+        sync_s = time.perf_counter() - start
+        done = _rollouts(engine, prompts, cfg, seed, it, stop_ids)
         rollout_s = time.perf_counter() - start
-        rewards = np.array([[reward(r.prompt, r.tokens[len(r.prompt) :]) for r in group] for group in done])
+        rewards = np.array([[self.reward(r.prompt, r.tokens[len(r.prompt) :]) for r in group] for group in done])
         advantages = group_advantages(rewards)
-        batch = rollout_batch([_row(r, a) for group, adv in zip(done, advantages) for r, a in zip(group, adv)], seq)
-        data = to_global(batch, layout.sharding(("batch", "length")))
-        if reference is not None:
-            data["reference"] = reference(state, data)
+        rows = [_row(r, a) for group, adv in zip(done, advantages) for r, a in zip(group, adv)]
+        data = to_global(rollout_batch(rows, self.seq), self.layout.sharding(("batch", "length")))
+        if self.reference is not None:
+            data["reference"] = self.reference(state, data)
         for _ in range(cfg.updates):
-            state, metrics = step(state, data)
+            state, metrics = self.step(state, data)
         loss = float(metrics.loss)  # waits for the updates
         generated = sum(len(r.tokens) - len(r.prompt) for group in done for r in group)
-        record = {
+        return state, {
             "iteration": it + 1,
             "reward": float(rewards.mean()),
             "reward_std": float(rewards.std()),
@@ -121,10 +160,6 @@ def run_grpo(
             "rollout_tokens": generated,
             "rollout_tokens_per_s": generated / rollout_s,
         }
-        records.append(record)
-        if log is not None:
-            log(record)
-    return GRPORun(records, state, ts.graphdef)
 
 
 def _with_weights(state, init):

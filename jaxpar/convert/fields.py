@@ -36,7 +36,9 @@ METADATA = {
     "output_hidden_states",
     "output_attentions",
     "tie_word_embeddings",
-}  # tie_word_embeddings is read (below), listed so every family allows it
+    "quantization_config",
+}  # tie_word_embeddings is read (below), listed so every family allows it; quantization_config is
+# checked, and its tensors dequantized, by the reader (jaxpar.convert.files.HFFolder)
 DENSE_READ = {
     "vocab_size",
     "hidden_size",

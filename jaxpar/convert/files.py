@@ -1,7 +1,8 @@
 """A Hugging Face checkpoint folder on disk: config.json and safetensors files (one, or several with a
 ``model.safetensors.index.json``), read a box at a time; and the writer for exports.
 
-Safetensors only: nothing here unpickles, so a folder holding only ``*.bin``/``*.pt`` is refused. Every
+Safetensors only: nothing here unpickles, so a folder holding only ``*.bin``/``*.pt`` is refused. A
+quantized checkpoint (``quantization_config``) is read dequantized (``jaxpar.convert.quantized``). Every
 file's header is checked against its size before anything is read (a truncated download names its
 file), and every tensor a conversion needs is checked for presence and shape before the first read.
 """
@@ -15,13 +16,16 @@ import struct
 import tempfile
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxpar.convert.quantized import SCALE, check_tensors, quantization
 from jaxpar.errors import ConvertError  # noqa: F401  (re-exported)
 
 INDEX = "model.safetensors.index.json"
+RAW = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}  # read from the bytes
 
 
 def read_config(folder: Path) -> dict:
@@ -121,21 +125,50 @@ class HFFolder:
         if missing:
             raise ConvertError(f"{index}: {missing[0]} is listed in {self.where[missing[0]].name} but not there")
         self._open: dict[Path, object] = {}
+        self.quant = quantization(self.config, str(self.folder / "config.json"))
+        dtypes = {n: info["dtype"] for n, info in self.info.items()}
+        if self.quant is not None:
+            check_tensors(self.quant, dtypes, {n: self.shape(n) for n in self.info}, str(self.folder))
+        elif any(d in RAW for d in dtypes.values()):
+            name = next(n for n, d in dtypes.items() if d in RAW)
+            raise ConvertError(f"{self.folder}: {name} is {dtypes[name]}, and config.json has no quantization_config")
 
     def names(self) -> set[str]:
-        return set(self.info)
+        """The model's tensors (a quantized checkpoint's scales are part of their weights)."""
+        return {n for n in self.info if self.quant is None or not n.endswith(SCALE)}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.info[name]["shape"])
 
     def dtype(self, name: str) -> str:
-        return self.info[name]["dtype"]
+        """As stored; a block-FP8 weight reads as float32 (its dequantized values)."""
+        scaled = self.quant is not None and name + SCALE in self.info
+        return "F32" if scaled else self.info[name]["dtype"]
 
     def read(self, name: str, box: tuple[slice, ...]) -> np.ndarray:
+        """A box of tensor ``name`` (a block-FP8 weight: dequantized, ``jaxpar.convert.quantized``)."""
+        if self.quant is not None and name + SCALE in self.info:
+            shape = self.shape(name)
+            scale = self._stored(name + SCALE, self.quant.scale_box(box, shape))
+            return self.quant.dequantize(self._stored(name, box), scale, box, shape)
+        return self._stored(name, box)
+
+    def _stored(self, name: str, box: tuple[slice, ...]) -> np.ndarray:
+        dtype = self.info[name]["dtype"]
+        if dtype in RAW:  # float8: safetensors' numpy reader has no such dtype; read its bytes in place
+            return self._raw(name, RAW[dtype])[box]
         file = self.where[name]
         if file not in self._open:
             self._open[file] = safe_open(str(file), framework="numpy")
         return self._open[file].get_slice(name)[box]
+
+    def _raw(self, name: str, dtype) -> np.ndarray:
+        """Tensor ``name`` mapped from its file (read lazily, a box at a time), as ``dtype``."""
+        file, info = self.where[name], self.info[name]
+        with open(file, "rb") as f:
+            start = 8 + struct.unpack("<Q", f.read(8))[0] + info["data_offsets"][0]
+        count = info["data_offsets"][1] - info["data_offsets"][0]
+        return np.memmap(file, np.uint8, "r", offset=start, shape=(count,)).view(dtype).reshape(info["shape"])
 
     def close(self) -> None:
         self._open.clear()

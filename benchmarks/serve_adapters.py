@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from machine import machine
 
 MODEL, RANK, ADAPTERS = "llama-100m", 16, 4
 TARGETS = "q,k,v,o,gate_up,down"
@@ -75,7 +74,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    import jax
     from flax import nnx
 
     from jaxpar.models import build_model, get_model_preset
@@ -99,9 +97,7 @@ def main(argv=None) -> int:
         prompt=PROMPT,
         new_tokens=NEW,
         slots=SLOTS,
-        device=jax.devices()[0].device_kind,
-        host=platform.machine(),
-        cpus=os.cpu_count(),
+        **machine(),
         runs=runs,
         over_no_bank={k: round(v["decode_tokens_per_s"] / plain, 3) for k, v in runs.items()},
     )

@@ -125,3 +125,34 @@ def grpo_time() -> str:
         ["machine", f"{data['cpus']} CPUs ({data['host']}), 8 simulated devices; engine on one"],
     ]
     return markdown(["", "measured"], rows)
+
+
+@table("quantize")
+def quantize() -> str:
+    """Each stored format against bfloat16 (``benchmarks/quantize.py``): bytes, decode rate, agreement."""
+    data = load("quantize_cpu.json")
+    rows = []
+    for kind, r in data["formats"].items():
+        agree = r.get("agreement")
+        rows.append(
+            [
+                "bfloat16" if kind == "none" else kind,
+                f"{r['bytes']['weights'] / 2**20:.1f} MiB",
+                f"{r['weights_over_bf16']}×",
+                f"{r['bytes']['temporaries'] / 2**20:.1f} MiB",
+                f"{r['decode']['batch_1_tokens_per_s']} ({r['speed_over_bf16']['batch_1_tokens_per_s']}×)",
+                f"{r['decode']['batch_8_tokens_per_s']} ({r['speed_over_bf16']['batch_8_tokens_per_s']}×)",
+                "" if agree is None else f"{agree['relative_error']}",
+                "" if agree is None else f"{agree['tokens_agreed']} / {agree['tokens']}",
+                "" if agree is None else f"{agree['differences_within_margin']} of {agree['differences']}",
+            ]
+        )
+    header = ["weights", "stored", "÷ bf16", "forward temporaries", "decode tok/s, batch 1", "batch 8"]
+    header += ["logit error ÷ logits' std", "tokens agreed", "differences within the margin"]
+    note = (
+        f"\n\n{data['model']} with random bfloat16 weights on one CPU device ({data['cpus']} CPUs, "
+        f"{data['host']}); {data['prompts']} greedy prompts of {data['prompt']} + {data['new_tokens']} tokens. "
+        "Tokens agreed: before each row's first difference from the bfloat16 model's; a difference is within "
+        "the margin where the bfloat16 model's top two logits were within twice the format's logit error."
+    )
+    return markdown(header, rows, "lrrrrrrrr") + note

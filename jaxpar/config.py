@@ -50,6 +50,15 @@ class DType(Choice):
     FLOAT16 = "float16"
 
 
+class WeightFormat(Choice):
+    """How a model stores its projections for serving (``jaxpar.layers.codes``)."""
+
+    NONE = "none"  # the parameter dtype
+    INT8 = "int8"  # per output channel
+    INT4 = "int4"  # groups of 128 along the input
+    FP8 = "fp8"  # e4m3 in 128 × 128 blocks
+
+
 # ------------------------------------------------------------------------------------------ types
 @functools.cache
 def hints(cls) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxpar.config import Choice, config_classes, hints, is_union, to_dict
+from jaxpar.config import Choice, WeightFormat, config_classes, hints, is_union, to_dict
 from jaxpar.errors import ConfigError
 
 Refuse = Callable[[str], "str | None"]  # a path -> why it cannot be set (renamed, moved), or None
@@ -174,6 +174,17 @@ def changed(new, old) -> dict:
     """The fields of dataclass ``new`` whose values differ from ``old``'s."""
     fields = (f.name for f in dataclasses.fields(new))
     return {name: getattr(new, name) for name in fields if getattr(new, name) != getattr(old, name)}
+
+
+def add_quantize_argument(parser: argparse.ArgumentParser, /, *, when: str) -> None:
+    """``--quantize int8|int4|fp8``, the stored weights' format (``model.quantize``), for ``when``."""
+    parser.add_argument(
+        "--quantize",
+        choices=[k.value for k in WeightFormat if k != WeightFormat.NONE],
+        default=None,
+        help=f"{when}: the projections stored int8 (per channel), int4 (groups of 128) or fp8 (128×128 blocks) "
+        "(= --set model.quantize=...)",
+    )
 
 
 def positive_int(text: str) -> int:

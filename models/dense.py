@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.config import DType, check_choices
+from jaxpar.config import DType, WeightFormat, check_choices
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ATTN_NAMES, ExecutionConfig, Remat  # noqa: F401  (ATTN_NAMES, Remat: re-exported)
 from jaxpar.layers import Attention, AttentionConfig, Embed, RMSNorm, RopeScaling, SwiGLU, YarnScaling
@@ -36,7 +36,7 @@ from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
 from jaxpar.layers.lora import SPECS, LoraConfig
 from jaxpar.layers.mla import mla_targets
-from jaxpar.layers.quant import GROUP, group_axis
+from jaxpar.layers.quant import stored_shapes
 from jaxpar.model_api import ForwardOutput
 from jaxpar.models.stacks import scan_blocks, split_stack, stacked
 from jaxpar.parallel.attention import storage_order
@@ -77,6 +77,7 @@ class DenseConfig:
     vocab_multiple: int = 128  # the embedding is padded to a multiple of this (shardable vocab)
     max_seq_len: int = 2048  # longest sequence the model is meant for (HF max_position_embeddings)
     lora: LoraConfig = LoraConfig()  # adapters on named projections (rank 0: none; jaxpar.layers.lora)
+    quantize: WeightFormat = WeightFormat.NONE  # the projections stored int8, int4 or fp8 (jaxpar.layers.quant)
 
     # The parts other families add, as every family answers them (plain class attributes, not fields:
     # the dense config's data holds none of them). ``MoEModelConfig`` declares them as fields.
@@ -99,6 +100,11 @@ class DenseConfig:
             raise ConfigError(f"model.sliding_window={self.sliding_window} must be ≥ 1 (or None: full attention)")
         if isinstance(self.rope_scaling, YarnScaling) and not self.uses_mla:
             raise ConfigError("model.rope_scaling: YaRN is implemented for MLA attention (DeepSeek) only")
+        if self.quantize != "none" and isinstance(self.lora, LoraConfig) and self.lora.quantize != "none":
+            raise ConfigError(
+                f"model.quantize={self.quantize} and model.lora.quantize={self.lora.quantize}: the base is stored "
+                "one way; QLoRA's setting is model.lora.quantize"
+            )
         names = self.lora.names if isinstance(self.lora, LoraConfig) else ()
         missing = [t for t in names if t not in self.adapter_targets]
         if missing:
@@ -113,6 +119,11 @@ class DenseConfig:
         dense MLPs' (``jaxpar.layers.lora``)."""
         attention = mla_targets(self.mla) if self.uses_mla else ("q", "k", "v", "o")
         return (*attention, "gate_up", "down")
+
+    @property
+    def stored_as(self) -> str:
+        """The projections' stored format: QLoRA's base (``model.lora.quantize``) or ``model.quantize``."""
+        return self.lora.quantize if self.lora.quantize != "none" else str(self.quantize)
 
     @property
     def uses_mla(self) -> bool:
@@ -144,6 +155,7 @@ class DenseConfig:
             implementation=execution.attention_impl,
             context_parallel=execution.context_parallel,
             lora=self.lora,
+            quantize=self.stored_as,
         )
 
     def attention_module(self, execution: ExecutionConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -163,41 +175,44 @@ class DenseConfig:
             norm=Dim(self.embed_dim, "model.embed_dim"),
         )
         acts = dict(act_embed="embed", act_heads="heads", act_kv_heads="kv_heads", act_mlp="mlp", act_vocab="vocab")
-        return self._with_nf4_groups(d | {a: d[p] for a, p in acts.items()})
+        return self._with_stored_groups(d | {a: d[p] for a, p in acts.items()})
 
-    def _with_nf4_groups(self, dims: dict[str, Dim]) -> dict[str, Dim]:
-        """``dims`` with each dimension nf4 groups along also bound by its groups (``_nf4_groups``):
-        the groups' count where it divides the dimension (a mesh size dividing it then divides both),
-        else their gcd with it."""
-        for name, groups in self._nf4_groups().items():
+    def _with_stored_groups(self, dims: dict[str, Dim]) -> dict[str, Dim]:
+        """``dims`` with each dimension that stored weights split also bound by the parts
+        (``_stored_groups``): their count where it divides the dimension (a mesh size dividing it then
+        divides both), else their gcd with it."""
+        for name, groups in self._stored_groups().items():
             have = dims.get(name)
             if have is not None and have.size % groups.size:
                 groups = Dim(math.gcd(have.size, groups.size), f"gcd({have.field}, {groups.field})")
             dims[name] = groups
         return dims
 
-    def _nf4_groups(self) -> dict[str, Dim]:
-        """QLoRA's nf4 scales split the dimension each weight groups along (``group_axis``) into groups
-        of ``GROUP``, sharded as the dimension is: those groups must divide the mesh axes. Per logical
-        name, the groups' gcd (a mesh size divides every count exactly when it divides their gcd); one
-        group along a dimension leaves its scale unsplit there."""
-        if self.lora.quantize != "nf4":
+    def _stored_groups(self) -> dict[str, Dim]:
+        """A quantized weight's scales split dimensions into groups or blocks, and a 4-bit format packs one
+        in pairs (``jaxpar.layers.codes.stored_shapes``), sharded as the dimension is: those must divide
+        the mesh axes too. Per logical name, their gcd (a mesh size divides every count exactly when it
+        divides their gcd); a scale of one group along a dimension is not split there."""
+        kind = self.stored_as
+        if kind in ("none", "int8"):
             return {}
-        groups: dict[str, dict[str, int]] = {}
+        setting = f"model.lora.quantize={kind}" if self.lora.quantize != "none" else f"model.quantize={kind}"
+        found: dict[str, dict[str, int]] = {}
         for shape, names, fields, spec in self.quantized_weights():
-            a = group_axis(shape, spec)
-            if names[a] is not None and shape[a] // GROUP > 1:
-                groups.setdefault(names[a], {})[fields[a]] = shape[a] // GROUP
-        why = f"/ {GROUP} (the groups of model.lora.quantize=nf4)"
+            data, scale = stored_shapes(shape, spec, kind)
+            for a, name in enumerate(names):
+                # groups split a dimension more finely than packing's pairs, where there are several
+                part = scale[a] if 1 < scale[a] < shape[a] else data[a]
+                if name is not None and part != shape[a]:
+                    found.setdefault(name, {})[f"model.{fields[a]} / {shape[a] // part}"] = part
         dims = {}
-        for name, counts in groups.items():
-            fields = ", ".join(f"model.{f}" for f in counts)
-            fields = fields if len(counts) == 1 else f"gcd({fields})"
-            dims[name] = Dim(math.gcd(*counts.values()), f"{fields} {why}")
+        for name, counts in found.items():
+            text = ", ".join(counts) if len(counts) == 1 else f"gcd({', '.join(counts)})"
+            dims[name] = Dim(math.gcd(*counts.values()), f"{text} (the groups of {setting})")
         return dims
 
     def quantized_weights(self) -> list[tuple[tuple[int, ...], tuple, tuple, str]]:
-        """The base weights QLoRA stores quantized, one matrix each (no layer or expert dimension):
+        """The weights stored quantized (``stored_as``), one matrix each (no layer or expert dimension):
         (shape, logical names, the config field of each dimension, the einsum that reads it)."""
         d, n, k, h, f = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
         heads = (("embed", "heads", "head_dim"), ("embed_dim", "num_heads", "head_dim"))
@@ -241,7 +256,7 @@ class Block(nnx.Module):
     def _init_feed_forward(self, cfg, execution: ExecutionConfig, rngs: nnx.Rngs) -> None:
         """The block's second half (families with another feed-forward override this)."""
         kw = dict(dtype=execution.dtype, param_dtype=cfg.param_dtype)
-        self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, lora=cfg.lora, **kw)
+        self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, lora=cfg.lora, quantize=cfg.stored_as, **kw)
 
     def _attend(self, x: jax.Array, positions: jax.Array, index: jax.Array, cache=None, step=None, segments=None):
         """x plus attention; (x, cache) with a KV cache (generation)."""

@@ -80,7 +80,7 @@ class MoEModelConfig(DenseConfig):
         if self.first_dense_layers:  # the dense prefix, then the MoE stack
             dims["layers"] = Dim(self.num_moe_layers, "model.num_layers - first_dense_layers")
             dims["prefix_layers"] = Dim(self.first_dense_layers, "model.first_dense_layers")
-        return self._with_nf4_groups(dims | dict(mlp=mlp, act_mlp=mlp))
+        return self._with_stored_groups(dims | dict(mlp=mlp, act_mlp=mlp))
 
     def quantized_weights(self) -> list[tuple]:
         """The dense list with MLA's weights for GQA's, the dense MLP only where dense layers are, and
@@ -151,7 +151,9 @@ class MoEBlock(Block):
 
     def _init_feed_forward(self, cfg: MoEModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs) -> None:
         kw = dict(dtype=execution.dtype, param_dtype=cfg.param_dtype)
-        self.moe = MoE(cfg.embed_dim, cfg.moe, execution=execution, rngs=rngs, lora=cfg.lora, **kw)
+        self.moe = MoE(
+            cfg.embed_dim, cfg.moe, execution=execution, rngs=rngs, lora=cfg.lora, quantize=cfg.stored_as, **kw
+        )
 
     def _feed_forward(self, x: jax.Array, index: jax.Array):
         y, stats = self.moe(self.mlp_norm(x), index)

@@ -183,8 +183,12 @@ def test_nf4_groups_that_do_not_divide_the_mesh_are_refused_by_name():
 
 
 def test_expert_groups_that_do_not_divide_the_mesh_are_refused_by_name():
-    """The routed experts' width (128: two groups) bounds ``mlp`` with the dense layer's (128)."""
-    with pytest.raises(LayoutError, match=r"gcd\(model.mlp_dim, model.moe.mlp_dim\) / 64 .*=2"):
+    """The routed experts' width (128: two groups) bounds ``mlp`` with the dense layer's (128) and the
+    shared experts' packed pairs (one group of 64: 32 pairs)."""
+    with pytest.raises(
+        LayoutError,
+        match=r"gcd\(model.mlp_dim / 64, model.moe.mlp_dim / 64, .*\) \(the groups of model.lora.quantize=nf4\)=2",
+    ):
         make_layout(_deepseek("nf4", mlp_dim=128), resolve_mesh_arg("data=2,tensor=4"), batch=B, seq=T)
 
 

@@ -121,6 +121,11 @@ class TrainConfig:
                 raise ConfigError(f"{section} must be ≥ 1")
         if self.seq % self.execution.loss_chunks:
             raise ConfigError(f"execution.loss_chunks={self.execution.loss_chunks} does not divide seq={self.seq}")
+        if self.model.quantize != "none":
+            raise ConfigError(
+                f"model.quantize={self.model.quantize}: weights stored for serving do not train; to train "
+                "adapters over a quantized base, set model.lora.quantize (QLoRA)"
+            )
         if self.model.moe is not None:
             check_execution(self.model.moe, self.execution)
         if self.objective == Objective.DPO:

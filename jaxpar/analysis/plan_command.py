@@ -23,7 +23,7 @@ from jaxpar.inference.layouts import PRESETS as DECODE_PRESETS
 from jaxpar.mesh import simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
 from jaxpar.models import PRESETS as MODEL_PRESETS
-from jaxpar.settings import add_set_argument, changed
+from jaxpar.settings import add_quantize_argument, add_set_argument, changed
 from jaxpar.shardings import MODEL_TAKES, preset_overrides, preset_settings
 
 HELP = "compile a model's train step for a layout and predict it on named hardware"
@@ -77,6 +77,7 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context", type=int, default=None, help="--inference: positions per sequence (prompt + generated)"
     )
+    add_quantize_argument(parser, when="--inference, as jaxpar convert --quantize writes them")
     parser.add_argument(
         "--max-step-ms",
         type=float,
@@ -177,6 +178,10 @@ def run(args: argparse.Namespace, /) -> int:
             f"(measured here: llama3-405b on 2048 compiles in 49 s and 1.35 GB)"
         )
     _check_mode(args)
+    if args.quantize is not None:
+        if not args.inference:
+            raise ConfigError("--quantize: weights stored quantized are served, not trained; give --inference")
+        args.overrides = [*args.overrides, f"model.quantize={args.quantize}"]
     args.settings = _overrides(args.overrides, args.model)  # refused here, before any work
     simulate_cpu_devices(args.devices)
     if args.inference:

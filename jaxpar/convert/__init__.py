@@ -24,12 +24,14 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxpar.checkpoint import abstract_like
 from jaxpar.convert.families import FAMILIES, Family, check_fields, family_of, guess_family, sources
 from jaxpar.convert.files import ConvertError, HFFolder, ShardWriter
 from jaxpar.convert.mapping import read_shard, write_pieces
 from jaxpar.convert.peft import adapter_config, load_adapter, save_adapter
 from jaxpar.errors import JaxparError
-from jaxpar.layers.lora import LoraConfig, LoraParam, merged_state
+from jaxpar.layers.lora import SPECS, LoraConfig, LoraParam, merged_state
+from jaxpar.layers.quant import quantized_like
 from jaxpar.models import build_model
 from jaxpar.shardings import default_layout
 
@@ -125,6 +127,7 @@ def from_hf(
     ``{"remat": "none"}``). ``adapter``: a PEFT LoRA folder (``jaxpar.convert.peft``) whose adapters the
     model carries; or ``lora=LoraConfig(...)`` among ``overrides`` for fresh ones."""
     cfg, fam, hf = hf_config(folder, param_dtype=param_dtype, **overrides)
+    stored, cfg = cfg.quantize, dataclasses.replace(cfg, quantize="none")  # read in float, then quantize
     if adapter is not None:
         cfg = dataclasses.replace(cfg, lora=adapter_config(adapter, cfg, family=fam.model_type))
     run = dataclasses.replace(fam.execution(hf.config), **dict(execution or {}))
@@ -152,8 +155,21 @@ def from_hf(
             _fresh_adapters(model, lambda: build_model(cfg, execution=run, rngs=nnx.Rngs(0)), layout)
     finally:
         hf.close()
+    if stored != "none":
+        model = quantized_model(model, stored, layout)
     model.layout = layout
     return model
+
+
+def quantized_model(model, kind: str, layout):
+    """``model`` with its projections stored as ``kind`` (``model.quantize``: ``jaxpar.layers.codes``),
+    placed on ``layout``."""
+    cfg = dataclasses.replace(model.cfg, quantize=kind)
+    with layout.activate():
+        abstract = nnx.eval_shape(lambda: build_model(cfg, execution=model.execution, rngs=nnx.Rngs(0)))
+        graphdef, target = nnx.split(abstract)
+        target = abstract_like(target, nnx.get_named_sharding(target, layout.mesh))
+    return nnx.merge(graphdef, quantized_like(target, nnx.state(model), SPECS, kind))
 
 
 def _fresh_adapters(model, build, layout) -> None:
@@ -216,10 +232,11 @@ def to_hf(
     """Write ``model`` as a Hugging Face folder (config.json, safetensors, index when sharded) that
     ``transformers`` loads. ``family``: a model_type of ``FAMILIES`` (default: inferred from the config);
     ``dtype``: the tensors' dtype (default: the parameters'). ``folder`` must not exist. A model with LoRA
-    adapters is written merged: each adapted weight with its adapter folded in (``merged_state``)."""
+    adapters is written merged: each adapted weight with its adapter folded in (``merged_state``); a
+    quantized model's weights are written dequantized."""
     cfg = model.cfg
-    state = merged_state(model) if cfg.lora.rank else nnx.state(model)
-    cfg = dataclasses.replace(cfg, lora=LoraConfig())
+    state = merged_state(model) if cfg.lora.rank or cfg.quantize != "none" else nnx.state(model)
+    cfg = dataclasses.replace(cfg, lora=LoraConfig(), quantize="none")
     fam = FAMILIES[family] if family else guess_family(cfg)
     config = fam.to_hf(cfg, model.execution)
     table = sources(cfg, fam)

@@ -5,6 +5,7 @@
     jaxpar convert --to-hf runs/ft --out ./llama1b-ft          # a run's newest checkpoint, or a model checkpoint
     jaxpar convert --to-peft runs/lora --out ./adapter         # a LoRA run's adapters, as PEFT saves them
     jaxpar convert --from-hf ./Llama-3.2-1B --adapter ./adapter --out ckpt/llama1b-lora   # with a PEFT adapter
+    jaxpar convert --from-hf ./Llama-3.2-1B --quantize int8 --out ckpt/llama1b-int8   # for jaxpar generate / serve
 
 Nothing existing is overwritten: ``--out`` must be a new path, and outputs are written under a
 temporary name and renamed when complete.
@@ -18,7 +19,7 @@ from pathlib import Path
 from jaxpar.execution import moved_field
 from jaxpar.mesh import simulate_cpu_devices
 from jaxpar.meshes import PRESETS as MESH_PRESETS
-from jaxpar.settings import add_set_argument, apply_overrides, changed
+from jaxpar.settings import add_quantize_argument, add_set_argument, apply_overrides, changed
 from jaxpar.shardings import preset_settings
 
 HELP = "convert Hugging Face checkpoints to jaxpar model checkpoints and back"
@@ -50,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
         "--family", default=None, help="--to-hf: the HF model_type to write (default: inferred from the config)"
     )
     parser.add_argument("--max-shard-mb", type=int, default=2048, help="--to-hf: safetensors file size limit")
+    add_quantize_argument(parser, when="--from-hf, for serving")
     add_set_argument(
         parser,
         preset_settings("tiny"),
@@ -92,6 +94,10 @@ def run(args: argparse.Namespace, /) -> int:
         raise ConvertError("--adapter: goes with --from-hf (a PEFT folder is loaded onto its base model)")
     if Path(args.out).exists():  # before any tensor is read
         raise ConvertError(f"{Path(args.out).resolve()}: exists; conversion writes a new folder and never overwrites")
+    if args.quantize is not None and args.from_hf is None:
+        raise ConvertError("--quantize: goes with --from-hf (the weights are quantized as they are read)")
+    if args.quantize is not None:
+        args.overrides = [*args.overrides, f"model.quantize={args.quantize}"]
     if args.from_hf is not None:
         fields, execution = hf_overrides(args)
         dtype = fields.pop("param_dtype", args.dtype or "float32")

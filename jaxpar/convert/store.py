@@ -95,8 +95,8 @@ def base_weights(init_from: str | Path, cfg, execution: ExecutionConfig, layout,
     else:
         model, _ = load_model(init_from, layout)
     loaded = nnx.state(model)
-    if cfg.lora.quantize != "none":  # QLoRA: the base's weights stored quantized, as the run's are
-        loaded = quantized_like(target, loaded, SPECS, cfg.lora.quantize)
+    if cfg.stored_as != "none":  # QLoRA (or a model for serving): the weights stored quantized, as the model's are
+        loaded = quantized_like(target, loaded, SPECS, cfg.stored_as)
     return loaded
 
 

@@ -52,6 +52,7 @@ class AttentionConfig:
     implementation: AttentionImpl | None = None
     context_parallel: ContextParallel = ContextParallel.NONE  # attention over a split sequence
     lora: LoraConfig | None = None  # adapters on q, k, v, o (``jaxpar.layers.lora``)
+    quantize: str = "none"  # q, k, v, o stored quantized (``jaxpar.layers.quant``): QLoRA's base, or for serving
 
     def __post_init__(self):
         check_choices(self, "execution")  # its choices are execution settings
@@ -88,8 +89,7 @@ class Attention(nnx.Module):
         for name in ("q", "k", "v"):
             add_adapter(self, name, PROJECT, cfg.lora, rngs)
         add_adapter(self, "o", OUTPUT, cfg.lora, rngs)
-        if cfg.lora is not None:  # QLoRA: the frozen base stored quantized (jaxpar.layers.quant)
-            quantize_weights(self, {"q": PROJECT, "k": PROJECT, "v": PROJECT, "o": OUTPUT}, cfg.lora.quantize)
+        quantize_weights(self, {"q": PROJECT, "k": PROJECT, "v": PROJECT, "o": OUTPUT}, cfg.quantize)
 
     @property
     def inv_freq(self) -> np.ndarray:

@@ -41,8 +41,9 @@ LoRA (``jaxpar.layers.lora``, targets ``mla_targets``): an adapter beside q_a, q
 The absorbed decode never folds kv_b's adapter into kv_k and kv_v: with A [Rkv, r] and B [r, N, Hn + Hv]
 (its first Hn columns B_k, the rest B_v), the keys' part of the scores is q_nope · B_kᵀ · Aᵀ · latent,
 so the query's latent gains scale · (q_nope B_kᵀ) Aᵀ, and the output gains scale · (mixed A) B_v:
-products of the rank, which a bank of adapters (one per row) computes as well. QLoRA stores those five
-base weights quantized (``jaxpar.layers.quant``); ``absorb`` gives kv_k and kv_v kv_b's dequantized values.
+products of the rank, which a bank of adapters (one per row) computes as well. QLoRA, or a model
+quantized for serving, stores those five weights quantized (``jaxpar.layers.quant``); ``absorb`` gives
+kv_k and kv_v kv_b's dequantized values.
 """
 
 from __future__ import annotations
@@ -160,8 +161,7 @@ class MLA(nnx.Module):
         self.o = param(rngs, (n, hv, d), ("heads", "head_dim", "embed"), dtype=param_dtype)
         for name in mla_targets(cfg):
             add_adapter(self, name, SPECS[name], attn.lora, rngs)
-        if attn.lora is not None:  # QLoRA: the frozen base stored quantized (jaxpar.layers.quant)
-            quantize_weights(self, {name: SPECS[name] for name in mla_targets(cfg)}, attn.lora.quantize)
+        quantize_weights(self, {name: SPECS[name] for name in mla_targets(cfg)}, attn.quantize)
 
     @property
     def inv_freq(self) -> np.ndarray:

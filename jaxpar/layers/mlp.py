@@ -19,14 +19,24 @@ GATE_UP, DOWN = SPECS["gate_up"], SPECS["down"]
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        *,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+        lora: LoraConfig | None = None,
+        quantize: str = "none",
+    ):
+        """``quantize``: the weights' stored format (``jaxpar.layers.quant``: QLoRA's base, or for serving)."""
         self.dtype = dtype
         self.gate_up = param(rngs, (dim, 2, hidden), ("embed", None, "mlp"), dtype=param_dtype)  # column-parallel
         self.down = param(rngs, (hidden, dim), ("mlp", "embed"), dtype=param_dtype)  # row-parallel
         add_adapter(self, "gate_up", GATE_UP, lora, rngs)  # (jaxpar.layers.lora)
         add_adapter(self, "down", DOWN, lora, rngs)
-        if lora is not None:  # QLoRA: the frozen base stored quantized (jaxpar.layers.quant)
-            quantize_weights(self, {"gate_up": GATE_UP, "down": DOWN}, lora.quantize)
+        quantize_weights(self, {"gate_up": GATE_UP, "down": DOWN}, quantize)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(x, ("batch", "inner_length", "act_embed"))  # x: [B, T, D]

@@ -186,10 +186,12 @@ class MoE(nnx.Module):
         param_dtype,
         rngs: nnx.Rngs,
         lora: LoraConfig | None = None,
+        quantize: str = "none",
     ):
         """``execution``: its capacity, loss weights and bias rate (default ``ExecutionConfig()``; the
         compute ``dtype`` is given apart). ``lora``: adapters on the routed experts (``expert_gate_up``,
-        ``expert_down``: one per expert, or shared) and on the shared experts (``gate_up``, ``down``)."""
+        ``expert_down``: one per expert, or shared) and on the shared experts (``gate_up``, ``down``).
+        ``quantize``: the experts' stored format (``jaxpar.layers.quant``: QLoRA's base, or for serving)."""
         execution = ExecutionConfig() if execution is None else execution
         check_execution(cfg, execution)
         e, d, f = cfg.num_experts, embed_dim, cfg.mlp_dim
@@ -199,12 +201,13 @@ class MoE(nnx.Module):
         self.down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), dtype=param_dtype)
         self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), out_sharding=("experts",), eager_sharding=False)
         width = cfg.num_shared_experts * cfg.shared_mlp_dim  # n shared experts = one SwiGLU n times wider
-        self.shared = SwiGLU(d, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=lora) if width else None
+        shared = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=lora, quantize=quantize)
+        self.shared = SwiGLU(d, width, **shared) if width else None
         drop = "e" if lora is not None and lora.experts == "shared" else ""
         for target, name in EXPERT_TARGETS.items():
             add_adapter(self, name, EXPERT_SPECS[name], lora, rngs, target=target, drop=drop)
-        if lora is not None:  # QLoRA: each expert's matrices stored quantized as a dense MLP's are
-            quantize_weights(self, {name: SPECS[name] for name in EXPERT_SPECS}, lora.quantize)
+        # each expert's matrices stored quantized as a dense MLP's are
+        quantize_weights(self, {name: SPECS[name] for name in EXPERT_SPECS}, quantize)
         if hasattr(self, "gate_up_lora_a") or hasattr(self, "down_lora_a"):
             self.lora_experts = lora.experts  # static: "each" or "shared" (``jaxpar.layers.lora.merged_state``)
 
@@ -221,7 +224,7 @@ class MoE(nnx.Module):
 
     def _weight(self, name: str) -> jax.Array:
         """The routed experts' ``gate_up`` or ``down`` as stored, or dequantized in the compute dtype
-        (QLoRA: the frozen base, whose gradient nothing reduces)."""
+        (stored quantized: never trained, so no gradient of it is reduced)."""
         if hasattr(self, f"{name}_data"):
             return weight(self, name, SPECS[name], self.dtype)
         return getattr(self, name)[...]

@@ -1,25 +1,18 @@
-"""QLoRA's frozen base (Dettmers et al. 2023): a projection's weight stored quantized and dequantized inside
-the step, where the matmul reads it (``model.lora.quantize``).
+"""Weights stored quantized and dequantized inside the step, where the matmul reads them: QLoRA's frozen
+base (Dettmers et al. 2023; ``model.lora.quantize``: int8 or nf4) and a model quantized for serving
+(``model.quantize``: int8, int4 or fp8). The number formats are ``jaxpar.layers.codes``'.
 
-* ``int8``: symmetric, one scale per output channel (the max |w| over the dimensions the projection
-  contracts, ÷ 127): ``w ≈ q · scale``, ``q`` int8.
-* ``nf4``: 4-bit NormalFloat codes, two to a byte, in groups of ``GROUP`` along one dimension of the
-  weight (the last contracted one that ``GROUP`` divides, else the first other), one absmax scale per
-  group: ``w ≈ NF4[code] · absmax``. The 16 code values are the
-  quantiles of a standard normal, as the QLoRA paper builds them (``nf4_values``): 8 for the positive
-  side, 7 for the negative, and an exact zero, scaled to [-1, 1].
+The quantized arrays are ``Quantized`` variables, not ``nnx.Param``: they never train and the optimizer
+holds nothing of them. Which weights (``quantize_weights`` in each layer): GQA's q, k, v, o; MLA's q_a,
+q_b (or q), kv_a, kv_b, o; every SwiGLU's gate_up and down; and the routed experts' gate_up and down,
+each expert's matrix quantized as a dense MLP's is (the expert dimension, like a stack's layer
+dimension, is a batch dimension: scales and groups never span experts). The embedding, the norms, the
+router and the LM head keep the parameter dtype.
 
-Rounding to the nearest code leaves each value within half a code step of its own (a step of the
-group's scale for int8; the gap between the two codes around it for nf4). The quantized arrays are
-``Quantized`` variables, not ``nnx.Param``: they never train and the optimizer holds nothing of them.
-Which weights (``quantize_weights`` in each layer): GQA's q, k, v, o; MLA's q_a, q_b (or q), kv_a, kv_b,
-o; every SwiGLU's gate_up and down; and the routed experts' gate_up and down, each expert's matrix
-quantized as a dense MLP's is (the expert dimension, like a stack's layer dimension, is a batch
-dimension: scales and groups never span experts).
-
-They keep the weight's logical names (packed nf4 halves its grouped dimension, and its scales split it
-into groups, sharded alike: the layout check asks that the groups divide the mesh axes; an int8 scale is
-replicated along the dimensions it reduces), so they shard as the weight did.
+They keep the weight's logical names (a packed 4-bit format halves its grouped dimension, and scales
+split dimensions into their groups or blocks, sharded alike: the layout check asks that those divide
+the mesh axes, ``DenseConfig.logical_dims``; a scale dimension of 1 is replicated), so they shard as
+the weight did.
 """
 
 from __future__ import annotations
@@ -28,38 +21,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.layers.codes import GROUP, dequantize, group_axis, nf4_values, quantize, step_bound, stored_shapes  # noqa: F401  (re-exported)
 
-KINDS = ("none", "int8", "nf4")
-GROUP = 64  # nf4: values per absmax scale
+KINDS = ("none", "int8", "nf4")  # QLoRA's base (model.lora.quantize); a model's own: config.WeightFormat
 
 
 class Quantized(nnx.Variable):
-    """A frozen base weight's quantized data or its scales (never trained)."""
-
-
-@functools.cache
-def nf4_values() -> np.ndarray:
-    """The 16 NormalFloat-4 code values, ascending in [-1, 1] with an exact 0: normal quantiles at
-    evenly spaced probabilities from 1 − δ to ½ (8 positive, 7 negative), δ = ½(1/32 + 1/30)."""
-    from statistics import NormalDist
-
-    delta = 0.5 * (1 / 32 + 1 / 30)
-    ppf = NormalDist().inv_cdf
-    positive = [ppf(p) for p in np.linspace(1 - delta, 0.5, 9)[:-1]]
-    negative = [-ppf(p) for p in np.linspace(1 - delta, 0.5, 8)[:-1]]
-    values = np.sort(np.array(positive + [0.0] + negative))
-    return (values / np.abs(values).max()).astype(np.float32)
-
-
-def _contracted(spec: str) -> tuple[int, ...]:
-    """The axes of W that ``einsum(spec, x, W)`` contracts."""
-    x, w = spec.split("->")[0].split(",")
-    y = spec.split("->")[1]
-    return tuple(i for i, c in enumerate(w) if c in x and c not in y)
+    """A stored weight's quantized data or its scales (never trained)."""
 
 
 def check_kind(kind: str, rank: int) -> None:
@@ -67,55 +38,6 @@ def check_kind(kind: str, rank: int) -> None:
         raise ConfigError(f"model.lora.quantize={kind!r}: one of {', '.join(KINDS)}")
     if kind != "none" and not rank:
         raise ConfigError(f"model.lora.quantize={kind}: a quantized base trains adapters (set model.lora.rank)")
-
-
-def quantize(w: jax.Array, spec: str, kind: str) -> tuple[jax.Array, jax.Array]:
-    """(data, scale) of weight ``w`` used as ``einsum(spec, x, w)``."""
-    axes = _contracted(spec)
-    w = w.astype(jnp.float32)
-    if kind == "int8":
-        scale = jnp.max(jnp.abs(w), axis=axes, keepdims=True) / 127.0
-        scale = jnp.where(scale > 0, scale, 1.0)
-        return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
-    a = group_axis(w.shape, spec)
-    grouped = _groups(w, a)  # [..., n / GROUP, GROUP, ...]
-    absmax = jnp.max(jnp.abs(grouped), axis=a + 1, keepdims=True)
-    absmax = jnp.where(absmax > 0, absmax, 1.0)
-    values = nf4_values()
-    midpoints = jnp.asarray((values[1:] + values[:-1]) / 2)  # the nearest code: how many midpoints lie below
-    codes = jnp.searchsorted(midpoints, grouped / absmax).astype(jnp.uint8)
-    codes = codes.reshape(w.shape)
-    pairs = codes.reshape(*w.shape[:a], w.shape[a] // 2, 2, *w.shape[a + 1 :])
-    packed = jnp.take(pairs, 0, axis=a + 1) | (jnp.take(pairs, 1, axis=a + 1) << 4)
-    return packed, jnp.squeeze(absmax, axis=a + 1)
-
-
-def group_axis(shape, spec: str) -> int:
-    """The dimension nf4 groups a weight of ``shape`` used as ``einsum(spec, x, W)`` along: the last
-    contracted one ``GROUP`` divides (o: head_dim before heads), else the first other one it divides."""
-    contracted = _contracted(spec)
-    for a in (*reversed(contracted), *(i for i in range(len(shape)) if i not in contracted)):
-        if shape[a] % GROUP == 0:
-            return a
-    raise ConfigError(f"model.lora.quantize=nf4: no dimension of a {list(shape)} weight is a multiple of {GROUP}")
-
-
-def _groups(w, a: int):
-    n = w.shape[a]
-    return w.reshape(*w.shape[:a], n // GROUP, GROUP, *w.shape[a + 1 :])
-
-
-def dequantize(data: jax.Array, scale: jax.Array, spec: str, kind: str, dtype) -> jax.Array:
-    """The weight ``quantize`` stored, in ``dtype``."""
-    if kind == "int8":
-        return (data.astype(jnp.float32) * scale).astype(dtype)
-    a = next(i for i, (d, c) in enumerate(zip(data.shape, scale.shape)) if d != c)  # halved vs ÷ GROUP
-    low, high = data & 0xF, data >> 4
-    codes = jnp.stack([low, high], axis=a + 1)
-    codes = codes.reshape(*data.shape[:a], 2 * data.shape[a], *data.shape[a + 1 :])
-    values = jnp.asarray(nf4_values())[codes.astype(jnp.int32)]
-    grouped = _groups(values, a) * jnp.expand_dims(scale, a + 1)
-    return grouped.reshape(values.shape).astype(dtype)
 
 
 def quantize_weights(module: nnx.Module, specs: dict[str, str], kind: str) -> None:
@@ -191,18 +113,3 @@ def weight(module: nnx.Module, name: str, spec: str, dtype) -> jax.Array:
     for _ in range(lead):
         fn = jax.vmap(fn, in_axes=(0, 0, None))
     return fn(data, scale, spec)
-
-
-def step_bound(w: np.ndarray, spec: str, kind: str) -> np.ndarray:
-    """Half a quantization step around each value of ``w`` (one weight, no layer dimension): what
-    rounding to the nearest code may cost it at most."""
-    axes = _contracted(spec)
-    if kind == "int8":
-        return 0.5 * np.max(np.abs(w), axis=axes, keepdims=True) / 127.0 * np.ones_like(w)
-    a = group_axis(w.shape, spec)
-    grouped = _groups(w, a)
-    absmax = np.max(np.abs(grouped), axis=a + 1, keepdims=True)
-    values = nf4_values().astype(np.float64)
-    at = np.clip(np.searchsorted(values, grouped / absmax), 1, len(values) - 1)  # the codes around it
-    gap = values[at] - values[at - 1]
-    return (0.5 * gap * absmax).reshape(w.shape)

@@ -171,15 +171,6 @@ def test_expert_adapter_gradients_equal_one_device(mesh, settings, experts):
     check_run(run, ref, bound, f"lora experts={experts} {mesh} {settings}")
 
 
-def test_mla_adapter_gradients_equal_one_device():
-    """MLA's adapters (q_a, q_b, kv_a, kv_b, o) and the dense layer's, on tensor and expert layouts."""
-    cfg = _lora("tiny-deepseek", targets=MLA_ALL)
-    ref, bound = reference(cfg, TOKENS, "lora")
-    run = train_steps(cfg, resolve_mesh_arg("data=2,expert=2,tensor=2"), TOKENS)
-    assert any("kv_b_lora" in p for p in run.grads[0]) and all("lora" in p for p in run.grads[0])
-    check_run(run, ref, bound, "lora mla data=2,expert=2,tensor=2")
-
-
 def test_a_wrong_adapter_gradient_is_caught(lora_reference):
     """The bound catches an adapter scaled wrong (alpha 32 for 16: the update's size doubles)."""
     ref, bound = lora_reference

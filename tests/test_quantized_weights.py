@@ -164,3 +164,33 @@ def test_the_serving_plan_prices_the_smaller_weights():
     assert plans["int4"].weight_bytes_per_device < plans["int8"].weight_bytes_per_device
     reads = [plans[k].decode_bytes_read_per_device for k in ("none", "int8", "int4")]
     assert reads[0] - reads[1] == saved and reads[1] > reads[2]
+
+
+def test_jaxpar_serve_runs_a_quantized_checkpoint_with_adapters(tmp_path):
+    """``jaxpar serve --from`` an int8 checkpoint with ``--adapter``: the bank of adapters sits over the
+    int8 weights, and the engine decodes the quantized model's tokens (a fresh adapter changes none)."""
+    from serve_inprocess import word_tokenizer
+
+    from jaxpar.cli import build_parser
+    from jaxpar.convert import save_adapter
+    from jaxpar.convert.store import save_model
+    from jaxpar.inference import serve_command
+    from jaxpar.inference.scheduler import Request
+    from jaxpar.layers.lora import LoraConfig
+
+    plain, quant = _quantized(get_model_preset("tiny"), "int8")
+    save_model(quant, tmp_path / "int8", source={"test": True})
+    word_tokenizer().save(str(tmp_path / "int8" / "tokenizer.json"))
+    lora = dataclasses.replace(plain.cfg, lora=LoraConfig(rank=4, targets="q,v"))
+    save_adapter(build_model(lora, rngs=nnx.Rngs(1)), tmp_path / "terse")
+    argv = ["serve", "--from", str(tmp_path / "int8"), "--adapter", f"terse={tmp_path / 'terse'}", "--port", "0"]
+    args = build_parser().parse_args(argv + ["--cpu-devices", "1", "--replicas", "1", "--max-length", "64"])
+    cfg, eos, _ = serve_command.model_config("jaxpar", args.source)
+    assert cfg.quantize == "int8"
+    service = serve_command.build_service(args, cfg, eos, "jaxpar", word_tokenizer(), str(tmp_path / "int8"))
+    engine = service.workers[0].engine
+    requests = [Request(i, p, NEW, adapter=i % 2) for i, p in enumerate(PROMPTS[:4])]
+    engine.run(requests)
+    want = Generator(quant).generate(PROMPTS[:4], max_new_tokens=NEW).tokens
+    for r, tokens in zip(requests, want):  # the base rows, and the adapter's (fresh: B = 0, the base's)
+        assert r.tokens[len(r.prompt) :] == tokens

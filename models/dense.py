@@ -19,7 +19,6 @@ parallelism) is the ``ExecutionConfig`` it is built with (``jaxpar.execution``),
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import jax
@@ -36,9 +35,9 @@ from jaxpar.layers.common import param
 from jaxpar.layers.kvcache import DECODE, PREFILL, KVCache, LatentCache, PagedKVCache, PagedLatentCache, Step
 from jaxpar.layers.lora import SPECS, LoraConfig
 from jaxpar.layers.mla import mla_targets
-from jaxpar.layers.quant import stored_shapes
 from jaxpar.model_api import ForwardOutput
 from jaxpar.models.stacks import scan_blocks, split_stack, stacked
+from jaxpar.models.stored import mlp_weights, with_stored_groups
 from jaxpar.parallel.attention import storage_order
 from jaxpar.parallel.common import inverse_order
 from jaxpar.rules import Dim, constrain
@@ -175,45 +174,12 @@ class DenseConfig:
             norm=Dim(self.embed_dim, "model.embed_dim"),
         )
         acts = dict(act_embed="embed", act_heads="heads", act_kv_heads="kv_heads", act_mlp="mlp", act_vocab="vocab")
-        return self._with_stored_groups(d | {a: d[p] for a, p in acts.items()})
-
-    def _with_stored_groups(self, dims: dict[str, Dim]) -> dict[str, Dim]:
-        """``dims`` with each dimension that stored weights split also bound by the parts
-        (``_stored_groups``): their count where it divides the dimension (a mesh size dividing it then
-        divides both), else their gcd with it."""
-        for name, groups in self._stored_groups().items():
-            have = dims.get(name)
-            if have is not None and have.size % groups.size:
-                groups = Dim(math.gcd(have.size, groups.size), f"gcd({have.field}, {groups.field})")
-            dims[name] = groups
-        return dims
-
-    def _stored_groups(self) -> dict[str, Dim]:
-        """A quantized weight's scales split dimensions into groups or blocks, and a 4-bit format packs one
-        in pairs (``jaxpar.layers.codes.stored_shapes``), sharded as the dimension is: those must divide
-        the mesh axes too. Per logical name, their gcd (a mesh size divides every count exactly when it
-        divides their gcd); a scale of one group along a dimension is not split there."""
-        kind = self.stored_as
-        if kind in ("none", "int8"):
-            return {}
-        setting = f"model.lora.quantize={kind}" if self.lora.quantize != "none" else f"model.quantize={kind}"
-        found: dict[str, dict[str, int]] = {}
-        for shape, names, fields, spec in self.quantized_weights():
-            data, scale = stored_shapes(shape, spec, kind)
-            for a, name in enumerate(names):
-                # groups split a dimension more finely than packing's pairs, where there are several
-                part = scale[a] if 1 < scale[a] < shape[a] else data[a]
-                if name is not None and part != shape[a]:
-                    found.setdefault(name, {})[f"model.{fields[a]} / {shape[a] // part}"] = part
-        dims = {}
-        for name, counts in found.items():
-            text = ", ".join(counts) if len(counts) == 1 else f"gcd({', '.join(counts)})"
-            dims[name] = Dim(math.gcd(*counts.values()), f"{text} (the groups of {setting})")
-        return dims
+        return with_stored_groups(self, d | {a: d[p] for a, p in acts.items()})
 
     def quantized_weights(self) -> list[tuple[tuple[int, ...], tuple, tuple, str]]:
         """The weights stored quantized (``stored_as``), one matrix each (no layer or expert dimension):
-        (shape, logical names, the config field of each dimension, the einsum that reads it)."""
+        (shape, logical names, the config field of each dimension, the einsum that reads it); the layout
+        check of their groups is ``jaxpar.models.stored``'s."""
         d, n, k, h, f = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
         heads = (("embed", "heads", "head_dim"), ("embed_dim", "num_heads", "head_dim"))
         kv = (("embed", "kv_heads", "head_dim"), ("embed_dim", "num_kv_heads", "head_dim"))
@@ -236,14 +202,6 @@ class DenseConfig:
         attn = d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
         block = attn + 3 * d * f + 2 * d
         return self.num_layers * block + v * d * (1 if self.tie_embeddings else 2) + d
-
-
-def mlp_weights(d: int, f: int, field: str) -> list[tuple]:
-    """A SwiGLU's two weights of width ``f`` (config field ``field``) as ``quantized_weights`` lists them."""
-    return [
-        ((d, 2, f), ("embed", None, "mlp"), ("embed_dim", None, field), SPECS["gate_up"]),
-        ((f, d), ("mlp", "embed"), (field, "embed_dim"), SPECS["down"]),
-    ]
 
 
 class Block(nnx.Module):

@@ -25,10 +25,11 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.execution import ExecutionConfig
 from jaxpar.layers import MoE, MoEConfig, updated_bias
-from jaxpar.layers.lora import EXPERT_TARGETS, SPECS
+from jaxpar.layers.lora import EXPERT_TARGETS
 from jaxpar.layers.mla import MLA, MLAConfig, mla_param_count
-from jaxpar.models.dense import Block, DenseConfig, DenseLM, mlp_weights
+from jaxpar.models.dense import Block, DenseConfig, DenseLM
 from jaxpar.models.stacks import scan_blocks, stacked
+from jaxpar.models.stored import mla_weights, mlp_weights, with_stored_groups
 from jaxpar.rules import Dim, constrain
 
 
@@ -80,7 +81,7 @@ class MoEModelConfig(DenseConfig):
         if self.first_dense_layers:  # the dense prefix, then the MoE stack
             dims["layers"] = Dim(self.num_moe_layers, "model.num_layers - first_dense_layers")
             dims["prefix_layers"] = Dim(self.first_dense_layers, "model.first_dense_layers")
-        return self._with_stored_groups(dims | dict(mlp=mlp, act_mlp=mlp))
+        return with_stored_groups(self, dims | dict(mlp=mlp, act_mlp=mlp))
 
     def quantized_weights(self) -> list[tuple]:
         """The dense list with MLA's weights for GQA's, the dense MLP only where dense layers are, and
@@ -123,27 +124,6 @@ class MoEModelConfig(DenseConfig):
         matmul = self.num_layers * attn + self.first_dense_layers * dense_mlp + self.num_moe_layers * moe
         matmul += self.padded_vocab * d
         return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * score_width * seq
-
-
-def mla_weights(cfg: MLAConfig, d: int, n: int) -> list[tuple]:
-    """An MLA layer's weights as ``DenseConfig.quantized_weights`` lists them."""
-    hq, hkv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
-    rq, rkv, heads = cfg.q_lora_rank, cfg.kv_lora_rank, ("heads", "head_dim")
-    qf = ("num_heads", "mla.qk_nope_head_dim + qk_rope_head_dim")
-    kvf = ("num_heads", "mla.qk_nope_head_dim + v_head_dim")
-    if rq is None:
-        q = [((d, n, hq), ("embed", *heads), ("embed_dim", *qf), SPECS["q"])]
-    else:
-        q = [
-            ((d, rq), ("embed", "q_lora"), ("embed_dim", "mla.q_lora_rank"), SPECS["q_a"]),
-            ((rq, n, hq), ("q_lora", *heads), ("mla.q_lora_rank", *qf), SPECS["q_b"]),
-        ]
-    return [
-        *q,
-        ((d, rkv + cfg.qk_rope_head_dim), ("embed", None), ("embed_dim", None), SPECS["kv_a"]),
-        ((rkv, n, hkv), ("kv_lora", *heads), ("mla.kv_lora_rank", *kvf), SPECS["kv_b"]),
-        ((n, cfg.v_head_dim, d), (*heads, "embed"), ("num_heads", "mla.v_head_dim", "embed_dim"), SPECS["o"]),
-    ]
 
 
 class MoEBlock(Block):

@@ -125,6 +125,7 @@ class HFFolder:
         if missing:
             raise ConvertError(f"{index}: {missing[0]} is listed in {self.where[missing[0]].name} but not there")
         self._open: dict[Path, object] = {}
+        self._data_start: dict[Path, int] = {}
         self.quant = quantization(self.config, str(self.folder / "config.json"))
         dtypes = {n: info["dtype"] for n, info in self.info.items()}
         if self.quant is not None:
@@ -165,8 +166,10 @@ class HFFolder:
     def _raw(self, name: str, dtype) -> np.ndarray:
         """Tensor ``name`` mapped from its file (read lazily, a box at a time), as ``dtype``."""
         file, info = self.where[name], self.info[name]
-        with open(file, "rb") as f:
-            start = 8 + struct.unpack("<Q", f.read(8))[0] + info["data_offsets"][0]
+        if file not in self._data_start:  # where the file's tensor bytes begin, after its header
+            with open(file, "rb") as f:
+                self._data_start[file] = 8 + struct.unpack("<Q", f.read(8))[0]
+        start = self._data_start[file] + info["data_offsets"][0]
         count = info["data_offsets"][1] - info["data_offsets"][0]
         return np.memmap(file, np.uint8, "r", offset=start, shape=(count,)).view(dtype).reshape(info["shape"])
 
